@@ -1,0 +1,1 @@
+"""postrl.agent — see DESIGN.md."""

@@ -1,0 +1,1 @@
+"""postrl.algos — see DESIGN.md."""

@@ -1,0 +1,1 @@
+"""postrl.config — see DESIGN.md."""

@@ -1,0 +1,1 @@
+"""postrl.controller — see DESIGN.md."""

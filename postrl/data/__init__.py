@@ -1,0 +1,1 @@
+"""postrl.data — see DESIGN.md."""

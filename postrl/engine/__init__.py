@@ -1,0 +1,1 @@
+"""postrl.engine — see DESIGN.md."""

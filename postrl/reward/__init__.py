@@ -1,0 +1,1 @@
+"""postrl.reward — see DESIGN.md."""

@@ -1,0 +1,1 @@
+"""postrl.rollout — see DESIGN.md."""

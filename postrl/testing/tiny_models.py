@@ -1,0 +1,129 @@
+"""Tiny Hugging Face models and a byte-level tokenizer, created locally (nothing is downloaded).
+
+``make_model(out_dir, preset="tiny", arch="qwen2", seed=0)`` writes an ordinary HF model
+directory (``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``
+with a ChatML chat template, ``generation_config.json``) that ``AutoModelForCausalLM`` and
+``AutoTokenizer.from_pretrained`` load unchanged.
+
+The tokenizer is byte-level BPE with an empty merge list: one token per byte (so any text is
+representable and token ids are easy to reason about in tests) plus the special tokens
+``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["PRESETS", "ARCHS", "CHATML_TEMPLATE", "make_tokenizer", "make_model"]
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML, as used by Qwen. Tool messages are rendered as a user turn wrapped in
+# <tool_response> tags (Qwen2.5 convention); the generation prompt opens an assistant turn.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+#: preset -> architecture sizes (≈2.4M params for tiny, ≈25M for small).
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4),
+}
+ARCHS = ("qwen2", "llama", "qwen3")
+
+
+def make_tokenizer():
+    """Byte-level BPE tokenizer (no merges: one token per byte) with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.model_max_length = 4096
+    return fast
+
+
+def _config(preset: str, arch: str, vocab_size: int, eos_id: int, pad_id: int):
+    from transformers import AutoConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {list(ARCHS)}")
+    sizes = dict(PRESETS[preset])
+    common = dict(
+        vocab_size=vocab_size,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=(preset == "tiny"),
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+        **sizes,
+    )
+    if arch == "qwen3":
+        common["head_dim"] = sizes["hidden_size"] // sizes["num_attention_heads"]
+    if arch == "llama":
+        common["attention_bias"] = False
+    return AutoConfig.for_model(arch, **common)
+
+
+def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", seed: int = 0) -> Path:
+    """Write a randomly initialised HF model + tokenizer to ``out_dir`` and return the path.
+
+    Same ``seed`` → bit-identical weights (initialisation runs on CPU in fp32 under a fixed
+    generator).
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer()
+    n_tok = len(tok)
+    vocab_size = (n_tok + 7) // 8 * 8  # pad the embedding to a multiple of 8
+    eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+    pad_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    cfg = _config(preset, arch, vocab_size, eos_id, pad_id)
+    cfg.initializer_range = 0.02
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Deterministic re-init, independent of transformers' init order.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=eos_id).save_pretrained(out)
+    (out / "postrl_model.json").write_text(json.dumps({"preset": preset, "arch": arch, "seed": seed}))
+    return out

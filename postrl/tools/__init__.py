@@ -1,0 +1,1 @@
+"""postrl.tools — see DESIGN.md."""

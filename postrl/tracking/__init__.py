@@ -1,0 +1,1 @@
+"""postrl.tracking — see DESIGN.md."""

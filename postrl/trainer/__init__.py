@@ -1,0 +1,1 @@
+"""postrl.trainer — see DESIGN.md."""

@@ -1,0 +1,1 @@
+"""postrl.weights — see DESIGN.md."""

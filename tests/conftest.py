@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny models are created once per session in a temp dir (nothing downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """Return ``make(arch="qwen2", preset="tiny", seed=0) -> Path``, cached per session."""
+    from postrl.testing import make_model
+
+    cache: dict[tuple[str, str, int], object] = {}
+
+    def make(arch: str = "qwen2", preset: str = "tiny", seed: int = 0):
+        key = (arch, preset, seed)
+        if key not in cache:
+            cache[key] = make_model(tmp_path_factory.mktemp(f"{arch}_{preset}_{seed}"), preset=preset, arch=arch, seed=seed)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_factory):
+    """Path of the default tiny qwen2 model."""
+    return tiny_model_factory()
