@@ -1,0 +1,163 @@
+"""Load typed configs from YAML plus dotted ``key=value`` overrides (Hydra-style syntax).
+
+``load_config("examples/grpo_addition.yaml", ["rollout.n=4", "trainer.total_steps=2"])``
+returns a :class:`PostRLConfig`. Unknown keys are rejected with the closest valid name;
+values are type-checked against the dataclass annotations (``"3"`` for an int field is parsed
+by YAML rules first, so ``rollout.n=4`` gives the int 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from postrl.config.schema import PostRLConfig
+
+T = TypeVar("T")
+
+__all__ = ["ConfigError", "load_config", "from_dict", "to_dict", "apply_overrides", "dump_config"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field, the value and the fix."""
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _from_dict(tp, value, where)
+    if origin is list:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]  # a single file path for a list field is a common, harmless shorthand
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0] if args else Any, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+            hint = f"; did you mean {(where + '.' if where else '') + close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown config key {path!r}{hint} Valid keys here: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def from_dict(data: dict[str, Any]) -> PostRLConfig:
+    """Build a :class:`PostRLConfig` from a nested mapping (unknown keys raise)."""
+    return _from_dict(PostRLConfig, data or {})
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain-dict form of a config dataclass."""
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        if not isinstance(node.get(p), dict):
+            node[p] = {}
+        node = node[p]
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. rollout.n=4)")
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("+")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(data, key, value)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PostRLConfig:
+    """Read YAML at ``path`` (optional), apply ``overrides``, return the typed config."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level")
+        data = loaded
+    apply_overrides(data, list(overrides or []))
+    return from_dict(data)
+
+
+def dump_config(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config as YAML (the run directory keeps one)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,342 @@
+"""Typed configuration of the whole system: one dataclass per component.
+
+The docstring under every field is the one source of its documentation (``postrl train
+--help-config`` and ``docs/config.md`` are generated from it). Defaults are the embedded CPU
+defaults: ``postrl train`` with only ``model.path`` and data files runs GRPO on a laptop.
+
+Batch-size conventions follow verl: ``data.train_batch_size`` and ``actor.ppo_mini_batch_size``
+count *prompts*; each prompt yields ``rollout.n`` responses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model directory (``postrl make-model`` creates tiny ones)."""
+    dtype: str = "auto"
+    """``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``."""
+    trust_remote_code: bool = False
+    """Passed to ``from_pretrained``; off by default for safety."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    lora_rank: int = 0
+    """LoRA rank; 0 disables LoRA (full fine-tuning). With LoRA, the reference policy is the
+    same model with adapters disabled (no second copy)."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator."""
+    lora_target_modules: str = "all-linear"
+    """Modules to adapt (peft ``target_modules``)."""
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Parquet files in verl's schema (``postrl data ...`` writes them)."""
+    val_files: list[str] = field(default_factory=list)
+    """Parquet files for validation (empty: no validation)."""
+    train_batch_size: int = 16
+    """Prompts per RL step (each yields ``rollout.n`` responses)."""
+    val_batch_size: int = 0
+    """Prompts per validation batch; 0 = the whole validation set at once."""
+    max_prompt_length: int = 256
+    """Prompts longer than this (in tokens, after the chat template) are handled per ``truncation``."""
+    truncation: str = "error"
+    """``error`` (name the row) or ``filter`` (drop and count) for over-long prompts."""
+    shuffle: bool = True
+    """Shuffle the training set each epoch (seeded)."""
+    prompt_key: str = "prompt"
+    """Column holding the chat messages."""
+    max_val_samples: int = 0
+    """Use at most this many validation rows (0 = all)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warmup steps (optimizer steps)."""
+    lr_scheduler: str = "constant"
+    """``constant`` or ``cosine`` (after warmup)."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of ``lr``."""
+    grad_clip: float = 1.0
+    """Max global grad norm; a non-finite norm skips the step (counted)."""
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 16
+    """Prompts per optimizer step (× ``rollout.n`` responses)."""
+    ppo_micro_batch_size_per_gpu: int = 16
+    """Responses per forward/backward when ``use_dynamic_bsz`` is off."""
+    use_dynamic_bsz: bool = True
+    """Form micro-batches by a token budget instead of a fixed count."""
+    ppo_max_token_len_per_gpu: int = 8192
+    """Token budget per micro-batch when ``use_dynamic_bsz``."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    shuffle: bool = False
+    """Shuffle responses before splitting into mini-batches."""
+    policy_loss: str = "vanilla"
+    """Registered policy loss (``docs/algorithms.md``)."""
+    policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra hyper-parameters of the chosen policy loss."""
+    clip_ratio_low: float = 0.2
+    """PPO clip ε_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip ε_high (DAPO clip-higher: 0.28)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant c (> 1)."""
+    loss_agg_mode: str = "token-mean"
+    """Registered loss aggregation mode."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    use_kl_loss: bool = False
+    """Add a KL(π‖π_ref) loss term (GRPO-style); needs a reference policy."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """Registered KL estimator for the KL loss."""
+    share_prompt_prefix: bool | None = None
+    """Compute the n responses of a prompt against one shared prompt copy (None = auto)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer of the policy."""
+
+
+@dataclass
+class CriticConfig:
+    ppo_mini_batch_size: int = 16
+    """Prompts per critic optimizer step."""
+    ppo_micro_batch_size_per_gpu: int = 16
+    """Responses per forward/backward when ``use_dynamic_bsz`` is off."""
+    use_dynamic_bsz: bool = True
+    """Form micro-batches by a token budget."""
+    ppo_max_token_len_per_gpu: int = 8192
+    """Token budget per micro-batch."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    cliprange_value: float = 0.5
+    """Value clipping range."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the value loss."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer of the critic."""
+
+
+@dataclass
+class RefConfig:
+    enable: bool | None = None
+    """Compute reference log-probs; None = only when a KL term needs them."""
+
+
+@dataclass
+class AgentConfig:
+    default_agent_loop: str = "single_turn"
+    """Agent loop for rows without an ``agent_name`` column."""
+    tool_config_path: str = ""
+    """YAML tool config for the ``tool_agent`` loop."""
+    max_assistant_turns: int = 4
+    """Max generation turns per trajectory (tool loop)."""
+    max_user_turns: int = 4
+    """Max tool/user observation turns per trajectory."""
+    max_tool_response_length: int = 256
+    """Tool responses are truncated to this many characters."""
+    tool_parser: str = "hermes"
+    """Registered tool-call parser."""
+    check_token_faithfulness: bool = False
+    """Compare trained ids with apply_chat_template of the conversation (agent/token_drift_ratio)."""
+
+
+@dataclass
+class ValKwargs:
+    n: int = 1
+    """Samples per validation prompt (pass@k uses them)."""
+    temperature: float = 0.0
+    """0 = greedy validation."""
+    top_p: float = 1.0
+    """Nucleus sampling in validation."""
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "native"
+    """Registered rollout backend: ``native`` (CPU default), ``hf``, ``vllm``, ``sglang``."""
+    n: int = 8
+    """Responses per prompt (GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature (also applied when recomputing log-probs)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    response_length: int = 16
+    """Max new tokens per turn/response."""
+    num_replicas: int = 1
+    """Inference engine replicas behind the load balancer."""
+    max_num_seqs: int = 256
+    """Max concurrent sequences per replica (KV slots)."""
+    max_model_len: int = 0
+    """KV capacity per sequence; 0 = max_prompt_length + response_length (+ agent turns)."""
+    free_cache_engine: bool = True
+    """Release the KV cache while training (sleep/wake)."""
+    weight_sync: str = "naive"
+    """Registered weight-sync backend."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Agent loop settings."""
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    """Sampling used by validation."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra backend-specific options (e.g. vLLM ``gpu_memory_utilization``)."""
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = "fixed"
+    """``fixed`` or ``adaptive`` (Ziegler et al. 2019)."""
+    kl_coef: float = 0.001
+    """Initial/fixed KL coefficient."""
+    target_kl: float = 0.1
+    """Adaptive controller target."""
+    horizon: int = 10000
+    """Adaptive controller horizon."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = None
+    """Truncated importance weights: None, ``token`` or ``sequence``."""
+    rollout_is_threshold: float = 2.0
+    """Upper truncation of the IS weights."""
+    rollout_rs: str | None = None
+    """Rejection sampling: None, ``sequence`` or ``geometric``."""
+    rollout_rs_threshold: float = 2.0
+    """Upper rejection threshold of the ratio."""
+    rollout_rs_threshold_lower: float = 0.5
+    """Lower rejection threshold of the ratio."""
+    bypass_mode: bool = False
+    """Use rollout log-probs as old log-probs (skip the recompute)."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Registered advantage estimator (``docs/algorithms.md``)."""
+    gamma: float = 1.0
+    """Discount (GAE)."""
+    lam: float = 1.0
+    """GAE λ."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group std (False = Dr.GRPO)."""
+    use_kl_in_reward: bool = False
+    """Subtract β·KL(π_old‖π_ref) from the token rewards."""
+    kl_penalty: str = "kl"
+    """KL estimator for the in-reward penalty."""
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    """KL coefficient controller."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Training/inference mismatch correction."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO dynamic sampling."""
+
+
+@dataclass
+class CustomRewardConfig:
+    path: str = ""
+    """Python file holding the user's reward function."""
+    name: str = "compute_score"
+    """Function name in that file."""
+
+
+@dataclass
+class OverlongConfig:
+    enable: bool = False
+    """DAPO soft overlong punishment."""
+    buffer_len: int = 4
+    """Length of the penalty ramp before the max length."""
+    penalty_factor: float = 1.0
+    """Penalty at the max length."""
+
+
+@dataclass
+class RewardConfig:
+    custom_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    """A user reward function (verl signature), used instead of the data_source registry."""
+    timeout_s: float = 10.0
+    """Per-sample deadline; a hung function is killed."""
+    num_workers: int = 2
+    """Worker processes for user reward functions."""
+    max_failure_ratio: float = 0.5
+    """Stop the run when more than this fraction of a batch fails to score."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """Overlong reward shaping."""
+
+
+@dataclass
+class TrainerConfig:
+    backend: str = "local"
+    """``local`` (in-process workers) or ``ray``."""
+    mode: str = "sync"
+    """Registered trainer mode."""
+    num_workers: int = 1
+    """Data-parallel training workers (ray backend)."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    total_steps: int = 20
+    """RL steps to run (0 = derive from total_epochs)."""
+    total_epochs: int = 1
+    """Epochs over the training set when total_steps is 0."""
+    test_freq: int = 5
+    """Validate every this many steps (0 = only at the end)."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    save_freq: int = 0
+    """Checkpoint every this many steps (0 = never)."""
+    resume_mode: str = "auto"
+    """``auto`` (newest complete checkpoint in run_dir), ``disable`` or a checkpoint path."""
+    run_dir: str = "runs/default"
+    """Where metrics.jsonl, plots/ and checkpoints/ go."""
+    seed: int = 0
+    """Seed of everything (data order, init, sampling seeds)."""
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Registered metric sinks: console, jsonl, tensorboard, wandb."""
+    balance_batch: bool = True
+    """Karmarkar-Karp reorder before dispatch so dp ranks get equal token loads."""
+    num_threads: int = 0
+    """torch threads per process (0 = leave torch's default)."""
+    project_name: str = "postrl"
+    """Run grouping for W&B/TensorBoard."""
+    experiment_name: str = "default"
+    """Run name for W&B/TensorBoard."""
+
+
+@dataclass
+class PostRLConfig:
+    """The whole configuration of one run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,0 +1,123 @@
+"""Startup validation: every problem at once, each with the field, the value, why and the fix.
+
+Runs before any model is loaded. Registry-backed choices (estimators, losses, backends, ...)
+are checked against the registries, imported lazily so ``postrl.config`` stays light.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from postrl.config.loader import ConfigError
+from postrl.config.schema import PostRLConfig
+
+__all__ = ["validate_config", "ConfigError"]
+
+
+def _registry_checks(cfg: PostRLConfig) -> list[str]:
+    errors: list[str] = []
+    checks = [
+        ("postrl.algos", "ADV_ESTIMATORS", "algorithm.adv_estimator", cfg.algorithm.adv_estimator),
+        ("postrl.algos", "POLICY_LOSSES", "actor.policy_loss", cfg.actor.policy_loss),
+        ("postrl.algos", "AGG_MODES", "actor.loss_agg_mode", cfg.actor.loss_agg_mode),
+        ("postrl.algos", "KL_ESTIMATORS", "actor.kl_loss_type", cfg.actor.kl_loss_type),
+        ("postrl.algos", "KL_ESTIMATORS", "algorithm.kl_penalty", cfg.algorithm.kl_penalty),
+        ("postrl.rollout", "ROLLOUT_BACKENDS", "rollout.backend", cfg.rollout.backend),
+        ("postrl.agent", "AGENT_LOOPS", "rollout.agent.default_agent_loop", cfg.rollout.agent.default_agent_loop),
+        ("postrl.trainer", "TRAINER_MODES", "trainer.mode", cfg.trainer.mode),
+    ]
+    import importlib
+
+    for module, attr, key, value in checks:
+        try:
+            registry = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            continue  # component not installed in this build; its own import will say so
+        msg = registry.check(value)
+        if msg:
+            errors.append(f"{key}={value!r}: {msg}")
+    return errors
+
+
+def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_registries: bool = True) -> None:
+    """Raise :class:`ConfigError` listing every problem found in ``cfg``."""
+    e: list[str] = []
+    d, a, r, t = cfg.data, cfg.actor, cfg.rollout, cfg.trainer
+
+    if not cfg.model.path:
+        e.append("model.path is empty: set it to a Hugging Face model directory (create a tiny one with `postrl make-model runs/tiny`)")
+    elif check_files and not Path(cfg.model.path).exists():
+        e.append(f"model.path={cfg.model.path!r} does not exist: create it with `postrl make-model {cfg.model.path}` or fix the path")
+    if check_files:
+        for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+            for f in files:
+                if not Path(f).exists():
+                    e.append(f"{key} contains {f!r}, which does not exist: write it with `postrl data addition {f}` or fix the path")
+    if not d.train_files:
+        e.append("data.train_files is empty: give at least one parquet file")
+
+    for key, value in (
+        ("data.train_batch_size", d.train_batch_size),
+        ("rollout.n", r.n),
+        ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+        ("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu),
+        ("actor.ppo_epochs", a.ppo_epochs),
+        ("rollout.response_length", r.response_length),
+        ("data.max_prompt_length", d.max_prompt_length),
+        ("trainer.num_workers", t.num_workers),
+    ):
+        if value < 1:
+            e.append(f"{key}={value} must be >= 1")
+
+    if d.train_batch_size >= 1 and a.ppo_mini_batch_size >= 1 and d.train_batch_size % a.ppo_mini_batch_size:
+        e.append(
+            f"data.train_batch_size={d.train_batch_size} is not divisible by actor.ppo_mini_batch_size={a.ppo_mini_batch_size}: "
+            f"each step must split into whole mini-batches; set actor.ppo_mini_batch_size to a divisor of "
+            f"{d.train_batch_size} (e.g. {math.gcd(d.train_batch_size, a.ppo_mini_batch_size)})"
+        )
+    dp = t.num_workers if t.backend == "ray" else 1
+    if dp > 1 and a.ppo_mini_batch_size >= 1 and r.n >= 1:
+        per_mini = a.ppo_mini_batch_size * r.n
+        if per_mini % dp:
+            step = dp // math.gcd(r.n, dp)
+            e.append(
+                f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} × rollout.n={r.n} = {per_mini} responses per mini-batch "
+                f"is not divisible by trainer.num_workers={dp}: set actor.ppo_mini_batch_size to a multiple of {step}"
+            )
+    if d.truncation not in ("error", "filter"):
+        e.append(f"data.truncation={d.truncation!r} must be 'error' or 'filter'")
+    if t.backend not in ("local", "ray"):
+        e.append(f"trainer.backend={t.backend!r} must be 'local' or 'ray'")
+    if t.backend == "local" and t.num_workers != 1:
+        e.append(f"trainer.num_workers={t.num_workers} needs trainer.backend=ray (the local backend runs one in-process worker)")
+    if t.device not in ("cpu", "cuda"):
+        e.append(f"trainer.device={t.device!r} must be 'cpu' or 'cuda'")
+    if not (0 < a.clip_ratio_low < 1 and 0 < a.clip_ratio_high):
+        e.append(f"actor.clip_ratio_low={a.clip_ratio_low}/clip_ratio_high={a.clip_ratio_high}: need 0 < low < 1 and high > 0")
+    if a.clip_ratio_c <= 1:
+        e.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip lower bound)")
+    if r.temperature < 0:
+        e.append(f"rollout.temperature={r.temperature} must be >= 0")
+    if not 0 < r.top_p <= 1:
+        e.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if not 0 <= cfg.reward.max_failure_ratio <= 1:
+        e.append(f"reward.max_failure_ratio={cfg.reward.max_failure_ratio} must be in [0, 1]")
+    if cfg.trainer.resume_mode not in ("auto", "disable") and check_files and not Path(cfg.trainer.resume_mode).exists():
+        e.append(f"trainer.resume_mode={cfg.trainer.resume_mode!r} is neither auto/disable nor an existing checkpoint path")
+    if t.total_steps < 0 or t.total_epochs < 1:
+        e.append(f"trainer.total_steps={t.total_steps} must be >= 0 and trainer.total_epochs={t.total_epochs} >= 1")
+
+    if check_registries:
+        e.extend(_registry_checks(cfg))
+        try:
+            from postrl.algos import ADV_ESTIMATORS
+
+            needs = ADV_ESTIMATORS.meta(cfg.algorithm.adv_estimator).get("needs", ())
+            if "values" in needs and cfg.critic.optim.lr <= 0:
+                e.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs a critic: set critic.optim.lr > 0")
+        except Exception:
+            pass
+
+    if e:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
