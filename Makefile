@@ -1,0 +1,35 @@
+# postrl — the two commands: `make quickstart` (the main job, CPU) and `make test` (the suite).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.postrl-installed
+RUN ?= runs/quickstart
+PYTEST_ARGS ?=
+
+.PHONY: quickstart test test-fast lint install clean
+
+install: $(STAMP)
+
+# torch==2.13.0 first (the CPU build served locally); everything else after, so no dependency
+# can pull a multi-GB CUDA build of torch.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+quickstart: $(STAMP)
+	OMP_NUM_THREADS=2 $(BIN)/python -m postrl.trainer.quickstart --run-dir $(RUN)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not ray" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check postrl tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

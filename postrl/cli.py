@@ -1,0 +1,173 @@
+"""The ``postrl`` command line: make-model | data | sft | train | eval | serve | bench | export.
+
+Every subcommand imports its heavy dependencies lazily so ``postrl --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from postrl.testing import make_model
+
+    out = make_model(args.out_dir, preset=args.preset, arch=args.arch, seed=args.seed)
+    from safetensors import safe_open
+
+    with safe_open(str(Path(out) / "model.safetensors"), "pt") as f:
+        n = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
+    print(f"wrote {args.preset} {args.arch} model ({n / 1e6:.2f}M params, seed {args.seed}) to {out}")
+    return 0
+
+
+def _prod(shape) -> int:
+    p = 1
+    for s in shape:
+        p *= int(s)
+    return p
+
+
+def _cmd_data(args: argparse.Namespace) -> int:
+    from postrl import data
+
+    if args.task == "gsm8k":
+        if not args.input:
+            raise SystemExit("postrl data gsm8k needs --input FILE.jsonl|parquet (a local GSM8K/MATH-style file)")
+        rows = data.convert_gsm8k(args.input, split=args.split)
+    elif args.task in data.TASKS:
+        rows = data.TASKS[args.task](args.n, seed=args.seed, split=args.split)
+    else:
+        mod = _data_plugin(args.task)
+        rows = mod(args.n, seed=args.seed, split=args.split)
+    if args.sft:
+        rows = data.sft_rows_from_rl_rows(rows)
+    path = data.write_parquet(rows, args.out)
+    print(f"wrote {len(rows)} {args.task} rows ({args.split}) to {path}")
+    return 0
+
+
+_DATA_PLUGINS = {
+    "tool-arith": "postrl.data.tool_arith:generate_tool_arith",
+    "code": "postrl.data.code_tasks:generate_code_tasks",
+}
+
+
+def _data_plugin(task: str):
+    if task not in _DATA_PLUGINS:
+        raise SystemExit(f"unknown data task {task!r}; choose from addition, countdown, gsm8k, {', '.join(_DATA_PLUGINS)}")
+    mod, _, attr = _DATA_PLUGINS[task].partition(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from postrl.trainer.run import train_main
+
+    return train_main(args.config, args.overrides)
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from postrl.engine.sft import sft_main
+
+    return sft_main([args.config, *args.overrides] if args.config else list(args.overrides))
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from postrl.trainer.run import eval_main
+
+    return eval_main(args.config, args.overrides)
+
+
+def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    from postrl.rollout.server import serve_main
+
+    return serve_main(rest)
+
+
+def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    targets = {
+        "rollout": "postrl.rollout.bench:main",
+        "step": "postrl.trainer.bench:main",
+    }
+    if args.what not in targets:
+        raise SystemExit(f"unknown benchmark {args.what!r}; choose from {sorted(targets)}")
+    mod, _, attr = targets[args.what].partition(":")
+    return getattr(importlib.import_module(mod), attr)(rest) or 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from postrl.engine.checkpoint import export_hf
+
+    export_hf(args.checkpoint, args.out)
+    print(f"exported {args.checkpoint} to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``postrl`` command."""
+    p = argparse.ArgumentParser(prog="postrl", description="RL post-training for language models.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    m = sub.add_parser("make-model", help="write a tiny random HF model + byte tokenizer")
+    m.add_argument("out_dir")
+    m.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    m.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(fn=_cmd_make_model)
+
+    d = sub.add_parser("data", help="generate a synthetic task or convert a local dataset to verl parquet")
+    d.add_argument("task", help="addition | countdown | gsm8k | tool-arith | code")
+    d.add_argument("out", help="output .parquet")
+    d.add_argument("--n", type=int, default=1000)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--split", default="train", choices=["train", "test"])
+    d.add_argument("--input", help="gsm8k: local input file (.jsonl or .parquet)")
+    d.add_argument("--sft", action="store_true", help="write SFT rows (messages with reference answers)")
+    d.set_defaults(fn=_cmd_data)
+
+    for name, fn, helptext in (
+        ("train", _cmd_train, "run RL training from a YAML config"),
+        ("sft", _cmd_sft, "supervised fine-tuning from a YAML config"),
+        ("eval", _cmd_eval, "validate a model on the val files of a config"),
+    ):
+        t = sub.add_parser(name, help=helptext)
+        t.add_argument("config", nargs="?", help="YAML config (optional; key=value overrides follow)")
+        t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rollout.n=4")
+        t.set_defaults(fn=fn)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server on 127.0.0.1 (see `postrl serve --help`)", add_help=False)
+    s.set_defaults(fn=_cmd_serve, passthrough=True)
+    b = sub.add_parser("bench", help="benchmarks: rollout | step", add_help=False)
+    b.add_argument("what", nargs="?", default="step")
+    b.set_defaults(fn=_cmd_bench, passthrough=True)
+
+    e = sub.add_parser("export", help="export a checkpoint to a plain Hugging Face directory")
+    e.add_argument("checkpoint")
+    e.add_argument("out")
+    e.set_defaults(fn=_cmd_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``postrl`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if getattr(args, "passthrough", False):
+        return int(args.fn(args, rest) or 0)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,214 @@
+"""Parquet datasets in verl's schema and a resumable, seeded prompt loader.
+
+``RLDataset`` reads rows (``data_source``, ``prompt`` = chat messages, ``ability``,
+``reward_model.{style, ground_truth}``, ``extra_info``, optional ``agent_name``), validates
+every row up front (a malformed row raises :class:`DatasetError` naming file, row and field),
+applies the tokenizer's chat template once and keeps the prompt token ids. Prompts longer than
+``max_prompt_length`` are dropped and counted (``truncation="filter"``) or raise naming the row
+(``truncation="error"``).
+
+``PromptLoader`` yields batches as :class:`~postrl.protocol.DataProto` with non-tensor columns
+(``raw_prompt_ids``, ``messages``, ``data_source``, ``ground_truth``, ``extra_info``,
+``agent_name``, ``index``); its ``state_dict`` (epoch, position) makes resume exact: no prompt is
+replayed or skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from postrl.data.tasks import read_rows
+from postrl.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DatasetError", "RLDataset", "PromptLoader", "validate_row"]
+
+_ROLES = {"system", "user", "assistant", "tool"}
+
+
+class DatasetError(ValueError):
+    """A malformed dataset row; the message names the file, the row index and the field."""
+
+
+def validate_row(row: Any, where: str, prompt_key: str = "prompt") -> None:
+    """Raise :class:`DatasetError` unless ``row`` follows verl's schema."""
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: row is {type(row).__name__}, expected a mapping")
+    for key in ("data_source", prompt_key, "reward_model"):
+        if key not in row or row[key] is None:
+            raise DatasetError(f"{where}: missing field {key!r} (verl schema needs data_source, {prompt_key}, reward_model)")
+    if not isinstance(row["data_source"], str) or not row["data_source"]:
+        raise DatasetError(f"{where}: field 'data_source' must be a non-empty string, got {row['data_source']!r}")
+    msgs = row[prompt_key]
+    if isinstance(msgs, np.ndarray):
+        msgs = msgs.tolist()
+    if not isinstance(msgs, list) or not msgs:
+        raise DatasetError(f"{where}: field {prompt_key!r} must be a non-empty list of chat messages, got {msgs!r:.80}")
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DatasetError(f"{where}: field {prompt_key}[{j}] must be {{'role': str, 'content': str}}, got {m!r:.80}")
+        if m["role"] not in _ROLES:
+            raise DatasetError(f"{where}: field {prompt_key}[{j}].role={m['role']!r} is not one of {sorted(_ROLES)}")
+    if not any(m["content"].strip() for m in msgs):
+        raise DatasetError(f"{where}: field {prompt_key!r} is empty (all messages have empty content)")
+    rm = row["reward_model"]
+    if not isinstance(rm, dict) or "ground_truth" not in rm:
+        raise DatasetError(f"{where}: field 'reward_model' must be a mapping with 'ground_truth', got {rm!r:.80}")
+    if rm["ground_truth"] is None:
+        raise DatasetError(f"{where}: field 'reward_model.ground_truth' is null")
+    ei = row.get("extra_info")
+    if ei is not None and not isinstance(ei, dict):
+        raise DatasetError(f"{where}: field 'extra_info' must be a mapping or null, got {type(ei).__name__}")
+
+
+@dataclass
+class RLDataset:
+    """Validated, tokenized prompts from one or more parquet files.
+
+    Args:
+        files: parquet (or jsonl) paths in verl's schema.
+        tokenizer: a HF tokenizer with a chat template.
+        max_prompt_length: token limit after the chat template.
+        truncation: ``error`` or ``filter``.
+        prompt_key: column with the chat messages.
+        max_samples: keep at most this many rows (0 = all).
+    """
+
+    files: list[str]
+    tokenizer: Any
+    max_prompt_length: int = 256
+    truncation: str = "error"
+    prompt_key: str = "prompt"
+    max_samples: int = 0
+    rows: list[dict[str, Any]] = field(init=False, default_factory=list)
+    prompt_ids: list[list[int]] = field(init=False, default_factory=list)
+    num_filtered: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.truncation not in ("error", "filter"):
+            raise DatasetError(f"truncation={self.truncation!r} must be 'error' or 'filter'")
+        rows: list[dict[str, Any]] = []
+        for f in self.files:
+            file_rows = read_rows(f)
+            for i, r in enumerate(file_rows):
+                validate_row(r, f"{f}: row {i}", self.prompt_key)
+                r = dict(r)
+                r["_where"] = f"{f}: row {i}"
+                rows.append(r)
+        if self.max_samples:
+            rows = rows[: self.max_samples]
+        texts = [
+            self.tokenizer.apply_chat_template(_messages(r[self.prompt_key]), add_generation_prompt=True, tokenize=False)
+            for r in rows
+        ]
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        kept_rows, kept_ids = [], []
+        for r, p in zip(rows, ids):
+            if len(p) > self.max_prompt_length:
+                if self.truncation == "error":
+                    raise DatasetError(
+                        f"{r['_where']}: prompt has {len(p)} tokens > data.max_prompt_length={self.max_prompt_length}; "
+                        f"raise data.max_prompt_length or set data.truncation=filter"
+                    )
+                self.num_filtered += 1
+                continue
+            kept_rows.append(r)
+            kept_ids.append(list(p))
+        if self.num_filtered:
+            logger.warning("filtered %d prompts longer than max_prompt_length=%d", self.num_filtered, self.max_prompt_length)
+        if not kept_rows:
+            raise DatasetError(f"no usable rows in {self.files} (filtered {self.num_filtered} over-long prompts)")
+        self.rows, self.prompt_ids = kept_rows, kept_ids
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def batch(self, indices: list[int] | np.ndarray) -> DataProto:
+        """Rows ``indices`` as a DataProto of non-tensor columns (no tensors yet)."""
+        rows = [self.rows[i] for i in indices]
+        return DataProto.from_dict(
+            non_tensors={
+                "raw_prompt_ids": [self.prompt_ids[i] for i in indices],
+                "messages": [_messages(r[self.prompt_key]) for r in rows],
+                "data_source": [r["data_source"] for r in rows],
+                "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
+                "extra_info": [dict(r.get("extra_info") or {}) for r in rows],
+                "agent_name": [r.get("agent_name") for r in rows],
+                "index": list(map(int, indices)),
+            }
+        )
+
+
+def _messages(msgs: Any) -> list[dict[str, str]]:
+    if isinstance(msgs, np.ndarray):
+        msgs = msgs.tolist()
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+@dataclass
+class PromptLoader:
+    """Seeded epoch permutations, batches of ``batch_size`` prompts, exact resume.
+
+    The order of epoch ``e`` is ``permutation(len, seed=(seed, e))``; the state is just
+    ``(epoch, position)``. A trailing partial batch is dropped (counted in ``dropped_per_epoch``)
+    so every step has the configured size.
+    """
+
+    dataset: RLDataset
+    batch_size: int
+    seed: int = 0
+    shuffle: bool = True
+    epoch: int = 0
+    position: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size > len(self.dataset):
+            raise DatasetError(
+                f"data.train_batch_size={self.batch_size} exceeds the {len(self.dataset)} usable prompts; lower it or add data"
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.dataset) // self.batch_size
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        return len(self.dataset) % self.batch_size
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.dataset))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+
+    def next_batch(self) -> DataProto:
+        """Return the next batch and advance (wrapping into the next epoch)."""
+        if self.position + self.batch_size > len(self.dataset):
+            self.epoch += 1
+            self.position = 0
+        idx = self._order(self.epoch)[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        out = self.dataset.batch(idx)
+        out.meta_info["epoch"] = self.epoch
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def load_tokenizer(path: str | Path):
+    """``AutoTokenizer.from_pretrained`` with a pad token guaranteed."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok

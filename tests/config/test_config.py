@@ -1,0 +1,37 @@
+import pytest
+
+from postrl.config import ConfigError, dump_config, load_config, validate_config
+
+
+def test_yaml_and_overrides(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("rollout:\n  n: 4\nactor:\n  optim:\n    lr: 1.0e-5\n")
+    cfg = load_config(y, ["rollout.n=2", "actor.optim.lr=3e-5", "data.train_files=[a.parquet,b.parquet]"])
+    assert cfg.rollout.n == 2 and cfg.actor.optim.lr == pytest.approx(3e-5)
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    dump_config(cfg, tmp_path / "out.yaml")
+    assert load_config(tmp_path / "out.yaml").rollout.n == 2
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError, match="did you mean 'rollout.temperature'"):
+        load_config(None, ["rollout.temprature=0.5"])
+    with pytest.raises(ConfigError, match="expected an integer"):
+        load_config(None, ["rollout.n=abc"])
+
+
+def test_validation_reports_all_problems_with_fix(tmp_path):
+    cfg = load_config(None, ["data.train_batch_size=30", "actor.ppo_mini_batch_size=8", "rollout.top_p=1.5"])
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg, check_registries=False)
+    msg = str(e.value)
+    assert "model.path is empty" in msg
+    assert "data.train_batch_size=30 is not divisible by actor.ppo_mini_batch_size=8" in msg
+    assert "rollout.top_p=1.5" in msg
+
+
+def test_dp_contract_message():
+    cfg = load_config(None, ["trainer.backend=ray", "trainer.num_workers=4", "rollout.n=2", "actor.ppo_mini_batch_size=3",
+                             "data.train_batch_size=6"])
+    with pytest.raises(ConfigError, match="3 × rollout.n=2 = 6 .* not divisible by trainer.num_workers=4.*multiple of 2"):
+        validate_config(cfg, check_files=False, check_registries=False)
