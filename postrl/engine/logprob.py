@@ -1,0 +1,246 @@
+"""Padding-free log-probs, entropy and values of response tokens.
+
+Pipeline for one micro-batch (``B`` rows of ``input_ids`` (B, P+R) = left-padded prompt ++
+right-padded response, ``attention_mask`` (B, P+R)):
+
+1. :func:`pack` removes padding and lays the ``N`` valid tokens out in one row, optionally with
+   **prefix sharing** (rows with identical prompts store the prompt once; see
+   :mod:`postrl.engine.varlen`). Position ids restart at 0 for every sequence (responses continue
+   after their prompt).
+2. The decoder runs once over the packed row with postrl's varlen attention → hidden (N, H).
+3. Only the ``M`` hidden states that predict a response token are kept, and
+   :func:`chunked_token_logprobs` projects them to the vocabulary ``chunk_size`` rows at a time:
+   for logits ``z = h Wᵀ / τ`` (τ the rollout temperature, applied exactly as the sampler did),
+   ``log p(y) = z_y − logsumexp(z)`` and ``H = logsumexp(z) − Σ_v softmax(z)_v z_v``. Under
+   autograd each chunk is recomputed in backward (activation checkpointing) so at most one
+   (chunk, V) logits tensor is alive at any time.
+4. Results are scattered back to (B, R), zero on padding.
+
+Logit soft-capping (Gemma 2) and logit scaling (Cohere) are not applied: models that need them
+are rejected by :class:`~postrl.engine.model.PolicyModel` only in that their lm head must be a
+plain ``nn.Linear``; add them here if such a model is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from postrl.engine.varlen import AttnLayout
+
+__all__ = ["Packed", "pack", "chunked_token_logprobs", "policy_logprobs", "critic_values"]
+
+DEFAULT_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A packed micro-batch.
+
+    Attributes:
+        input_ids: (1, N) packed token ids.
+        position_ids: (1, N) per-sequence positions.
+        layout: the varlen attention layout.
+        pred_idx: (M,) packed index of the hidden state predicting each valid response token.
+        targets: (M,) the response token ids.
+        resp_valid: (B, R) bool, where the M values go back to.
+        num_tokens: N (tokens actually computed).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    layout: AttnLayout
+    pred_idx: torch.Tensor
+    targets: torch.Tensor
+    resp_valid: torch.Tensor
+    num_tokens: int
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *, share_prefix: bool = False) -> Packed:
+    """Remove padding and pack a micro-batch into one row.
+
+    Each row is a prompt segment (its valid tokens, contiguous because prompts are left-padded)
+    and a response segment (contiguous, right-padded). With ``share_prefix`` rows whose prompt
+    (ids and padding) is identical form a group whose prompt segment is stored once; otherwise
+    every row is its own group. Virtual attention sequence of row b: [prompt of its group,
+    response of b].
+
+    Args:
+        input_ids: (B, P+R) token ids.
+        attention_mask: (B, P+R) 1 on valid tokens.
+        response_length: R.
+        share_prefix: share identical prompts.
+    """
+    dev = input_ids.device
+    b, t = input_ids.shape
+    p = t - response_length
+    if p < 1:
+        raise ValueError(f"need at least one prompt column, got input width {t} and response_length {response_length}")
+    mask = attention_mask.bool()
+    plen = mask[:, :p].sum(1)  # (B,)
+    rlen = mask[:, p:].sum(1)  # (B,)
+    if bool(((plen == 0) & (rlen > 0)).any()):
+        raise ValueError("a row has response tokens but an empty prompt; every response needs >= 1 prompt token")
+    rows = torch.arange(b, device=dev)
+    if share_prefix:
+        key = torch.where(mask[:, :p], input_ids[:, :p], torch.full_like(input_ids[:, :p], -1))
+        _, group = torch.unique(key, dim=0, return_inverse=True)  # (B,)
+    else:
+        group = rows
+    g = int(group.max()) + 1 if b else 0
+    owner = torch.full((g,), b, device=dev, dtype=torch.long).scatter_reduce(0, group, rows, "amin")  # (G,)
+    # Segments: G prompt segments then B response segments, ordered (group, kind, row).
+    seg_row = torch.cat([owner, rows])  # (G+B,)
+    seg_kind = torch.cat([torch.zeros(g, dtype=torch.long, device=dev), torch.ones(b, dtype=torch.long, device=dev)])
+    seg_group = torch.cat([torch.arange(g, device=dev), group])
+    seg_len = torch.cat([plen[owner], rlen])
+    seg_col0 = torch.cat([p - plen[owner], torch.full((b,), p, device=dev, dtype=torch.long)])
+    order = torch.argsort(seg_group * (2 * (b + 1)) + seg_kind * (b + 1) + seg_row)
+    seg_row, seg_kind, seg_group, seg_len, seg_col0 = (x[order] for x in (seg_row, seg_kind, seg_group, seg_len, seg_col0))
+    seg_start = torch.cumsum(seg_len, 0) - seg_len
+    n = int(seg_len.sum())
+    seg_of_tok = torch.repeat_interleave(torch.arange(len(seg_len), device=dev), seg_len)  # (N,)
+    within = torch.arange(n, device=dev) - seg_start[seg_of_tok]  # (N,)
+    ids = input_ids[seg_row[seg_of_tok], seg_col0[seg_of_tok] + within]  # (N,)
+    # start of each group's prompt / each row's response in the packed row
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(len(order), device=dev)
+    pstart = seg_start[inv[:g]]  # (G,)
+    rstart = seg_start[inv[g:]]  # (B,)
+    gplen = plen[owner]  # (G,)
+    tok_plen = gplen[seg_group[seg_of_tok]]  # (N,)
+    pos = within + seg_kind[seg_of_tok] * tok_plen  # (N,)
+    # Virtual sequences: one per row.
+    vlen = gplen[group] + rlen  # (B,)
+    width = max(int(vlen.max()) if b else 1, 1)
+    j = torch.arange(width, device=dev).unsqueeze(0)  # (1, L)
+    jc = torch.minimum(j, (vlen - 1).clamp(min=0).unsqueeze(1))  # (B, L) clamp padding slots
+    in_prompt = jc < gplen[group].unsqueeze(1)
+    gather = torch.where(in_prompt, pstart[group].unsqueeze(1) + jc, rstart.unsqueeze(1) + jc - gplen[group].unsqueeze(1))
+    gather = gather.clamp(0, max(n - 1, 0))
+    # Outputs: prompt tokens read the owner's virtual sequence, response tokens their own.
+    tok_row = torch.where(seg_kind[seg_of_tok] == 0, owner[seg_group[seg_of_tok]], seg_row[seg_of_tok])
+    out_idx = tok_row * width + pos
+    # Response targets and the hidden states predicting them.
+    resp_valid = mask[:, p:]  # (B, R)
+    r_idx = torch.arange(response_length, device=dev).unsqueeze(0).expand(b, -1)
+    pred_all = torch.where(
+        r_idx == 0,
+        (pstart[group] + gplen[group] - 1).unsqueeze(1).expand(b, response_length),
+        rstart.unsqueeze(1) + r_idx - 1,
+    )  # (B, R)
+    return Packed(
+        input_ids=ids.unsqueeze(0),
+        position_ids=pos.unsqueeze(0),
+        layout=AttnLayout(gather_idx=gather, out_idx=out_idx),
+        pred_idx=pred_all[resp_valid],
+        targets=input_ids[:, p:][resp_valid],
+        resp_valid=resp_valid,
+        num_tokens=n,
+    )
+
+
+def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, inv_temp: float):
+    logits = (h @ weight.t()).float()  # (C, V)
+    if bias is not None:
+        logits = logits + bias.float()
+    logits = logits * inv_temp
+    lse = torch.logsumexp(logits, dim=-1)  # (C,)
+    logp = logits.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
+    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, ent
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    head: nn.Linear,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``log softmax(h Wᵀ / τ)[y]`` and entropy, ``chunk_size`` rows at a time.
+
+    Args:
+        hidden: (M, H) hidden states.
+        head: the LM head.
+        targets: (M,) token ids.
+        temperature: τ > 0.
+
+    Returns:
+        (logp (M,), entropy (M,)), fp32.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    inv = 1.0 / float(temperature)
+    m = hidden.shape[0]
+    if m <= chunk_size:
+        return _chunk_stats(hidden, head.weight, head.bias, targets, inv)
+    grad = torch.is_grad_enabled()
+    lps, ents = [], []
+    for s in range(0, m, chunk_size):
+        args = (hidden[s : s + chunk_size], head.weight, head.bias, targets[s : s + chunk_size], inv)
+        lp, en = checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args)
+        lps.append(lp)
+        ents.append(en)
+    return torch.cat(lps), torch.cat(ents)
+
+
+def _decoder_hidden(decoder: nn.Module, pk: Packed) -> torch.Tensor:
+    out = decoder(input_ids=pk.input_ids, position_ids=pk.position_ids, postrl_layout=pk.layout, use_cache=False)
+    return out.last_hidden_state[0]  # (N, H)
+
+
+def _scatter(values: torch.Tensor, resp_valid: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(resp_valid.shape, dtype=values.dtype, device=values.device)
+    return out.masked_scatter(resp_valid, values)
+
+
+def policy_logprobs(
+    decoder: nn.Module,
+    head: nn.Linear,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    share_prefix: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Padding-free log-probs (and entropy) of the response tokens of one micro-batch.
+
+    Returns:
+        (log_probs (B, R) fp32, entropy (B, R) fp32 or None); 0 on padding.
+    """
+    pk = pack(input_ids, attention_mask, response_length, share_prefix=share_prefix)
+    if pk.num_tokens == 0:
+        z = torch.zeros(pk.resp_valid.shape, device=input_ids.device)
+        return z, (z if calculate_entropy else None)
+    hidden = _decoder_hidden(decoder, pk)
+    lp, ent = chunked_token_logprobs(hidden[pk.pred_idx], head, pk.targets, temperature=temperature, chunk_size=chunk_size)
+    return _scatter(lp, pk.resp_valid), (_scatter(ent, pk.resp_valid) if calculate_entropy else None)
+
+
+def critic_values(
+    decoder: nn.Module,
+    value_head: nn.Linear,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    *,
+    share_prefix: bool = False,
+) -> torch.Tensor:
+    """Values ``V(s_t)`` at the states that emit each response token, (B, R) fp32, 0 on padding.
+
+    As in verl, the value of response token t is read at the hidden state that predicts it.
+    """
+    pk = pack(input_ids, attention_mask, response_length, share_prefix=share_prefix)
+    if pk.num_tokens == 0:
+        return torch.zeros(pk.resp_valid.shape, device=input_ids.device)
+    hidden = _decoder_hidden(decoder, pk)
+    v = value_head(hidden[pk.pred_idx]).squeeze(-1).float()  # (M,)
+    return _scatter(v, pk.resp_valid)

@@ -1,0 +1,194 @@
+"""Load Hugging Face models for training: policy (causal LM, optional LoRA) and critic.
+
+* ``load_policy(model_cfg, device)`` returns a :class:`PolicyModel`: the HF causal LM (wrapped
+  by ``peft`` when ``model.lora_rank > 0``), with gradient checkpointing if configured and the
+  attention implementation switched to postrl's varlen attention (see
+  :mod:`postrl.engine.varlen`), which the padding-free forward needs.
+* ``load_critic(model_cfg, device)`` returns a :class:`CriticModel`: the same backbone
+  (``AutoModel``, i.e. the decoder without the LM head) plus our own scalar value head
+  ``nn.Linear(hidden, 1)`` initialised to zero (so the first value predictions are 0, a neutral
+  baseline). We use our own head instead of ``AutoModelForTokenClassification`` because the latter
+  does not exist for every architecture and adds dropout; the head is saved next to the backbone
+  as ``value_head.safetensors``.
+
+dtype ``auto`` means fp32 on CPU and bf16 on GPU (``ModelConfig.dtype``).
+
+With LoRA the reference policy is the same module with adapters disabled
+(:meth:`PolicyModel.reference`), so no second copy of the weights exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from postrl.engine.varlen import ATTN_NAME, register_varlen_attention
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PolicyModel", "CriticModel", "resolve_dtype", "load_policy", "load_critic"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
+    """Map ``ModelConfig.dtype`` to a torch dtype (``auto``: fp32 on CPU, bf16 on GPU)."""
+    if dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"model.dtype={dtype!r} is not supported; use one of ['auto', *{sorted(_DTYPES)}]")
+    return _DTYPES[dtype]
+
+
+def _check_path(path: str) -> Path:
+    p = Path(path)
+    if not path or not (p / "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path={path!r} is not a Hugging Face model directory (no config.json); "
+            "create a tiny one with `postrl make-model OUT` or point model.path at a local HF dir"
+        )
+    return p
+
+
+@dataclass
+class PolicyModel:
+    """A causal LM ready for padding-free training.
+
+    Attributes:
+        module: the trainable module (a ``PeftModel`` with LoRA, else the HF causal LM).
+        is_lora: whether LoRA adapters are attached.
+    """
+
+    module: nn.Module
+    is_lora: bool
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The HF ``*ForCausalLM`` (LoRA layers injected in place when ``is_lora``)."""
+        return self.module.get_base_model() if self.is_lora else self.module
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The decoder stack returning hidden states (``causal_lm.model`` for most archs)."""
+        return self.causal_lm.base_model
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """The output projection (a ``nn.Linear`` over the vocabulary)."""
+        head = self.causal_lm.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            raise TypeError(f"lm head of {type(self.causal_lm).__name__} is {type(head).__name__}, need nn.Linear")
+        return head
+
+    def reference(self) -> contextlib.AbstractContextManager:
+        """Context in which the module computes the reference policy (LoRA: adapters disabled)."""
+        if not self.is_lora:
+            raise RuntimeError("reference() needs LoRA (model.lora_rank > 0); otherwise use a RefWorker copy")
+        return self.module.disable_adapter()
+
+    def trainable_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters with ``requires_grad`` (LoRA: the adapters only)."""
+        return (p for p in self.module.parameters() if p.requires_grad)
+
+
+class CriticModel(nn.Module):
+    """Decoder backbone + scalar value head: ``V(s_t) = w · h_t + b`` per token.
+
+    Args:
+        backbone: an HF base model (``AutoModel``) returning ``last_hidden_state``.
+        hidden_size: width of the hidden states.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The backbone (same role as :attr:`PolicyModel.decoder`)."""
+        return self.backbone
+
+
+def _common_kwargs(model_cfg, device) -> dict:
+    return dict(
+        dtype=resolve_dtype(model_cfg.dtype, device),
+        trust_remote_code=model_cfg.trust_remote_code,
+        attn_implementation=ATTN_NAME,
+    )
+
+
+def load_policy(model_cfg, device: torch.device | str = "cpu", *, trainable: bool = True) -> PolicyModel:
+    """Load ``model_cfg.path`` as a :class:`PolicyModel` on ``device``.
+
+    Args:
+        model_cfg: a ``postrl.config.schema.ModelConfig``.
+        device: where to put the weights.
+        trainable: False freezes everything (reference model) and skips LoRA/checkpointing.
+    """
+    from transformers import AutoModelForCausalLM
+
+    register_varlen_attention()
+    path = _check_path(model_cfg.path)
+    model = AutoModelForCausalLM.from_pretrained(str(path), **_common_kwargs(model_cfg, device)).to(device)
+    model.config.use_cache = False
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+        return PolicyModel(model, is_lora=False)
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    is_lora = model_cfg.lora_rank > 0
+    if is_lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = model_cfg.lora_target_modules
+        lcfg = LoraConfig(
+            r=model_cfg.lora_rank,
+            lora_alpha=model_cfg.lora_alpha,
+            target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lcfg)
+        if model_cfg.gradient_checkpointing:
+            model.enable_input_require_grads()
+    model.train()
+    # No dropout in RL recomputation: log-probs must be deterministic functions of the weights.
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return PolicyModel(model, is_lora=is_lora)
+
+
+def load_critic(model_cfg, device: torch.device | str = "cpu") -> CriticModel:
+    """Load ``model_cfg.path`` as a :class:`CriticModel` (backbone + zero-initialised value head).
+
+    If the directory holds ``value_head.safetensors`` (a critic exported by postrl), the head is
+    restored from it.
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    register_varlen_attention()
+    path = _check_path(model_cfg.path)
+    kw = _common_kwargs(model_cfg, device)
+    backbone = AutoModel.from_pretrained(str(path), **kw)
+    backbone.config.use_cache = False
+    if model_cfg.gradient_checkpointing:
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    critic = CriticModel(backbone, backbone.config.hidden_size).to(device=device, dtype=kw["dtype"])
+    head = path / "value_head.safetensors"
+    if head.exists():
+        critic.value_head.load_state_dict(load_file(str(head)))
+    critic.train()
+    return critic
