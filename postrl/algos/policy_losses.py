@@ -1,0 +1,386 @@
+"""Policy losses: registry and the PPO family.
+
+Every loss has one signature::
+
+    fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode="token-mean",
+       global_num_tokens=None, global_num_seqs=None, dp_size=1, rollout_log_prob=None,
+       rollout_is_weights=None, **hparams) -> (loss, metrics)
+
+``old_log_prob``, ``log_prob``, ``advantages``, ``response_mask`` and ``rollout_*`` are (B, T).
+The loss is aggregated with :func:`postrl.algos.agg_loss` (denominators passed through, so it is
+this shard's additive contribution). ``metrics`` holds at least ``pg_clipfrac``,
+``pg_clipfrac_lower`` and ``ppo_kl`` as detached 0-d tensors (local masked means; no host sync).
+``rollout_is_weights`` (B, T), when given, multiplies the per-token loss (truncated IS
+correction from :func:`postrl.algos.compute_rollout_correction`). Unknown ``hparams`` are
+ignored, so the trainer can pass ``actor.policy_loss_kwargs`` uniformly. Common hparams:
+``clip_ratio_low`` / ``clip_ratio_high`` (default ``clip_ratio`` = 0.2), ``clip_ratio_c``
+(dual-clip, default 3.0), ``norm_length`` (constant of ``seq-mean-token-sum-norm``).
+
+Notation: ``r = exp(log_prob - old_log_prob)`` (log-ratio clamped to [-20, 20]), ``A``
+advantages, ``eps_l / eps_h`` the clip ratios.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from postrl.algos.aggregation import agg_loss
+from postrl.algos.utils import masked_mean
+from postrl.registry import Registry
+
+__all__ = ["POLICY_LOSSES", "register_policy_loss", "get_policy_loss"]
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+
+
+def register_policy_loss(name: str, **meta: Any) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register a policy loss (config ``actor.policy_loss``).
+
+    Meta: ``agg_mode=...`` when the loss always aggregates with one fixed mode (GSPO, GMPO),
+    ``needs=("rollout_log_prob",)`` when it needs the rollout engine's log-probs.
+    """
+    meta.setdefault("needs", ())
+    return POLICY_LOSSES.register(name, **meta)
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """The policy loss registered as ``name``; unknown names list the registered ones."""
+    return POLICY_LOSSES.get(name)
+
+
+# ---------------------------------------------------------------------------- helpers
+def _clips(hp: dict[str, Any]) -> tuple[float, float]:
+    base = float(hp.get("clip_ratio", 0.2))
+    low = hp.get("clip_ratio_low")
+    high = hp.get("clip_ratio_high")
+    return float(base if low is None else low), float(base if high is None else high)
+
+
+def _log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+
+
+def _agg(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    denoms: dict[str, Any],
+    rollout_is_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights.detach()
+    return agg_loss(loss_mat, mask, mode, **denoms)
+
+
+def _denoms(
+    global_num_tokens: Any, global_num_seqs: Any, dp_size: int, hp: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "global_num_tokens": global_num_tokens,
+        "global_num_seqs": global_num_seqs,
+        "dp_size": dp_size,
+        "norm_length": hp.get("norm_length"),
+    }
+
+
+def _metrics(clipfrac: torch.Tensor, lower: torch.Tensor, kl: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {
+        "pg_clipfrac": clipfrac.detach(),
+        "pg_clipfrac_lower": lower.detach(),
+        "ppo_kl": kl.detach(),
+    }
+
+
+def _ppo_clip_matrix(
+    log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, hp: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token dual-clip PPO loss and its two clip fractions (shared by vanilla/bypass)."""
+    eps_l, eps_h = _clips(hp)
+    clip_c = float(hp.get("clip_ratio_c", 3.0))
+    if clip_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (dual-clip lower bound), got {clip_c}")
+    ratio = torch.exp(log_ratio)
+    l1 = -adv * ratio
+    l2 = -adv * torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h)
+    clipped = torch.maximum(l1, l2)
+    l3 = -adv * clip_c
+    dual = torch.minimum(l3, clipped)
+    loss = torch.where(adv < 0, dual, clipped)
+    clipfrac = masked_mean((l2 > l1).to(ratio.dtype), mask)
+    lower = masked_mean(((clipped > l3) & (adv < 0)).to(ratio.dtype), mask)
+    return loss, clipfrac, lower
+
+
+# ---------------------------------------------------------------------------- losses
+@register_policy_loss("vanilla")
+def compute_policy_loss_vanilla(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Any = None,
+    global_num_seqs: Any = None,
+    dp_size: int = 1,
+    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **hparams: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clip (Schulman et al. 2017, arXiv 1707.06347) with clip-higher and dual-clip.
+
+    ``L = max(-A r, -A clip(r, 1 - eps_l, 1 + eps_h))``; asymmetric ``eps_h > eps_l`` is DAPO's
+    clip-higher (Yu et al. 2025, arXiv 2503.14476). For ``A < 0`` the dual clip
+    (Ye et al. 2020, arXiv 1912.09729) bounds the loss: ``L = min(L, -A c)``, ``c`` =
+    ``clip_ratio_c`` > 1. ``pg_clipfrac``: share of tokens where the clip is active;
+    ``pg_clipfrac_lower``: share where the dual clip is active.
+    """
+    lr = _log_ratio(old_log_prob, log_prob)
+    loss_mat, clipfrac, lower = _ppo_clip_matrix(lr, advantages, response_mask, hparams)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    loss = _agg(loss_mat, response_mask, loss_agg_mode, denoms, rollout_is_weights)
+    return loss, _metrics(clipfrac, lower, masked_mean(-lr, response_mask))
+
+
+@register_policy_loss("reinforce")
+def compute_policy_loss_reinforce(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Any = None,
+    global_num_seqs: Any = None,
+    dp_size: int = 1,
+    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **hparams: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Plain REINFORCE (Williams 1992) for on-policy updates: ``L = -A log pi``.
+
+    Its gradient ``-A grad log pi`` equals PPO's at ``r = 1``; use it only for a single update
+    per batch (no trust region). ``ppo_kl`` still reports ``mean(old - new)``.
+    """
+    lr = _log_ratio(old_log_prob, log_prob)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    loss = _agg(-advantages * log_prob, response_mask, loss_agg_mode, denoms, rollout_is_weights)
+    zero = log_prob.new_zeros(())
+    return loss, _metrics(zero, zero, masked_mean(-lr, response_mask))
+
+
+@register_policy_loss("gpg")
+def compute_policy_loss_gpg(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Group Policy Gradient loss (Chu et al. 2025, arXiv 2504.02546): ``L = -A log pi``.
+
+    GPG drops the surrogate and the clip; pair it with the ``gpg`` advantage estimator.
+    """
+    return compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, response_mask, **kwargs)
+
+
+@register_policy_loss("gspo", agg_mode="seq-mean-token-mean")
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    global_num_tokens: Any = None,
+    global_num_seqs: Any = None,
+    dp_size: int = 1,
+    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **hparams: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071), token form "GSPO-token".
+
+    Sequence ratio ``s_i = exp(mean_t (log pi - log pi_old))``; per token
+    ``r_it = sg(s_i) * pi_it / sg(pi_it)`` (value ``s_i``, gradient of the token log-prob),
+    ``L = max(-A r, -A clip(r, 1 - eps_l, 1 + eps_h))``. Always aggregated with
+    ``seq-mean-token-mean`` (as the paper and verl; ``loss_agg_mode`` is ignored). The paper
+    uses tiny clip ranges (``clip_ratio_low=3e-4``, ``clip_ratio_high=4e-4``).
+    """
+    eps_l, eps_h = _clips(hparams)
+    mask_f = response_mask.to(log_prob.dtype)
+    neg_kl = log_prob - old_log_prob
+    seq_lr = (neg_kl * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)  # (B,)
+    log_r = seq_lr.detach().unsqueeze(-1) + log_prob - log_prob.detach()  # (B, T)
+    ratio = torch.exp(torch.clamp(log_r, max=10.0))
+    l1 = -advantages * ratio
+    l2 = -advantages * torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    loss = _agg(torch.maximum(l1, l2), response_mask, "seq-mean-token-mean", denoms, rollout_is_weights)
+    clipfrac = masked_mean((l2 > l1).to(ratio.dtype), response_mask)
+    return loss, _metrics(clipfrac, log_prob.new_zeros(()), masked_mean(-neg_kl, response_mask))
+
+
+@register_policy_loss("geo_mean", agg_mode="seq-mean-token-mean")
+def compute_policy_loss_geo_mean(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    global_num_tokens: Any = None,
+    global_num_seqs: Any = None,
+    dp_size: int = 1,
+    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **hparams: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv 2507.20673).
+
+    Token log-ratios are clipped in log space, pessimistically per sign of A:
+    ``l_t = sgn(A) * min(sgn(A) * lr_t, sgn(A) * clip(lr_t, -eps_l, eps_h))``; the sequence
+    ratio is their geometric mean ``R_i = exp(mean_t l_t)`` and ``L_i = -mean_t(A) * R_i``,
+    averaged over sequences (the loss is broadcast over tokens and aggregated with
+    ``seq-mean-token-mean``; ``loss_agg_mode`` is ignored). The paper uses
+    ``eps_l = eps_h = 0.4`` (log space). ``rollout_is_weights`` scale the token share.
+    """
+    eps_l, eps_h = _clips(hparams)
+    mask_f = response_mask.to(log_prob.dtype)
+    lr = _log_ratio(old_log_prob, log_prob)
+    sgn = torch.sign(advantages)
+    lr_clip = torch.clamp(lr, -eps_l, eps_h)
+    lr_min = sgn * torch.minimum(sgn * lr, sgn * lr_clip)  # (B, T)
+    n = mask_f.sum(-1).clamp(min=1.0)  # (B,)
+    seq_ratio = torch.exp((lr_min * mask_f).sum(-1) / n)  # (B,)
+    seq_adv = (advantages * mask_f).sum(-1) / n  # (B,)
+    loss_mat = (-seq_adv * seq_ratio).unsqueeze(-1).expand_as(log_prob)  # (B, T)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    loss = _agg(loss_mat, response_mask, "seq-mean-token-mean", denoms, rollout_is_weights)
+    clipped = lr != lr_clip
+    clipfrac = masked_mean((clipped & (lr > 0)).to(mask_f.dtype), response_mask)
+    lower = masked_mean((clipped & (lr < 0)).to(mask_f.dtype), response_mask)
+    return loss, _metrics(clipfrac, lower, masked_mean(-lr, response_mask))
+
+
+@register_policy_loss("cispo")
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Any = None,
+    global_num_seqs: Any = None,
+    dp_size: int = 1,
+    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **hparams: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the IS weight, never the gradient.
+
+    ``L = -sg(clip(r, 1 - eps_l, 1 + eps_h)) * A * log pi``: every token keeps a gradient
+    (PPO's clip zeroes it), only its weight is bounded. MiniMax uses no lower bound in practice
+    (set ``clip_ratio_low`` large, e.g. 1.0) and ``clip_ratio_high`` ~ 0.2–5 depending on setup.
+    ``pg_clipfrac``/``pg_clipfrac_lower``: share of tokens with r above / below the bounds.
+    """
+    eps_l, eps_h = _clips(hparams)
+    lr = _log_ratio(old_log_prob, log_prob)
+    ratio = torch.exp(lr).detach()
+    w = torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    loss = _agg(-w * advantages * log_prob, response_mask, loss_agg_mode, denoms, rollout_is_weights)
+    upper = masked_mean((ratio > 1.0 + eps_h).to(ratio.dtype), response_mask)
+    lower = masked_mean((ratio < 1.0 - eps_l).to(ratio.dtype), response_mask)
+    return loss, _metrics(upper, lower, masked_mean(-lr, response_mask))
+
+
+@register_policy_loss("sapo")
+def compute_policy_loss_sapo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Any = None,
+    global_num_seqs: Any = None,
+    dp_size: int = 1,
+    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **hparams: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO, soft adaptive policy optimisation (Gao et al. 2025, arXiv 2511.20347).
+
+    A smooth gate replaces the hard clip: ``f(r) = (4 / tau) * sigmoid(tau (r - 1))``,
+    ``L = -f(r) A`` with ``tau = tau_pos`` (default 1.0) for ``A > 0`` and ``tau_neg``
+    (default 1.05) otherwise. ``f'(1) = 1`` so at ``r = 1`` the gradient is REINFORCE's; it
+    decays smoothly as r leaves 1. SAPO has no hard clip: ``pg_clipfrac`` is 0.
+    """
+    tau_pos = float(hparams.get("tau_pos", 1.0))
+    tau_neg = float(hparams.get("tau_neg", 1.05))
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"SAPO needs tau_pos, tau_neg > 0, got {tau_pos}, {tau_neg}")
+    lr = _log_ratio(old_log_prob, log_prob)
+    ratio = torch.exp(lr)
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    loss = _agg(-gate * advantages, response_mask, loss_agg_mode, denoms, rollout_is_weights)
+    zero = log_prob.new_zeros(())
+    return loss, _metrics(zero, zero, masked_mean(-lr, response_mask))
+
+
+@register_policy_loss("bypass_mode", needs=("rollout_log_prob",))
+def compute_policy_loss_bypass_mode(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Any = None,
+    global_num_seqs: Any = None,
+    dp_size: int = 1,
+    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **hparams: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bypass mode: the rollout engine's log-probs serve as the old policy.
+
+    Skips the old-log-prob recomputation; the ratio is taken against the behaviour policy
+    ``mu``: ``r = pi / mu``. hparam ``bypass_loss``:
+
+    * ``"ppo_clip"`` (default): dual-clip PPO of :func:`compute_policy_loss_vanilla` with
+      ``old_log_prob := rollout_log_prob`` — the clip is the off-policy correction;
+    * ``"reinforce"``: ``L = -sg(min(r, rollout_is_threshold)) * A * log pi`` — truncated IS
+      REINFORCE (threshold default 2.0).
+
+    ``old_log_prob`` is ignored (may be the rollout log-probs or anything). Pass
+    ``rollout_is_weights=None`` here (they would be ~1 anyway since old == rollout).
+    """
+    if rollout_log_prob is None:
+        raise ValueError(
+            "policy loss 'bypass_mode' needs rollout_log_prob: enable returning log-probs from "
+            "the rollout engine (rollout_log_probs in the batch)"
+        )
+    lr = _log_ratio(rollout_log_prob, log_prob)
+    kind = hparams.get("bypass_loss", "ppo_clip")
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    if kind == "ppo_clip":
+        loss_mat, clipfrac, lower = _ppo_clip_matrix(lr, advantages, response_mask, hparams)
+    elif kind == "reinforce":
+        thr = float(hparams.get("rollout_is_threshold", 2.0))
+        ratio = torch.exp(lr).detach()
+        loss_mat = -torch.clamp(ratio, max=thr) * advantages * log_prob
+        clipfrac = masked_mean((ratio > thr).to(ratio.dtype), response_mask)
+        lower = log_prob.new_zeros(())
+    else:
+        raise ValueError(f"bypass_loss must be 'ppo_clip' or 'reinforce', got {kind!r}")
+    loss = _agg(loss_mat, response_mask, loss_agg_mode, denoms, rollout_is_weights)
+    return loss, _metrics(clipfrac, lower, masked_mean(-lr, response_mask))

@@ -1,0 +1,125 @@
+"""Covariance-based entropy-preserving losses: Clip-Cov and KL-Cov.
+
+Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
+Models" (arXiv 2505.22617): entropy collapse is driven by tokens with a large covariance
+``Cov(log pi, A)``. Centering over the valid tokens of the (micro-)batch,
+``c_t = (A_t - mean A) * (log pi_t - mean log pi)``:
+
+* **Clip-Cov** detaches the gradient of a random ``clip_cov_ratio`` share of tokens whose
+  covariance lies in ``(clip_cov_lb, clip_cov_ub)`` (tokens already clipped by PPO excluded);
+* **KL-Cov** adds ``ppo_kl_coef * |log pi - log pi_old|`` to the PPO loss of the top
+  ``kl_cov_ratio`` share of tokens by covariance (the unclipped surrogate ``-A r`` elsewhere).
+
+Statistics are taken over this shard's tokens (as in verl); the random choice of Clip-Cov uses
+the global torch RNG (pass ``generator=`` in hparams for reproducibility).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from postrl.algos.policy_losses import (
+    _agg,
+    _clips,
+    _denoms,
+    _log_ratio,
+    _metrics,
+    register_policy_loss,
+)
+from postrl.algos.utils import masked_mean
+
+__all__ = ["compute_policy_loss_clip_cov", "compute_policy_loss_kl_cov"]
+
+
+def _token_cov(advantages: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) centred product of advantage and (detached) log-prob over valid tokens."""
+    lp = log_prob.detach()
+    return (advantages - masked_mean(advantages, mask)) * (lp - masked_mean(lp, mask))
+
+
+@register_policy_loss("clip_cov")
+def compute_policy_loss_clip_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Any = None,
+    global_num_seqs: Any = None,
+    dp_size: int = 1,
+    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **hparams: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov: PPO clip, plus gradient detachment of a few high-covariance tokens.
+
+    hparams: ``clip_cov_ratio`` (default 2e-4), ``clip_cov_lb`` (1.0), ``clip_cov_ub`` (5.0),
+    ``clip_ratio_low/high``, ``generator``. ``pg_clipfrac`` = share of detached tokens.
+    """
+    eps_l, eps_h = _clips(hparams)
+    ratio_k = float(hparams.get("clip_cov_ratio", 2e-4))
+    lb = float(hparams.get("clip_cov_lb", 1.0))
+    ub = float(hparams.get("clip_cov_ub", 5.0))
+    mask = response_mask.bool()
+    lr = _log_ratio(old_log_prob, log_prob)
+    ratio = torch.exp(lr)
+    l1 = -advantages * ratio
+    l2 = -advantages * torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h)
+    cov = _token_cov(advantages, log_prob, response_mask)
+    candidates = mask & ~(l2 > l1) & (cov > lb) & (cov < ub)  # (B, T)
+    flat = torch.nonzero(candidates.reshape(-1), as_tuple=True)[0]
+    n_clip = max(int(ratio_k * float(mask.sum())), 1)
+    keep = torch.ones_like(lr).reshape(-1)
+    if flat.numel() > 0:
+        perm = torch.randperm(flat.numel(), generator=hparams.get("generator"), device="cpu")
+        keep[flat[perm[:n_clip].to(flat.device)]] = 0.0
+    keep = keep.reshape_as(lr)  # 0 = gradient detached
+    loss_mat = torch.maximum(l1, l2) * keep
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    loss = _agg(loss_mat, response_mask, loss_agg_mode, denoms, rollout_is_weights)
+    clipfrac = masked_mean((keep == 0).to(lr.dtype), response_mask)
+    return loss, _metrics(clipfrac, lr.new_zeros(()), masked_mean(-lr, response_mask))
+
+
+@register_policy_loss("kl_cov")
+def compute_policy_loss_kl_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Any = None,
+    global_num_seqs: Any = None,
+    dp_size: int = 1,
+    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **hparams: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov: ``-A r`` everywhere, plus ``ppo_kl_coef * |lr|`` on the top-covariance tokens.
+
+    hparams: ``kl_cov_ratio`` (default 2e-4), ``ppo_kl_coef`` (1.0). ``ppo_kl`` reports
+    ``mean |log pi - log pi_old|`` (as verl); ``pg_clipfrac`` = share of penalised tokens.
+    """
+    ratio_k = float(hparams.get("kl_cov_ratio", 2e-4))
+    coef = float(hparams.get("ppo_kl_coef", 1.0))
+    mask = response_mask.bool()
+    lr = _log_ratio(old_log_prob, log_prob)
+    ratio = torch.exp(lr)
+    base = -advantages * ratio
+    cov = _token_cov(advantages, log_prob, response_mask)
+    n_valid = int(mask.sum())
+    penal = torch.zeros_like(mask)
+    if n_valid > 0 and ratio_k > 0:
+        k = max(1, int(n_valid * ratio_k))
+        score = torch.where(mask, cov, torch.full_like(cov, float("-inf"))).reshape(-1)
+        top = torch.topk(score, k).indices
+        penal = penal.reshape(-1).index_fill(0, top, True).reshape_as(mask)
+    loss_mat = torch.where(penal, base + coef * lr.abs(), base)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    loss = _agg(loss_mat, response_mask, loss_agg_mode, denoms, rollout_is_weights)
+    frac = masked_mean(penal.to(lr.dtype), response_mask)
+    return loss, _metrics(frac, lr.new_zeros(()), masked_mean(lr.abs(), response_mask))
