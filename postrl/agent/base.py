@@ -1,0 +1,110 @@
+"""Agent loops: the interface, the registry and the single-turn loop.
+
+An agent loop turns one dataset row into one trajectory by talking token-in/token-out to the
+rollout client. It returns the exact ids the policy saw (``prompt_ids``), the ids it produced
+plus any observation ids spliced in (``response_ids``), and a ``response_mask`` that is 1 on
+policy tokens and 0 on observation tokens — so nothing is ever re-tokenised between rollout
+and training.
+
+Add a loop::
+
+    @register_agent_loop("my_loop")
+    class MyLoop(AgentLoopBase):
+        async def run(self, sampling, **row) -> AgentLoopOutput: ...
+
+and select it per row (``agent_name`` column) or with ``rollout.agent.default_agent_loop``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from postrl.registry import Registry
+
+__all__ = [
+    "AGENT_LOOPS",
+    "AgentLoopBase",
+    "AgentLoopOutput",
+    "RolloutClientLike",
+    "SingleTurnAgentLoop",
+    "register_agent_loop",
+]
+
+T = TypeVar("T")
+
+AGENT_LOOPS: Registry[type] = Registry("agent loop")
+AGENT_LOOPS.add_lazy("tool_agent", "postrl.agent.tool_loop:ToolAgentLoop")
+
+
+def register_agent_loop(name: str, **meta: Any) -> Callable[[T], T]:
+    """Class decorator registering an :class:`AgentLoopBase` subclass under ``name``."""
+    return AGENT_LOOPS.register(name, override=name == "tool_agent", **meta)
+
+
+class RolloutClientLike(Protocol):
+    """What an agent loop needs from the rollout side (``postrl.rollout`` client)."""
+
+    async def generate(self, prompt_ids: list[int], sampling: Any, request_id: str, trajectory_id: str | None = None) -> Any:
+        """Return an object with ``token_ids``, ``log_probs`` and ``finish_reason``."""
+        ...
+
+
+@dataclass
+class AgentLoopOutput:
+    """One finished trajectory, token-exact.
+
+    ``response_mask[i]`` is 1 where ``response_ids[i]`` was sampled by the policy (trained on)
+    and 0 on observation/tool tokens. ``response_logprobs`` holds the rollout log-prob of policy
+    tokens (0.0 on observation tokens).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+    num_turns: int = 1
+    finish_reason: str = "stop"
+    metrics: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class AgentLoopBase(ABC):
+    """Base of all agent loops.
+
+    Args:
+        client: rollout client (``generate(prompt_ids, sampling, request_id, trajectory_id)``).
+        tokenizer: the policy's HF tokenizer.
+        config: :class:`postrl.config.AgentConfig`.
+    """
+
+    def __init__(self, client: RolloutClientLike, tokenizer: Any, config: Any, **kwargs: Any) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.config = config
+
+    @abstractmethod
+    async def run(self, sampling: Any, **row: Any) -> AgentLoopOutput:
+        """Produce one trajectory for ``row`` (keys: raw_prompt_ids, messages, data_source,
+        ground_truth, extra_info, request_id, ...)."""
+
+
+@register_agent_loop("single_turn")
+class SingleTurnAgentLoop(AgentLoopBase):
+    """One generation from the chat-templated prompt; every response token is trained on."""
+
+    async def run(self, sampling: Any, **row: Any) -> AgentLoopOutput:
+        prompt_ids = list(row["raw_prompt_ids"])
+        out = await self.client.generate(prompt_ids, sampling, request_id=row["request_id"], trajectory_id=row["request_id"])
+        n = len(out.token_ids)
+        logprobs = list(out.log_probs) if out.log_probs else [0.0] * n
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids,
+            response_ids=list(out.token_ids),
+            response_mask=[1] * n,
+            response_logprobs=logprobs,
+            num_turns=2,
+            finish_reason=out.finish_reason,
+        )

@@ -1,0 +1,158 @@
+"""``AgentLoopManager``: runs n agent loops per prompt concurrently and assembles a DataProto.
+
+Layout of the assembled batch (verl names; B = prompts × n, P/R = longest prompt/response in
+this batch, not the configured maxima, so no compute is spent on padding that never occurs)::
+
+    prompts          (B, P)    left-padded with pad_id
+    responses        (B, R)    right-padded
+    input_ids        (B, P+R)  prompts ‖ responses
+    attention_mask   (B, P+R)  1 on real tokens
+    position_ids     (B, P+R)  0.. over real tokens
+    response_mask    (B, R)    1 on policy tokens (0 on padding and observation tokens)
+    rollout_log_probs(B, R)    sampler log-probs (0 where response_mask is 0)
+
+Non-tensor columns: ``uid`` (one per prompt, shared by its n samples), ``sample_index`` (k),
+``data_source``, ``ground_truth``, ``extra_info``, ``messages``, ``num_turns``, ``finish_reason``.
+Sampling seeds are derived from ``(seed, step, prompt index, k)`` so a resumed run samples
+exactly what the uninterrupted run sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from postrl.agent.base import AGENT_LOOPS, AgentLoopBase, AgentLoopOutput
+from postrl.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AgentLoopManager", "derive_seed"]
+
+_MASK64 = (1 << 63) - 1
+
+
+def derive_seed(*parts: int) -> int:
+    """A stable 63-bit seed from integers (splitmix64 over the parts)."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 29
+    return x & _MASK64
+
+
+class AgentLoopManager:
+    """Run agent loops for a batch of prompts against a rollout client.
+
+    Args:
+        client: the rollout client (load-balanced over replicas).
+        tokenizer: the policy tokenizer (pad id, decoding for rewards).
+        agent_config: :class:`postrl.config.AgentConfig`.
+        loop_kwargs: extra constructor arguments for agent loops (e.g. tools).
+    """
+
+    def __init__(self, client: Any, tokenizer: Any, agent_config: Any, **loop_kwargs: Any) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.config = agent_config
+        self.loop_kwargs = loop_kwargs
+        self._loops: dict[str, AgentLoopBase] = {}
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def _loop(self, name: str | None) -> AgentLoopBase:
+        name = name or self.config.default_agent_loop
+        if name not in self._loops:
+            cls = AGENT_LOOPS.get(name)
+            self._loops[name] = cls(self.client, self.tokenizer, self.config, **self.loop_kwargs)
+        return self._loops[name]
+
+    async def generate(
+        self,
+        prompts: DataProto,
+        sampling: Any,
+        n: int,
+        *,
+        seed: int,
+        step: int,
+        on_sample_end: Callable[[int, AgentLoopOutput, dict[str, Any]], None] | None = None,
+    ) -> DataProto:
+        """Run ``n`` samples per prompt row; returns the assembled batch (B = len × n).
+
+        ``on_sample_end(i, output, row)`` is called as each trajectory finishes (the trainer uses
+        it to start reward scoring while the rollout tail runs).
+        """
+        nt = prompts.non_tensor_batch
+        rows: list[dict[str, Any]] = []
+        for p in range(len(prompts)):
+            index = int(nt["index"][p]) if "index" in nt else p
+            for k in range(n):
+                row = {key: nt[key][p] for key in nt}
+                row["sample_index"] = k
+                row["uid"] = f"{step}-{index}"
+                row["request_id"] = f"s{step}-p{index}-k{k}"
+                row["seed"] = derive_seed(seed, step, index, k)
+                rows.append(row)
+
+        t0 = time.perf_counter()
+
+        async def one(i: int, row: dict[str, Any]) -> AgentLoopOutput:
+            sp = replace(sampling, seed=row["seed"]) if getattr(sampling, "temperature", 0) > 0 else sampling
+            out = await self._loop(row.get("agent_name")).run(sp, **row)
+            if on_sample_end is not None:
+                on_sample_end(i, out, row)
+            return out
+
+        outputs = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
+        batch = self.assemble(outputs, rows)
+        batch.meta_info["timing_s/agent_loop"] = time.perf_counter() - t0
+        return batch
+
+    def assemble(self, outputs: list[AgentLoopOutput], rows: list[dict[str, Any]]) -> DataProto:
+        """Pad trajectories into the batch layout described in the module docstring."""
+        B = len(outputs)
+        P = max(len(o.prompt_ids) for o in outputs)
+        R = max(1, max(len(o.response_ids) for o in outputs))
+        prompts = torch.full((B, P), self.pad_id, dtype=torch.long)
+        responses = torch.full((B, R), self.pad_id, dtype=torch.long)
+        prompt_am = torch.zeros(B, P, dtype=torch.long)
+        resp_am = torch.zeros(B, R, dtype=torch.long)
+        response_mask = torch.zeros(B, R, dtype=torch.long)
+        logprobs = torch.zeros(B, R, dtype=torch.float32)
+        for i, o in enumerate(outputs):
+            lp, lr = len(o.prompt_ids), len(o.response_ids)
+            if lp:
+                prompts[i, P - lp :] = torch.as_tensor(o.prompt_ids)
+                prompt_am[i, P - lp :] = 1
+            if lr:
+                responses[i, :lr] = torch.as_tensor(o.response_ids)
+                resp_am[i, :lr] = 1
+                response_mask[i, :lr] = torch.as_tensor(o.response_mask)
+                logprobs[i, :lr] = torch.as_tensor(o.response_logprobs, dtype=torch.float32)
+        attention_mask = torch.cat([prompt_am, resp_am], dim=1)
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0) * attention_mask
+        keep = ("uid", "sample_index", "data_source", "ground_truth", "extra_info", "messages", "index")
+        non_tensors: dict[str, Any] = {k: [r.get(k) for r in rows] for k in keep}
+        non_tensors["num_turns"] = np.array([o.num_turns for o in outputs], dtype=np.int64)
+        non_tensors["finish_reason"] = [o.finish_reason for o in outputs]
+        non_tensors["agent_extra"] = [o.extra for o in outputs]
+        non_tensors["agent_metrics"] = [o.metrics for o in outputs]
+        return DataProto.from_dict(
+            {
+                "prompts": prompts,
+                "responses": responses,
+                "input_ids": torch.cat([prompts, responses], dim=1),
+                "attention_mask": attention_mask,
+                "position_ids": position_ids,
+                "response_mask": response_mask,
+                "rollout_log_probs": logprobs,
+            },
+            non_tensors,
+        )
