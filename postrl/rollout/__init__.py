@@ -1,1 +1,29 @@
-"""postrl.rollout — see DESIGN.md."""
+"""postrl.rollout — token-in/token-out inference backends behind one async interface.
+
+``import postrl.rollout`` is cheap: backends (``native``, ``hf``, ``vllm``, ``sglang``) are
+registered lazily and imported on first ``create_rollout_backend(name, ...)``.
+"""
+
+from postrl.rollout.base import ROLLOUT_BACKENDS, create_rollout_backend, register_rollout_backend
+from postrl.rollout.types import (
+    FinishReason,
+    RolloutBackend,
+    RolloutError,
+    RolloutTimeoutError,
+    SamplingParams,
+    TokenOutput,
+    WeightItem,
+)
+
+__all__ = [
+    "ROLLOUT_BACKENDS",
+    "create_rollout_backend",
+    "register_rollout_backend",
+    "FinishReason",
+    "RolloutBackend",
+    "RolloutError",
+    "RolloutTimeoutError",
+    "SamplingParams",
+    "TokenOutput",
+    "WeightItem",
+]

@@ -1,0 +1,469 @@
+"""The ``native`` rollout backend: continuous batching over a slot KV cache.
+
+One engine step (run in a single worker thread so the event loop stays responsive):
+
+1. apply pending aborts;
+2. if requests wait and slots are free: **admit** them — identical prompts among the admitted
+   requests are prefilled *once* and their K/V copied into each of their slots (the n samples
+   of a GRPO prompt arrive together), then every new slot samples its first token;
+3. otherwise **decode**: one batched forward over the running slots ``0..B-1`` and batched
+   sampling (``sampler.sample_tokens``);
+4. finished rows (stop id, stop string, length, abort) resolve their futures and leave; the last
+   running slots move into the holes so the running set stays a prefix of the cache.
+
+Requests join and leave at every step. All per-sequence state lives in tensors indexed by slot;
+Python touches individual requests only at admission, finish, and for requests with stop strings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from postrl.rollout.base import register_rollout_backend
+from postrl.rollout.native.forward import decode, prefill
+from postrl.rollout.native.model import load_config, load_weights, rope_tables
+from postrl.rollout.native.sampler import sample_tokens
+from postrl.rollout.types import RolloutError, SamplingParams, TokenOutput, WeightItem
+
+__all__ = ["NativeBackend"]
+
+logger = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_MAX_STOP = 8
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    seed: int
+    stop_ids: list[int] = field(default_factory=list)
+
+
+@register_rollout_backend("native", device="cpu|cuda")
+class NativeBackend:
+    """Native continuous-batching engine for Qwen2 / Llama / Qwen3 checkpoints.
+
+    Args:
+        model_path: HF model directory (config.json + *.safetensors).
+        max_num_seqs: KV-cache slots = maximum concurrently running sequences.
+        max_model_len: maximum prompt + completion length per sequence.
+        device: "cpu" or "cuda[:i]".
+        dtype: parameter / activation dtype ("float32", "bfloat16", "float16" or a torch.dtype).
+        max_num_batched_tokens: token budget of one prefill forward (padded unique prompts).
+        seed: seeds the draw of per-request seeds for requests with ``seed=None``.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        max_num_seqs: int = 128,
+        max_model_len: int | None = None,
+        device: str = "cpu",
+        dtype: str | torch.dtype = "float32",
+        max_num_batched_tokens: int = 16384,
+        seed: int = 0,
+    ) -> None:
+        self.model_path = str(model_path)
+        self.cfg = load_config(model_path)
+        if isinstance(dtype, str) and dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} unsupported; choose one of {sorted(_DTYPES)}")
+        self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.device = torch.device(device)
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_model_len = int(max_model_len or min(self.cfg.max_position_embeddings, 2048))
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.weights = load_weights(model_path, self.cfg, self.dtype, self.device)
+        self.cos, self.sin = rope_tables(self.cfg, self.max_model_len, self.dtype, self.device)
+        self.weight_version = 0
+        self._rng = random.Random(seed)
+        self._lock = threading.RLock()  # guards engine state (step / update / sleep)
+        self._qlock = threading.Lock()  # guards _waiting and _aborts
+        self._waiting: deque[_Request] = deque()
+        self._aborts: set[str] = set()
+        self._slots: list[_Request] = []  # running requests; slot i = self._slots[i]
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="postrl-native")
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._asleep = False
+        self._weights_backup: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._tokenizer = None
+        self._alloc_state()
+
+    # ------------------------------------------------------------------ state
+    def _alloc_state(self) -> None:
+        S, T, dev = self.max_num_seqs, self.max_model_len, self.device
+        c = self.cfg
+        shape = (c.num_layers, S, c.num_kv_heads, T, c.head_dim)
+        with torch.inference_mode():
+            # torch.zeros on CPU maps lazily: pages are touched only where K/V are written.
+            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
+            self.v_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
+            i64 = dict(dtype=torch.int64, device=dev)
+            self.s_last = torch.zeros(S, **i64)  # last sampled token (next decode input)
+            self.s_pos = torch.zeros(S, **i64)  # position the last token will be written at
+            self.s_ngen = torch.zeros(S, **i64)
+            self.s_maxnew = torch.zeros(S, **i64)
+            self.s_seed = torch.zeros(S, **i64)
+            self.s_topk = torch.zeros(S, **i64)
+            self.s_temp = torch.zeros(S, dtype=torch.float32, device=dev)
+            self.s_topp = torch.ones(S, dtype=torch.float32, device=dev)
+            self.s_stop = torch.full((S, _MAX_STOP), -1, **i64)
+            self.s_out = torch.zeros(S, T, **i64)
+            self.s_logp = torch.zeros(S, T, dtype=torch.float32, device=dev)
+            self._ar_s = torch.arange(S, **i64)
+            self._ar_t = torch.arange(T, **i64)
+        self._state_tensors = [self.s_last, self.s_pos, self.s_ngen, self.s_maxnew, self.s_seed, self.s_topk,
+                               self.s_temp, self.s_topp, self.s_stop, self.s_out, self.s_logp]
+
+    # ------------------------------------------------------------------ public API
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+        """Queue one request and await its completion (see ``RolloutBackend.generate``)."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise RolloutError(f"request {request_id!r}: prompt_ids is empty; pass at least one token")
+        if len(prompt) >= self.max_model_len:
+            raise RolloutError(
+                f"request {request_id!r}: prompt has {len(prompt)} tokens but max_model_len={self.max_model_len}; "
+                f"shorten the prompt or raise max_model_len"
+            )
+        if max(prompt) >= self.cfg.vocab_size or min(prompt) < 0:
+            raise RolloutError(f"request {request_id!r}: token id out of range [0, {self.cfg.vocab_size})")
+        stop_ids = list(dict.fromkeys(list(sampling.stop_token_ids) + ([] if sampling.ignore_eos else list(self.cfg.eos_token_ids))))
+        if len(stop_ids) > _MAX_STOP:
+            raise RolloutError(f"request {request_id!r}: at most {_MAX_STOP} stop token ids (got {len(stop_ids)})")
+        loop = asyncio.get_running_loop()
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
+        req = _Request(request_id, prompt, sampling, loop.create_future(), loop, int(seed), stop_ids)
+        with self._qlock:
+            self._waiting.append(req)
+        self._ensure_running(loop)
+        return await req.future
+
+    def abort(self, request_id: str) -> None:
+        """Stop ``request_id`` at the next step; its ``generate`` returns the partial output."""
+        with self._qlock:
+            self._aborts.add(request_id)
+        self._kick()
+
+    def update_weights(self, weights: Iterable[WeightItem]) -> None:
+        """Copy a per-tensor stream of HF-named tensors into the engine's (fused) parameters.
+
+        Runs between engine steps. Unknown names raise (rotary ``inv_freq`` buffers are ignored).
+        """
+        views = self.weights.views
+        n = 0
+        with self._lock, torch.no_grad():
+            for name, tensor in weights:
+                dst = views.get(name)
+                if dst is None:
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    raise KeyError(f"update_weights: unknown parameter {name!r} (expected HF names such as "
+                                   f"{next(iter(views))!r})")
+                if tuple(dst.shape) != tuple(tensor.shape):
+                    raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"engine expects {tuple(dst.shape)}")
+                dst.copy_(tensor)
+                n += 1
+            self.weight_version += 1
+        logger.debug("native: updated %d tensors (version %d)", n, self.weight_version)
+
+    def sleep(self) -> None:
+        """Abort running requests and release the KV cache; on accelerators also offload weights.
+
+        Requests submitted while asleep wait until ``wake_up``.
+        """
+        with self._lock:
+            if self._asleep:
+                return
+            with self._qlock:
+                self._aborts.update(r.request_id for r in self._slots)
+            if self._slots:
+                for req, out in self._finish_and_compact(self._collect_aborts()):
+                    _resolve(req, out)
+            self.k_cache = self.v_cache = torch.empty(0)
+            if self.device.type != "cpu":
+                self._weights_backup = []
+                for t in self._base_weights():
+                    self._weights_backup.append((t, t.detach().to("cpu")))
+                    t.untyped_storage().resize_(0)
+            self._asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Reallocate the KV cache and restore offloaded weights (``tags`` accepted for API parity;
+        the native engine restores both)."""
+        with self._lock:
+            if not self._asleep:
+                return
+            if self._weights_backup is not None:
+                for t, cpu in self._weights_backup:
+                    t.untyped_storage().resize_(cpu.numel() * cpu.element_size())
+                    t.copy_(cpu)
+                self._weights_backup = None
+            shape = (self.cfg.num_layers, self.max_num_seqs, self.cfg.num_kv_heads, self.max_model_len, self.cfg.head_dim)
+            with torch.inference_mode():
+                self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self._asleep = False
+        self._kick()
+
+    @property
+    def num_running(self) -> int:
+        """Requests currently holding a slot."""
+        return len(self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission."""
+        return len(self._waiting)
+
+    def close(self) -> None:
+        """Shut down the worker thread (pending requests are aborted)."""
+        with self._qlock:
+            self._aborts.update(r.request_id for r in self._waiting)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ driver
+    def _base_weights(self) -> list[torch.Tensor]:
+        seen, out = set(), []
+        for v in self.weights.views.values():
+            base = v._base if v._base is not None else v
+            if id(base) not in seen:
+                seen.add(id(base))
+                out.append(base)
+        return out
+
+    def _has_work(self) -> bool:
+        return bool(self._slots) or bool(self._aborts) or (bool(self._waiting) and not self._asleep)
+
+    def _ensure_running(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._task is None or self._task.done() or self._loop is not loop:
+            self._loop = loop
+            self._task = loop.create_task(self._drive())
+
+    def _kick(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and self._has_work():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                self._ensure_running(loop)
+            else:
+                loop.call_soon_threadsafe(self._ensure_running, loop)
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._has_work():
+            try:
+                done = await loop.run_in_executor(self._executor, self._step)
+            except Exception as e:  # fail every request rather than hang callers
+                logger.exception("native engine step failed")
+                self._fail_all(RolloutError(f"native engine step failed: {e!r}"))
+                return
+            for req, out in done:
+                _resolve(req, out)
+
+    def _fail_all(self, err: Exception) -> None:
+        with self._lock, self._qlock:
+            reqs = list(self._slots) + list(self._waiting)
+            self._slots.clear()
+            self._waiting.clear()
+        for r in reqs:
+            if not r.future.done():
+                r.loop.call_soon_threadsafe(_set_exc, r.future, err)
+
+    # ------------------------------------------------------------------ one step
+    def _step(self) -> list[tuple[_Request, TokenOutput]]:
+        with self._lock, torch.inference_mode():
+            finished: list[tuple[_Request, TokenOutput]] = []
+            aborted = self._collect_aborts()  # slot indices + already-resolved waiting requests
+            if aborted[0] or aborted[1]:
+                finished += self._finish_and_compact(aborted)
+            if self._asleep:
+                return finished
+            free = self.max_num_seqs - len(self._slots)
+            with self._qlock:
+                new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            if new:
+                rows = self._admit(new)
+            elif self._slots:
+                rows = self._decode()
+            else:
+                return finished
+            done = self._done_rows(rows)
+            if done:
+                finished += self._finish_and_compact((done, []))
+            return finished
+
+    def _collect_aborts(self) -> tuple[list[tuple[int, str]], list[tuple[_Request, TokenOutput]]]:
+        with self._qlock:
+            ids, self._aborts = self._aborts, set()
+            if not ids:
+                return [], []
+            waiting_hit = [r for r in self._waiting if r.request_id in ids]
+            for r in waiting_hit:
+                self._waiting.remove(r)
+        slots = [(i, "abort") for i, r in enumerate(self._slots) if r.request_id in ids]
+        return slots, [(r, TokenOutput([], [], "abort")) for r in waiting_hit]
+
+    def _admit(self, new: list[_Request]) -> torch.Tensor:
+        """Prefill ``new`` requests into slots ``B .. B+n-1``; returns their slot indices."""
+        B, n, dev = len(self._slots), len(new), self.device
+        groups: dict[tuple[int, ...], int] = {}
+        src = [groups.setdefault(tuple(r.prompt), len(groups)) for r in new]
+        uniq = list(groups)
+        slots = torch.arange(B, B + n, device=dev)
+        src_t = torch.tensor(src, device=dev)
+        logits_u = torch.empty(len(uniq), self.cfg.vocab_size, dtype=self.dtype, device=dev)
+        # chunk unique prompts (sorted by length) under the prefill token budget
+        order = sorted(range(len(uniq)), key=lambda i: len(uniq[i]))
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and (end - start + 1) * len(uniq[order[end]]) <= self.max_num_batched_tokens:
+                end += 1
+            ids = order[start:end]
+            P = len(uniq[ids[-1]])
+            toks = torch.zeros(len(ids), P, dtype=torch.int64)
+            for j, u in enumerate(ids):
+                toks[j, : len(uniq[u])] = torch.tensor(uniq[u])
+            lens = torch.tensor([len(uniq[u]) for u in ids], device=dev)
+            local = {u: j for j, u in enumerate(ids)}
+            members = [i for i, s in enumerate(src) if s in local]
+            logits_u[ids] = prefill(
+                self.weights, self.cfg, toks.to(dev), lens, self.cos, self.sin, self.k_cache, self.v_cache,
+                slots[members], torch.tensor([local[src[i]] for i in members], device=dev),
+            )
+            start = end
+        sp = [r.sampling for r in new]
+        self.s_pos[B:B + n] = torch.tensor([len(r.prompt) for r in new], device=dev)
+        self.s_ngen[B:B + n] = 0
+        self.s_maxnew[B:B + n] = torch.tensor([s.max_new_tokens for s in sp], device=dev)
+        self.s_seed[B:B + n] = torch.tensor([r.seed for r in new], device=dev)
+        self.s_topk[B:B + n] = torch.tensor([s.top_k for s in sp], device=dev)
+        self.s_temp[B:B + n] = torch.tensor([s.temperature for s in sp], device=dev)
+        self.s_topp[B:B + n] = torch.tensor([s.top_p for s in sp], device=dev)
+        stop = torch.full((n, _MAX_STOP), -1, dtype=torch.int64)
+        for i, r in enumerate(new):
+            stop[i, : len(r.stop_ids)] = torch.tensor(r.stop_ids, dtype=torch.int64)
+        self.s_stop[B:B + n] = stop.to(dev)
+        self._slots.extend(new)
+        self._sample(slots, logits_u[src_t], advance_pos=False)
+        return slots
+
+    def _decode(self) -> torch.Tensor:
+        B = len(self._slots)
+        pos = self.s_pos[:B]
+        T = int(pos.max()) + 1
+        logits = decode(self.weights, self.cfg, self.s_last[:B], pos, T, self.cos, self.sin,
+                        self.k_cache, self.v_cache, self._ar_s, self._ar_t)
+        rows = self._ar_s[:B]
+        self._sample(rows, logits, advance_pos=True)
+        return rows
+
+    def _sample(self, rows: torch.Tensor, logits: torch.Tensor, advance_pos: bool) -> None:
+        use_filters = any(r.sampling.top_k > 0 or r.sampling.top_p < 1 for r in self._slots)
+        ngen = self.s_ngen[rows]
+        tok, lp = sample_tokens(logits, self.s_temp[rows], self.s_topk[rows], self.s_topp[rows],
+                                self.s_seed[rows], ngen, use_filters)
+        self.s_out[rows, ngen] = tok
+        self.s_logp[rows, ngen] = lp
+        self.s_ngen[rows] = ngen + 1
+        self.s_last[rows] = tok
+        if advance_pos:
+            self.s_pos[rows] += 1
+
+    def _done_rows(self, rows: torch.Tensor) -> list[tuple[int, str]]:
+        last = self.s_last[rows]
+        hit_stop = (self.s_stop[rows] == last[:, None]).any(-1)
+        hit_len = (self.s_ngen[rows] >= self.s_maxnew[rows]) | (self.s_pos[rows] + 1 >= self.max_model_len)
+        flags = (hit_stop.to(torch.int8) * 2 + hit_len.to(torch.int8)).tolist()
+        base = int(rows[0]) if len(rows) else 0
+        out = [(base + i, "stop" if f >= 2 else "length") for i, f in enumerate(flags) if f]
+        if any(r.sampling.stop for r in self._slots):
+            taken = {i for i, _ in out}
+            for i in range(base, base + len(rows)):
+                if i not in taken and self._slots[i].sampling.stop and self._stop_string(i) is not None:
+                    out.append((i, "stop_str"))
+        return out
+
+    def _stop_string(self, slot: int) -> str | None:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        n = int(self.s_ngen[slot])
+        text = self._tokenizer.decode(self.s_out[slot, :n].tolist())
+        return next((s for s in self._slots[slot].sampling.stop if s in text), None)
+
+    def _finish_and_compact(self, aborted) -> list[tuple[_Request, TokenOutput]]:
+        done_slots, waiting_outs = aborted
+        results = list(waiting_outs)
+        if not done_slots:
+            return results
+        ngen = self.s_ngen.tolist()
+        for i, why in done_slots:
+            req, n = self._slots[i], ngen[i]
+            toks = self.s_out[i, :n].tolist()
+            lps = self.s_logp[i, :n].tolist() if req.sampling.logprobs else []
+            if why == "stop":
+                reason, stop_reason = "stop", toks[-1]
+            elif why == "stop_str":
+                reason, stop_reason = "stop", self._stop_string(i)
+            else:
+                reason, stop_reason = why, None
+            results.append((req, TokenOutput(toks, lps, reason, stop_reason, [(n, self.weight_version)])))
+        gone = {i for i, _ in done_slots}
+        B = len(self._slots)
+        keep = B - len(gone)
+        holes = sorted(i for i in gone if i < keep)
+        movers = [i for i in range(keep, B) if i not in gone]
+        if holes:
+            dst = torch.tensor(holes, device=self.device)
+            srcs = torch.tensor(movers, device=self.device)
+            T = int(self.s_pos[srcs].max()) + 1
+            self.k_cache[:, dst, :, :T] = self.k_cache[:, srcs, :, :T]
+            self.v_cache[:, dst, :, :T] = self.v_cache[:, srcs, :, :T]
+            for t in self._state_tensors:
+                t[dst] = t[srcs]
+            for h, m in zip(holes, movers, strict=True):
+                self._slots[h] = self._slots[m]
+        del self._slots[keep:]
+        return results
+
+
+def _set_exc(fut: asyncio.Future, err: Exception) -> None:
+    if not fut.done():
+        fut.set_exception(err)
+
+
+def _set_res(fut: asyncio.Future, out: TokenOutput) -> None:
+    if not fut.done():
+        fut.set_result(out)
+
+
+def _resolve(req: _Request, out: TokenOutput) -> None:
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is req.loop:
+        _set_res(req.future, out)
+    elif not req.loop.is_closed():
+        req.loop.call_soon_threadsafe(_set_res, req.future, out)
