@@ -1,0 +1,105 @@
+"""Optimizer, LR schedule, gradient synchronisation and the guarded optimizer step.
+
+Schedule (``OptimConfig``): linear warmup ``lr · (s+1)/W`` for the first ``W`` optimizer steps,
+then ``constant`` or ``cosine``: ``lr · (m + (1 − m) · ½(1 + cos(π · p)))`` with ``m`` =
+``min_lr_ratio`` and ``p`` the post-warmup progress in [0, 1] over ``total_steps − W`` steps.
+
+Data parallelism: every rank holds the full model; after gradient accumulation
+:func:`allreduce_grads` SUMS the gradients over the process group in one flat bucket. Because
+every micro-batch loss is already an additive share of the global loss (global denominators, see
+``postrl.algos.aggregation``), the summed gradient is exactly the gradient of the whole
+mini-batch — no ``× dp_size`` correction is needed (DDP's mean all-reduce would need one). This is
+DDP semantics without compute/communication overlap; FSDP2 sharding is not used (see
+docs/engine.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["build_optimizer", "build_scheduler", "allreduce_grads", "allreduce_sum", "guarded_step"]
+
+
+def build_optimizer(params: Iterable[nn.Parameter], optim_cfg) -> torch.optim.AdamW:
+    """AdamW from an ``OptimConfig`` (lr, betas, eps, weight_decay)."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters (all requires_grad=False)")
+    betas = tuple(float(b) for b in optim_cfg.betas)
+    if len(betas) != 2:
+        raise ValueError(f"optim.betas must have two values, got {optim_cfg.betas}")
+    return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=betas, eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay)
+
+
+def build_scheduler(opt: torch.optim.Optimizer, optim_cfg, total_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup + constant/cosine ``LambdaLR``; cosine needs ``total_steps`` > warmup."""
+    warm = int(optim_cfg.warmup_steps)
+    kind = optim_cfg.lr_scheduler
+    floor = float(optim_cfg.min_lr_ratio)
+    if kind not in ("constant", "cosine"):
+        raise ValueError(f"optim.lr_scheduler={kind!r}; use 'constant' or 'cosine'")
+    if kind == "cosine" and total_steps <= warm:
+        raise ValueError(
+            f"optim.lr_scheduler='cosine' needs the total optimizer steps (> warmup_steps={warm}), got {total_steps}; "
+            "set trainer.total_steps or use lr_scheduler=constant"
+        )
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if kind == "constant":
+            return 1.0
+        prog = min(1.0, (step - warm) / max(1, total_steps - warm))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * prog))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def allreduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """Sum gradients over ``group`` in one flat bucket (no-op without a group)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    off = 0
+    for p, g in zip(params, grads, strict=True):
+        n = g.numel()
+        p.grad = flat[off : off + n].view_as(p).clone()
+        off += n
+
+
+def allreduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum a tensor over ``group`` (returns ``t`` without a group)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def guarded_step(
+    params: list[nn.Parameter],
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    grad_clip: float,
+) -> tuple[torch.Tensor, bool]:
+    """Clip the global grad norm and step, unless the norm is non-finite (then skip).
+
+    Returns:
+        (grad norm before clipping, whether the step was taken). A skipped step zeroes the
+        gradients and advances neither optimizer nor scheduler.
+    """
+    clip = grad_clip if grad_clip and grad_clip > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, clip, error_if_nonfinite=False)
+    ok = bool(torch.isfinite(norm))
+    if ok:
+        opt.step()
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+    return norm.detach(), ok
