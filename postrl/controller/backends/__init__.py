@@ -1,0 +1,1 @@
+"""Worker-group backends: ``local`` (in-process) and ``ray`` (imported lazily)."""
