@@ -1,1 +1,17 @@
-"""postrl.trainer — see DESIGN.md."""
+"""The RL trainer: the step, its stages and hooks, modes, validation, checkpoint/resume.
+
+Heavy modules are imported lazily: ``from postrl.trainer import RLTrainer`` works, and
+``import postrl.trainer`` alone stays cheap.
+"""
+
+from postrl.trainer.modes import TRAINER_MODES, SyncMode, TrainerMode, register_trainer
+
+__all__ = ["TRAINER_MODES", "RLTrainer", "SyncMode", "TrainerMode", "register_trainer"]
+
+
+def __getattr__(name: str):
+    if name == "RLTrainer":
+        from postrl.trainer.trainer import RLTrainer
+
+        return RLTrainer
+    raise AttributeError(f"module 'postrl.trainer' has no attribute {name!r}")

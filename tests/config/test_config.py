@@ -35,3 +35,19 @@ def test_dp_contract_message():
                              "data.train_batch_size=6"])
     with pytest.raises(ConfigError, match="3 × rollout.n=2 = 6 .* not divisible by trainer.num_workers=4.*multiple of 2"):
         validate_config(cfg, check_files=False, check_registries=False)
+
+
+def test_every_field_documented_and_docs_current():
+    import dataclasses
+    from pathlib import Path
+
+    from postrl.config import schema
+    from postrl.config.docs import field_docs, render_markdown
+
+    for name, cls in vars(schema).items():
+        if dataclasses.is_dataclass(cls) and name != "PostRLConfig":
+            docs = field_docs(cls)
+            missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+            assert not missing, f"{name} fields without a docstring: {missing}"
+    committed = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert committed.read_text().strip() == render_markdown().strip(), "run python -m postrl.config.docs"

@@ -1,0 +1,219 @@
+"""Building the roles of a run — worker groups, rollout engines, reward loop — from the config.
+
+The trainer talks to :class:`Roles` only; which backend (``local`` or ``ray``) hosts the
+workers and how weights reach the rollout engine are decided here, once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from postrl.config import PostRLConfig
+from postrl.protocol import DataProto
+from postrl.reward import RewardLoop, RewardRequest, RewardResult
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Roles", "TrainerRewards", "build_roles"]
+
+
+class TrainerRewards:
+    """The trainer's view of the reward loop: streaming submission plus batch completion."""
+
+    def __init__(self, loop: RewardLoop) -> None:
+        self.loop = loop
+
+    def can_stream(self, data_source: str) -> bool:
+        """True when ``data_source`` is scored per sample (so it can start before the batch ends)."""
+        return not self.loop.route(str(data_source)).batch
+
+    def submit(self, request: RewardRequest) -> Future:
+        return self.loop.submit(request)
+
+    def finish(self, batch: DataProto, futures: dict[int, Future], tokenizer: Any) -> RewardResult:
+        """Scores for every row of ``batch``: streamed futures where present, the rest scored now."""
+        from postrl.trainer.stages import decode_responses
+
+        nt = batch.non_tensor_batch
+        n = len(batch)
+        missing = [i for i in range(n) if i not in futures]
+        if missing:
+            texts = decode_responses(tokenizer, batch[missing])
+            reqs = [
+                RewardRequest(str(nt["data_source"][i]), texts[j], nt["ground_truth"][i], dict(nt["extra_info"][i] or {}), nt["uid"][i])
+                for j, i in enumerate(missing)
+            ]
+            rest = self.loop.score(reqs)
+        samples: list[Any] = [None] * n
+        if futures:
+            order = sorted(futures)
+            streamed = self.loop.gather([futures[i] for i in order])
+            for j, i in enumerate(order):
+                samples[i] = _sample_of(streamed, j)
+        for j, i in enumerate(missing):
+            samples[i] = _sample_of(rest, j)
+        return RewardResult.from_samples(samples, list(nt["uid"]))
+
+    def check_failures(self, result: RewardResult) -> None:
+        self.loop.check_failures(result)
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+def _sample_of(result: RewardResult, j: int) -> Any:
+    from postrl.reward import SampleScore
+
+    extra = {k: v[j] for k, v in result.extra.items() if v[j] is not None}
+    if bool(result.valid[j]):
+        return SampleScore(float(result.scores[j]), None, None, extra)
+    return SampleScore(None, result.failure_reason[j], result.failure_detail[j], extra)
+
+
+@dataclass
+class Roles:
+    """Worker groups + rollout + reward of one run, behind the calls the step makes."""
+
+    cfg: PostRLConfig
+    actor: Any
+    rollout: Any
+    agent_manager: Any
+    reward_loop: TrainerRewards
+    ref: Any = None
+    critic: Any = None
+    dp_size: int = 1
+    use_lora_ref: bool = False
+    extra_close: list[Any] = field(default_factory=list)
+
+    # --- stages ---------------------------------------------------------------------
+    def balance(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        from postrl.controller import balance_for_dp
+
+        return balance_for_dp(batch, self.dp_size)
+
+    def old_log_probs(self, batch: DataProto, metrics: dict[str, Any]) -> DataProto:
+        """Stage 4: recompute old log-probs (or reuse rollout ones in bypass mode)."""
+        if self.cfg.algorithm.rollout_correction.bypass_mode:
+            return batch.union(DataProto.from_dict({"old_log_probs": batch.batch["rollout_log_probs"]}))
+        batch.meta_info["calculate_entropy"] = True
+        out = self.actor.compute_log_prob(batch)
+        if "entropys" in out.batch:
+            ent, mask = out.batch.pop("entropys"), batch.batch["response_mask"].float()
+            metrics["actor/entropy_old"] = (ent * mask).sum() / mask.sum().clamp(min=1)
+        return batch.union(out.select(["old_log_probs"], [], []))
+
+    def ref_log_probs(self, batch: DataProto) -> DataProto:
+        if self.use_lora_ref:
+            return self.actor.compute_ref_log_prob(batch)
+        return self.ref.compute_ref_log_prob(batch)
+
+    def values(self, batch: DataProto) -> DataProto:
+        return self.critic.compute_values(batch)
+
+    def update_actor(self, batch: DataProto) -> dict[str, float]:
+        return _metrics_of(self.actor.update_actor(batch))
+
+    def update_critic(self, batch: DataProto) -> dict[str, float]:
+        return _metrics_of(self.critic.update_critic(batch))
+
+    def sync_weights(self) -> None:
+        """Stream the actor's weights into the rollout engine (one tensor at a time)."""
+        weights = self.actor.get_per_tensor_param()
+        if isinstance(weights, list) and weights and isinstance(weights[0], list):
+            weights = weights[0]
+        self.rollout.update_weights(_iter_weights(weights))
+
+    # --- checkpoints ------------------------------------------------------------------
+    def save(self, ckpt_dir: Path) -> None:
+        self.actor.save_checkpoint(str(ckpt_dir / "actor"))
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(ckpt_dir / "critic"))
+
+    def load(self, ckpt_dir: Path) -> None:
+        self.actor.load_checkpoint(str(ckpt_dir / "actor"))
+        if self.critic is not None:
+            self.critic.load_checkpoint(str(ckpt_dir / "critic"))
+
+    def close(self) -> None:
+        for obj in (self.actor, self.ref, self.critic, *self.extra_close):
+            if obj is not None and hasattr(obj, "shutdown"):
+                obj.shutdown()
+        if hasattr(self.rollout, "close"):
+            self.rollout.close()
+        self.reward_loop.close()
+
+
+def _iter_weights(weights: Any) -> Iterable[tuple[str, Any]]:
+    yield from weights
+
+
+def _metrics_of(out: Any) -> dict[str, float]:
+    if isinstance(out, DataProto):
+        return dict(out.meta_info.get("metrics", {}))
+    if isinstance(out, list):  # one dict per collected rank: identical after all-reduce
+        return dict(out[0])
+    return dict(out)
+
+
+def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_critic: bool) -> Roles:
+    """Create worker groups on ``trainer.backend``, the rollout engine(s) and the reward loop."""
+    from postrl.agent import AgentLoopManager
+    from postrl.controller import create_worker_group
+    from postrl.data import load_tokenizer
+    from postrl.engine.workers import ActorWorker, CriticWorker, RefWorker
+    from postrl.rollout import create_rollout_backend
+
+    tc = cfg.trainer
+    dp = tc.num_workers if tc.backend == "ray" else 1
+    common = dict(world_size=dp, init_dist=dp > 1) if tc.backend == "ray" else dict(world_size=1)
+    kwargs = {"cfg": cfg, "total_steps": total_steps}
+    actor = create_worker_group(tc.backend, ActorWorker, kwargs=kwargs, name="actor", **common)
+    use_lora_ref = use_ref and cfg.model.lora_rank > 0
+    ref = None
+    if use_ref and not use_lora_ref:
+        ref = create_worker_group(tc.backend, RefWorker, kwargs=kwargs, name="ref", **common)
+    critic = create_worker_group(tc.backend, CriticWorker, kwargs=kwargs, name="critic", **common) if use_critic else None
+
+    r = cfg.rollout
+    max_len = r.max_model_len or (cfg.data.max_prompt_length + r.response_length * max(1, r.agent.max_assistant_turns)
+                                  + r.agent.max_tool_response_length * r.agent.max_user_turns)
+    options: dict[str, Any] = dict(max_num_seqs=r.max_num_seqs, max_model_len=max_len, device=tc.device)
+    options.update(r.engine_kwargs)
+    backend = create_rollout_backend(r.backend, cfg.model.path, **options)
+    client = _make_client(backend)
+    tokenizer = load_tokenizer(cfg.model.path)
+    loop_kwargs: dict[str, Any] = {}
+    manager = AgentLoopManager(client, tokenizer, r.agent, **loop_kwargs)
+    rw = cfg.reward
+    reward = RewardLoop(
+        timeout_s=rw.timeout_s,
+        num_workers=rw.num_workers,
+        custom_fn_path=rw.custom_function.path or None,
+        custom_fn_name=rw.custom_function.name,
+        max_failure_ratio=rw.max_failure_ratio,
+    )
+    return Roles(cfg, actor, backend, manager, TrainerRewards(reward), ref=ref, critic=critic, dp_size=dp, use_lora_ref=use_lora_ref)
+
+
+def _make_client(backend: Any) -> Any:
+    """The rollout client (load balancer + transparent resume) over one backend."""
+    try:
+        from postrl.rollout import LoadBalancer, RolloutClient
+    except ImportError:
+        return _DirectClient(backend)
+    return RolloutClient(LoadBalancer([backend]))
+
+
+class _DirectClient:
+    """Minimal client used until the load-balanced client is available."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    async def generate(self, prompt_ids: list[int], sampling: Any, request_id: str, trajectory_id: str | None = None) -> Any:
+        return await self.backend.generate(prompt_ids, sampling, request_id)
