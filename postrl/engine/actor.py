@@ -51,7 +51,7 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, respons
     _, gid = torch.unique(key, dim=0, return_inverse=True)
     g = int(gid.max()) + 1
     size = torch.zeros(g, dtype=torch.long).index_add_(0, gid.cpu(), torch.ones_like(gid.cpu()))
-    plen = torch.zeros(g, dtype=torch.long).index_reduce_(0, gid.cpu(), pm.sum(1).cpu(), "amax", include_self=False)
+    plen = torch.zeros(g, dtype=torch.long).scatter_reduce_(0, gid.cpu(), pm.sum(1).cpu(), "amax")
     return gid.cpu(), (size - 1) * plen
 
 
