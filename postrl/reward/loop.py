@@ -188,9 +188,7 @@ class RewardLoop:
         return classify(value)
 
     def _submit_worker(self, route: _Route, args: tuple[Any, ...], uid: Any) -> Future[SampleScore]:
-        self._pool_used = True
-        assert route.spec is not None
-        inner = self._pool.submit(route.spec, args, self.fn_kwargs, self.timeout_s)
+        inner = self._pool_submit(route, args, self.timeout_s)
         out: Future[SampleScore] = Future()
 
         def done(f: Future[Outcome]) -> None:
@@ -203,6 +201,16 @@ class RewardLoop:
 
         inner.add_done_callback(done)
         return out
+
+    def _pool_submit(
+        self, route: _Route, args: tuple[Any, ...], timeout_s: float
+    ) -> Future[Outcome]:
+        self._pool_used = True
+        assert route.spec is not None
+        try:
+            return self._pool.submit(route.spec, args, self.fn_kwargs, timeout_s)
+        except WorkerPoolError as e:
+            raise RewardError(f"{route.name}: {e}") from e
 
     @staticmethod
     def _from_outcome(outcome: Outcome) -> SampleScore:
@@ -245,9 +253,7 @@ class RewardLoop:
                     route, idx, samples, self._call_batch_inline(route, cols), requests
                 )
             else:
-                self._pool_used = True
-                assert route.spec is not None
-                fut = self._pool.submit(route.spec, cols, self.fn_kwargs, self.batch_timeout_s)
+                fut = self._pool_submit(route, cols, self.batch_timeout_s)
                 batch_futures.append((route, idx, fut))
         deadline = self._deadline(len(requests))
         for route, idx, fut in batch_futures:

@@ -244,3 +244,47 @@ def test_builtin_hot_path_is_fast():
     # measured ~10 us idle (~40 us under load); the bound only catches per-sample process or
     # thread spawning (>= 1 ms), not scheduler noise on a loaded 2-core box
     assert per_sample < 1e-3, per_sample
+
+
+def test_isolate_builtin_runs_registered_fn_in_workers_and_close_reaps(user_file):
+    lp = RewardLoop(timeout_s=5.0, num_workers=2, isolate_builtin=True)
+    reqs = [RewardRequest("addition", str(i), str(i if i % 2 else -1)) for i in range(6)]
+    res = lp.score(reqs)
+    assert res.scores.tolist() == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert res.valid.all() and res.extra["acc"] == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    procs = [s.proc for s in lp._pool._slots]
+    assert all(p.is_alive() for p in procs)  # the function ran in these worker processes
+    lp.close()
+    assert not any(p.is_alive() for p in procs)
+    with pytest.raises(RewardError, match="closed"):
+        lp.score(reqs)
+
+
+def test_batch_function_timeout_fails_whole_call(tmp_path):
+    f = tmp_path / "b.py"
+    f.write_text("import time\ndef slow(ds, ss, gts, eis):\n    time.sleep(600)\n")
+    with RewardLoop(
+        timeout_s=0.5,
+        num_workers=1,
+        custom_fn_path=str(f),
+        custom_fn_name="slow",
+        custom_fn_batch=True,
+    ) as lp:
+        t0 = time.monotonic()
+        res = lp.score(_reqs(["1", "2"]))
+        assert time.monotonic() - t0 < 8.0
+    assert res.failure_reason == ["timeout", "timeout"]
+    _check_invariant(res)
+
+
+@pytest.mark.slow
+def test_math_scored_in_worker_process():
+    pytest.importorskip("math_verify")
+    with RewardLoop(timeout_s=30.0, num_workers=1) as lp:
+        res = lp.score(
+            [
+                RewardRequest("math", "so $\\boxed{\\frac{1}{2}}$", "0.5"),
+                RewardRequest("lighteval/MATH", "so $\\boxed{3}$", "4"),
+            ]
+        )
+    assert res.scores.tolist() == [1.0, 0.0] and res.valid.all()
