@@ -57,8 +57,10 @@ def worker_main(conn: Any) -> None:
         task_id, spec, args, kwargs = msg
         try:
             value = resolve_fn(spec, cache)(*args, **kwargs)
-        except BaseException:  # noqa: BLE001 - report anything the user function raises
-            conn.send((task_id, "exception", traceback.format_exc()))
+        except BaseException as e:  # noqa: BLE001 - report anything the user function raises
+            # drop this loop's own frame: the traceback starts in the user's code
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+            conn.send((task_id, "exception", tb))
             continue
         try:
             payload = pickle.dumps((task_id, "ok", value))

@@ -183,8 +183,9 @@ class RewardLoop:
     def _call_inline(self, route: _Route, args: tuple[Any, ...]) -> SampleScore:
         try:
             value = route.fn(*args, **self.fn_kwargs)
-        except Exception:
-            return failed("exception", traceback.format_exc())
+        except Exception as e:
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+            return failed("exception", tb)
         return classify(value)
 
     def _submit_worker(self, route: _Route, args: tuple[Any, ...], uid: Any) -> Future[SampleScore]:

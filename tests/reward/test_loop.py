@@ -288,3 +288,56 @@ def test_math_scored_in_worker_process():
             ]
         )
     assert res.scores.tolist() == [1.0, 0.0] and res.valid.all()
+
+
+KIND_VALUES = {
+    "ok": 1.0,
+    "int": 3,
+    "bool": True,
+    "dict": {"score": 0.5, "acc": 1.0},
+    "nan": float("nan"),
+    "inf": float("-inf"),
+    "none": None,
+    "str": "x",
+    "nokey": {"acc": 1.0},
+    "dictnone": {"score": None},
+}
+KIND_REASON = {
+    "nan": "nan",
+    "inf": "nan",
+    "none": "none",
+    "dictnone": "none",
+    "str": "bad_type",
+    "nokey": "bad_type",
+    "raise": "exception",
+}
+
+
+def _kind_fn(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "raise":
+        raise RuntimeError("x")
+    return KIND_VALUES[solution_str]
+
+
+def test_accounting_invariant_on_random_mixes():
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    register_reward_fn("_test_kinds", inline=True)(_kind_fn)
+    try:
+        lp = RewardLoop(num_workers=1)
+
+        @hypothesis.settings(max_examples=60, deadline=None)
+        @hypothesis.given(st.lists(st.sampled_from([*KIND_VALUES, "raise"]), max_size=40))
+        def check(kinds):
+            res = lp.score([RewardRequest("_test_kinds", k, None) for k in kinds])
+            _check_invariant(res)
+            assert res.failure_reason == [KIND_REASON.get(k) for k in kinds]
+            for k, s, v in zip(kinds, res.scores.tolist(), res.valid.tolist()):
+                assert v == (k not in KIND_REASON)
+                expected = {"ok": 1.0, "int": 3.0, "bool": 1.0, "dict": 0.5}.get(k, 0.0)
+                assert s == expected
+
+        check()
+    finally:
+        REWARD_FNS._eager.pop("_test_kinds", None)
+        REWARD_FNS._meta.pop("_test_kinds", None)
