@@ -246,7 +246,12 @@ class RewardLoop:
         for route, idx in groups.items():
             if not route.batch:
                 for i in idx:
-                    samples[i] = self.submit(requests[i])
+                    r = requests[i]
+                    if route.inline:  # hot path: no future, no thread
+                        args = (r.data_source, r.solution_str, r.ground_truth, r.extra_info)
+                        samples[i] = self._note(self._call_inline(route, args), r.uid, route)
+                    else:
+                        samples[i] = self.submit(r)
                 continue
             cols = self._columns([requests[i] for i in idx])
             if route.inline:

@@ -41,3 +41,16 @@ def test_import_error_is_wrapped(tmp_path):
     f.write_text("raise RuntimeError('bad module')\n")
     with pytest.raises(CustomRewardError, match=r"importing .* failed .*RuntimeError: bad module"):
         load_custom_reward_fn(f)
+
+
+def test_worker_side_imports_stay_light():
+    """Spawned reward workers import postrl.reward._worker: it must not pull torch in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, postrl.reward, postrl.reward._worker, postrl.reward.registry;"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
