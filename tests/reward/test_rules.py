@@ -153,3 +153,11 @@ def test_registry_names_and_errors():
         REWARD_FNS.get("gsm8kk")
     with pytest.raises(KeyError, match="already registered"):
         register_reward_fn("addition")(lambda *a: 0.0)
+
+
+def test_format_reward():
+    from postrl.reward import format_reward
+
+    pat = r"<think>.*</think>\s*<answer>.*</answer>"
+    assert format_reward("<think>a\nb</think> <answer>3</answer>", pat, bonus=0.2) == 0.2
+    assert format_reward("<answer>3</answer>", pat, bonus=0.2) == 0.0
