@@ -1,0 +1,193 @@
+"""Engine checkpoints (model + optimizer + scheduler + RNG), per-tensor weight streaming, HF export.
+
+Layout of a checkpoint directory (written to ``<dir>.tmp-<pid>`` then renamed, so a crash never
+leaves a half-written checkpoint under the final name)::
+
+    model.safetensors      every tensor of the trained module (LoRA: base + adapters)
+    optim.safetensors      optimizer state tensors, keyed ``<param index>.<name>``
+    rng.safetensors        torch CPU (and CUDA) generator states
+    state.json             optimizer param groups, scheduler state, python/numpy RNG, counters,
+                           and the ``ModelConfig`` needed to rebuild the module (export)
+
+Nothing is unpickled on load: tensors come from safetensors, the rest from JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+
+__all__ = ["iter_hf_params", "save_engine_checkpoint", "load_engine_checkpoint", "export_hf"]
+
+
+def iter_hf_params(policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` of a :class:`PolicyModel`, one tensor at a time.
+
+    Names are those of the HF checkpoint (``model.layers.0.self_attn.q_proj.weight``). Tied
+    weights are yielded once (under the first name, as ``named_parameters`` dedups them). With
+    LoRA each adapted linear yields its merged weight ``W + (α/r)·B·A`` under the base name;
+    adapter tensors themselves are not yielded. Tensors are detached views (merged ones fresh).
+    """
+    lm = policy.causal_lm
+    lora_mods: dict[str, nn.Module] = {}
+    if policy.is_lora:
+        from peft.tuners.lora import LoraLayer
+
+        lora_mods = {n: m for n, m in lm.named_modules() if isinstance(m, LoraLayer)}
+    for name, p in lm.named_parameters():
+        if not lora_mods:
+            yield name, p.detach()
+            continue
+        if ".lora_" in name:
+            continue
+        if ".base_layer." in name:
+            mod_name, _, leaf = name.rpartition(".base_layer.")
+            mod = lora_mods[mod_name]
+            t = p.detach()
+            if leaf == "weight":
+                with torch.no_grad():
+                    for a in mod.active_adapters:
+                        if a in mod.lora_A:
+                            t = t + mod.get_delta_weight(a).to(t.dtype)
+            yield f"{mod_name}.{leaf}", t
+        else:
+            yield name, p.detach()
+    persistent = set(lm.state_dict(keep_vars=True))
+    for name, b in lm.named_buffers():
+        if name in persistent:
+            yield name, b.detach()
+
+
+def _optim_split(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd = opt.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"{pid}.{k}"] = v.detach().contiguous().cpu()
+            else:
+                scalars.setdefault(str(pid), {})[k] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _optim_join(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, v in tensors.items():
+        pid, _, k = key.partition(".")
+        state.setdefault(int(pid), {})[k] = v
+    for pid, d in meta["scalars"].items():
+        state.setdefault(int(pid), {}).update(d)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda{i}"] = s
+    npst = np.random.get_state()
+    return tensors, {"python": random.getstate(), "numpy": [npst[0], npst[1].tolist(), *npst[2:]]}
+
+
+def _set_rng(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    v, state, gauss = meta["python"]
+    random.setstate((v, tuple(state), gauss))
+    n = meta["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), *n[2:]))
+
+
+def _sched_state(sched) -> dict[str, Any]:
+    return {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
+
+
+def save_engine_checkpoint(path: str | Path, module: nn.Module, optimizer, scheduler, *, model_cfg=None,
+                           extra: dict[str, Any] | None = None) -> Path:
+    """Atomically write ``module`` + optimizer + scheduler + RNG (+ ``extra`` JSON) to ``path``."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_model(module, str(tmp / "model.safetensors"))
+    otensors, ometa = _optim_split(optimizer)
+    save_file(otensors, str(tmp / "optim.safetensors"))
+    rtensors, rmeta = _rng_state()
+    save_file(rtensors, str(tmp / "rng.safetensors"))
+    state = {
+        "optimizer": ometa,
+        "scheduler": _sched_state(scheduler),
+        "rng": rmeta,
+        "extra": dict(extra or {}),
+        "model_cfg": dataclasses.asdict(model_cfg) if model_cfg is not None else None,
+    }
+    (tmp / "state.json").write_text(json.dumps(state))
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    return final
+
+
+def load_engine_checkpoint(path: str | Path, module: nn.Module, optimizer, scheduler) -> dict[str, Any]:
+    """Restore what :func:`save_engine_checkpoint` wrote; returns the ``extra`` dict."""
+    p = Path(path)
+    if not (p / "state.json").exists():
+        raise FileNotFoundError(f"{p} is not a postrl engine checkpoint (no state.json)")
+    state = json.loads((p / "state.json").read_text())
+    missing, unexpected = load_model(module, str(p / "model.safetensors"), strict=True)
+    optimizer.load_state_dict(_optim_join(load_file(str(p / "optim.safetensors")), state["optimizer"]))
+    sched = dict(scheduler.state_dict())
+    sched.update(state["scheduler"])
+    scheduler.load_state_dict(sched)
+    _set_rng(load_file(str(p / "rng.safetensors")), state["rng"])
+    return state["extra"]
+
+
+def export_hf(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write a plain Hugging Face model directory from an actor checkpoint (LoRA merged).
+
+    ``ckpt_dir`` may be the actor checkpoint itself or a step directory holding ``actor/``.
+    Tokenizer files are copied from the original ``model.path``.
+    """
+    from postrl.config.schema import ModelConfig
+    from postrl.engine.model import load_policy
+
+    ck = Path(ckpt_dir)
+    if not (ck / "state.json").exists() and (ck / "actor" / "state.json").exists():
+        ck = ck / "actor"
+    state = json.loads((ck / "state.json").read_text())
+    if not state.get("model_cfg"):
+        raise ValueError(f"{ck} has no model_cfg in state.json; it is not an actor checkpoint")
+    mcfg = ModelConfig(**state["model_cfg"])
+    mcfg.gradient_checkpointing = False
+    policy = load_policy(mcfg, "cpu")
+    load_model(policy.module, str(ck / "model.safetensors"), strict=True)
+    lm = policy.module.merge_and_unload() if policy.is_lora else policy.module
+    lm.config._attn_implementation = "sdpa"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lm.save_pretrained(out, safe_serialization=True)
+    src = Path(mcfg.path)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config", "chat_template")):
+            shutil.copy2(f, out / f.name)
+    return out

@@ -1,0 +1,160 @@
+"""Worker roles on the single controller: ``ActorWorker``, ``RefWorker``, ``CriticWorker``.
+
+Each is constructed from the full ``PostRLConfig`` (``cfg=``, ``total_steps=`` optimizer-step
+count for cosine schedules). Data-parallel ranks (Ray backend, ``init_dist``) train replicas and
+sum gradients over the default process group (see :mod:`postrl.engine.optim`).
+
+=========================  ======================  =========================================
+method                     dispatch                returns
+=========================  ======================  =========================================
+compute_log_prob           DP_COMPUTE_PROTO        DataProto ``old_log_probs`` (+``entropys``)
+compute_ref_log_prob       DP_COMPUTE_PROTO        DataProto ``ref_log_prob``
+update_actor               DP_COMPUTE_PROTO        DataProto with ``meta_info['metrics']``
+get_per_tensor_param       RANK_ZERO               iterator of (HF name, tensor)
+save/load_checkpoint       ONE_TO_ALL              rank 0 writes; every rank loads
+compute_values             DP_COMPUTE_PROTO        DataProto ``values``
+update_critic              DP_COMPUTE_PROTO        DataProto with ``meta_info['metrics']``
+=========================  ======================  =========================================
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from postrl.controller import Dispatch, Execute, Worker, register
+from postrl.engine.actor import Actor
+from postrl.engine.checkpoint import iter_hf_params, load_engine_checkpoint, save_engine_checkpoint
+from postrl.engine.critic import Critic
+from postrl.engine.model import load_critic, load_policy
+from postrl.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ActorWorker", "RefWorker", "CriticWorker"]
+
+
+def _setup(cfg) -> tuple[torch.device, dist.ProcessGroup | None]:
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    torch.manual_seed(cfg.trainer.seed)
+    group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+    return torch.device(cfg.trainer.device), group
+
+
+def _metrics(m: dict[str, float]) -> DataProto:
+    return DataProto(meta_info={"metrics": m})
+
+
+def _barrier(group) -> None:
+    if group is not None:
+        dist.barrier(group)
+
+
+class ActorWorker(Worker):
+    """The policy: log-probs, PPO update, weight stream, checkpoints (and LoRA reference)."""
+
+    def __init__(self, cfg, total_steps: int = 0) -> None:
+        self.cfg = cfg
+        self.dev, self.group = _setup(cfg)
+        self.policy = load_policy(cfg.model, self.dev)
+        self.actor = Actor(self.policy, cfg.actor, rollout_n=cfg.rollout.n, device=self.dev, group=self.group,
+                           total_steps=total_steps, seed=cfg.trainer.seed)
+        self.register_dp_info("actor", dp_rank=self.rank, dp_size=self.world_size)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs`` (B, R) with the current policy (temperature from meta_info)."""
+        return self.actor.compute_log_prob(data)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob`` from this model with LoRA adapters disabled (LoRA runs only)."""
+        return self.actor.compute_log_prob(data, reference=True)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """One PPO update on this rank's shard; metrics in ``meta_info['metrics']``."""
+        return _metrics(self.actor.update_policy(data))
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
+    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) one at a time (an iterator: in-process backends only)."""
+        return iter_hf_params(self.policy)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Rank 0 writes the checkpoint atomically (replicas hold identical state)."""
+        if self.rank == 0:
+            save_engine_checkpoint(path, self.policy.module, self.actor.optimizer, self.actor.scheduler,
+                                   model_cfg=self.cfg.model,
+                                   extra={"update_count": self.actor.update_count,
+                                          "nonfinite_skips": self.actor.nonfinite_skips})
+        _barrier(self.group)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore model, optimizer, scheduler, RNG and counters from ``path``."""
+        extra = load_engine_checkpoint(path, self.policy.module, self.actor.optimizer, self.actor.scheduler)
+        self.actor.update_count = int(extra.get("update_count", 0))
+        self.actor.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
+
+
+class RefWorker(Worker):
+    """A frozen copy of the initial policy computing ``ref_log_prob``."""
+
+    def __init__(self, cfg, total_steps: int = 0) -> None:
+        self.cfg = cfg
+        self.dev, self.group = _setup(cfg)
+        self.policy = load_policy(cfg.model, self.dev, trainable=False)
+        self.engine = Actor.__new__(Actor)  # log-prob path only: no optimizer for a frozen model
+        self.engine.policy, self.engine.cfg, self.engine.rollout_n = self.policy, cfg.actor, cfg.rollout.n
+        self.engine.device = self.dev
+        self.register_dp_info("ref", dp_rank=self.rank, dp_size=self.world_size)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob`` (B, R) under the reference policy."""
+        out = self.engine.compute_log_prob(data)
+        return DataProto.from_dict({"ref_log_prob": out.batch["old_log_probs"]}, meta_info=out.meta_info)
+
+
+class CriticWorker(Worker):
+    """The value function: values and the clipped value-loss update."""
+
+    def __init__(self, cfg, total_steps: int = 0) -> None:
+        self.cfg = cfg
+        self.dev, self.group = _setup(cfg)
+        self.model = load_critic(cfg.model, self.dev)
+        self.critic = Critic(self.model, cfg.critic, rollout_n=cfg.rollout.n, device=self.dev, group=self.group,
+                             total_steps=total_steps)
+        self.register_dp_info("critic", dp_rank=self.rank, dp_size=self.world_size)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        """``values`` (B, R)."""
+        return self.critic.compute_values(data)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        """One critic update; metrics in ``meta_info['metrics']``."""
+        return _metrics(self.critic.update_critic(data))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Rank 0 writes the critic checkpoint atomically."""
+        if self.rank == 0:
+            save_engine_checkpoint(path, self.model, self.critic.optimizer, self.critic.scheduler,
+                                   extra={"nonfinite_skips": self.critic.nonfinite_skips})
+            Path(path).mkdir(parents=True, exist_ok=True)
+        _barrier(self.group)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore the critic from ``path``."""
+        extra = load_engine_checkpoint(path, self.model, self.critic.optimizer, self.critic.scheduler)
+        self.critic.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
