@@ -12,7 +12,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 import controller_toys  # noqa: E402
-from controller_toys import MeshWorker, ToyWorker  # noqa: E402
+from controller_toys import MeshWorker, RefToy, ToyWorker  # noqa: E402
 
 from postrl.controller import (  # noqa: E402
     ResourcePool,
@@ -20,6 +20,7 @@ from postrl.controller import (  # noqa: E402
     WorkerDiedError,
     WorkerError,
     WorkerTimeoutError,
+    create_colocated_worker_cls,
     create_worker_group,
 )
 from postrl.protocol import DataProto  # noqa: E402
@@ -93,13 +94,16 @@ def test_group_gloo_allreduce_dp_proto_and_local_equivalence(ray_cluster):
     assert driver_script(local) == res_ray
 
 
-def test_nd_dispatch_2x2_on_ray(ray_cluster):
-    wg = create_worker_group("ray", MeshWorker, world_size=4, name="mesh", init_dist=False)
+def test_nd_dispatch_2x2_in_colocated_group(ray_cluster):
+    """Fake dp=2 x tp=2 layout (rank r: dp r//2, tp r%2) hosted next to a second role."""
+    fused = create_colocated_worker_cls({"mesh": MeshWorker, "ref": RefToy})
+    wg = create_worker_group("ray", fused, kwargs={"ref": {"bias": 0.5}}, world_size=4, name="fused", init_dist=False)
     try:
-        out = wg.forward(rows(6))
+        out = wg.mesh.forward(rows(6))  # same shard to both tp ranks, collected once per dp rank
         assert out.batch["x"].tolist() == list(range(6))
         assert out.batch["tp"].tolist() == [0] * 6
         assert out.batch["rank"].tolist() == [0, 0, 0, 2, 2, 2]
+        assert wg.ref_add_offset(rows(3)).batch["y"].tolist() == [0.5, 1.5, 2.5]
     finally:
         wg.shutdown()
 
