@@ -1,6 +1,13 @@
 """Typed configs: dataclasses per component, YAML + ``key=value`` overrides, startup validation."""
 
-from postrl.config.loader import ConfigError, apply_overrides, dump_config, from_dict, load_config, to_dict
+from postrl.config.loader import (
+    ConfigError,
+    apply_overrides,
+    dump_config,
+    from_dict,
+    load_config,
+    to_dict,
+)
 from postrl.config.schema import (
     ActorConfig,
     AgentConfig,

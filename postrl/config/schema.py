@@ -263,6 +263,8 @@ class CustomRewardConfig:
     """Python file holding the user's reward function."""
     name: str = "compute_score"
     """Function name in that file."""
+    batch: bool = False
+    """The function takes lists (data_sources, solution_strs, ground_truths, extra_infos) and returns a list."""
 
 
 @dataclass
@@ -285,6 +287,10 @@ class RewardConfig:
     """Worker processes for user reward functions."""
     max_failure_ratio: float = 0.5
     """Stop the run when more than this fraction of a batch fails to score."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed to every reward function call (e.g. ``format_score``)."""
+    isolate_builtin: bool = False
+    """Run even the built-in rule functions in killable worker processes."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     """Overlong reward shaping."""
 

@@ -15,7 +15,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     log = logging.getLogger("quickstart")
     run = Path(args.run_dir)
-    from postrl.data import PromptLoader, RLDataset, generate_addition, load_tokenizer, write_parquet
+    from postrl.data import (
+        PromptLoader,
+        RLDataset,
+        generate_addition,
+        load_tokenizer,
+        write_parquet,
+    )
     from postrl.testing import make_model
 
     model_dir = make_model(run / "tiny-model", preset="tiny", arch="qwen2", seed=0)

@@ -195,7 +195,10 @@ def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_criti
         num_workers=rw.num_workers,
         custom_fn_path=rw.custom_function.path or None,
         custom_fn_name=rw.custom_function.name,
+        custom_fn_batch=rw.custom_function.batch,
+        fn_kwargs=rw.reward_kwargs,
         max_failure_ratio=rw.max_failure_ratio,
+        isolate_builtin=rw.isolate_builtin,
     )
     return Roles(cfg, actor, backend, manager, TrainerRewards(reward), ref=ref, critic=critic, dp_size=dp, use_lora_ref=use_lora_ref)
 

@@ -28,9 +28,15 @@ from postrl.algos import ADV_ESTIMATORS, AdaptiveKLController, FixedKLController
 from postrl.config import PostRLConfig, dump_config, validate_config
 from postrl.data import PromptLoader, RLDataset, load_tokenizer
 from postrl.protocol import DataProto
+from postrl.testing.faults import maybe_kill
 from postrl.trainer import stages
 from postrl.trainer.checkpoint import find_latest_checkpoint, load_trainer_state, save_checkpoint
-from postrl.trainer.metrics import compute_data_metrics, compute_throughput_metrics, reduce_metrics, timer
+from postrl.trainer.metrics import (
+    compute_data_metrics,
+    compute_throughput_metrics,
+    reduce_metrics,
+    timer,
+)
 from postrl.trainer.modes import TRAINER_MODES
 from postrl.trainer.validation import validate
 
@@ -119,6 +125,7 @@ class RLTrainer:
 
         with timer("gen", t):  # 1. rollout
             batch = self.mode.rollout(prompts, self.sampling_params(), cfg.rollout.n, step, on_sample_end)
+        maybe_kill(f"step{step}:after_gen")
         with timer("reward", t):  # 2. reward
             result = self.reward_loop.finish(batch, futures, self.tokenizer)
             self.reward_loop.check_failures(result)
@@ -186,6 +193,7 @@ class RLTrainer:
                 self.tracker.log(metrics, step)
                 if tc.save_freq and (step % tc.save_freq == 0 or is_last):
                     self.save(step)
+                maybe_kill(f"step{step}:end")
                 last = metrics
         finally:
             self.tracker.close()
@@ -214,7 +222,11 @@ class RLTrainer:
             "kl_ctrl": {"value": float(self.kl_ctrl.value)},
             "total_steps": self.total_steps,
         }
-        return save_checkpoint(self.run_dir / "checkpoints", step, state, self.roles.save, keep_last=0)
+        def write(tmp: Path) -> None:
+            self.roles.save(tmp)
+            maybe_kill(f"step{step}:ckpt_components")
+
+        return save_checkpoint(self.run_dir / "checkpoints", step, state, write, keep_last=0)
 
     def _maybe_resume(self) -> int:
         mode = self.cfg.trainer.resume_mode

@@ -1,0 +1,36 @@
+"""Fixtures for trainer tests: tiny model + addition parquet files + a small config."""
+
+from __future__ import annotations
+
+import pytest
+
+from postrl.data import generate_addition, write_parquet
+
+
+@pytest.fixture(scope="session")
+def addition_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("addition")
+    train = write_parquet(generate_addition(64, seed=0), d / "train.parquet")
+    test = write_parquet(generate_addition(8, seed=0, split="test"), d / "test.parquet")
+    return str(train), str(test)
+
+
+@pytest.fixture
+def small_overrides(tiny_model_dir, addition_files, tmp_path):
+    """key=value overrides for a seconds-long GRPO run."""
+    train, test = addition_files
+    return [
+        f"model.path={tiny_model_dir}",
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{test}]",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=48",
+        "actor.ppo_mini_batch_size=2",
+        "actor.optim.lr=1e-4",
+        "rollout.n=4",
+        "rollout.response_length=8",
+        "trainer.total_steps=2",
+        "trainer.test_freq=2",
+        "trainer.loggers=[jsonl]",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    ]
