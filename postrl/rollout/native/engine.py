@@ -65,6 +65,8 @@ class NativeBackend:
         dtype: parameter / activation dtype ("float32", "bfloat16", "float16" or a torch.dtype).
         max_num_batched_tokens: token budget of one prefill forward (padded unique prompts).
         seed: seeds the draw of per-request seeds for requests with ``seed=None``.
+        threaded: run engine steps in a worker thread (keeps the event loop responsive, e.g. for
+            the HTTP server); False runs them inline in the event loop (profiling, lowest overhead).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class NativeBackend:
         dtype: str | torch.dtype = "float32",
         max_num_batched_tokens: int = 16384,
         seed: int = 0,
+        threaded: bool = True,
     ) -> None:
         self.model_path = str(model_path)
         self.cfg = load_config(model_path)
@@ -95,6 +98,7 @@ class NativeBackend:
         self._waiting: deque[_Request] = deque()
         self._aborts: set[str] = set()
         self._slots: list[_Request] = []  # running requests; slot i = self._slots[i]
+        self._threaded = threaded
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="postrl-native")
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -271,7 +275,11 @@ class NativeBackend:
         loop = asyncio.get_running_loop()
         while self._has_work():
             try:
-                done = await loop.run_in_executor(self._executor, self._step)
+                if self._threaded:
+                    done = await loop.run_in_executor(self._executor, self._step)
+                else:
+                    done = self._step()
+                    await asyncio.sleep(0)
             except Exception as e:  # fail every request rather than hang callers
                 logger.exception("native engine step failed")
                 self._fail_all(RolloutError(f"native engine step failed: {e!r}"))

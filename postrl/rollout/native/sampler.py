@@ -66,7 +66,8 @@ def sample_tokens(
         top_k: (B,) int64; <= 0 disables.
         top_p: (B,) fp32 in (0, 1]; 1 disables.
         seeds, counters: (B,) int64, see module docstring.
-        use_filters: False when no row uses top-k/top-p (skips the sort).
+        use_filters: False when no row uses top-k/top-p (skips the sort); rows without filters
+            sample identically either way.
     """
     lf = logits.float()
     greedy = temperature <= 0
@@ -74,20 +75,21 @@ def sample_tokens(
     scaled = lf / t_eff[:, None]  # (B, V)
     logp_all = torch.log_softmax(scaled, dim=-1)  # (B, V) the reported distribution
     u = counter_uniform(seeds, counters).to(torch.float32)  # (B,)
+    V = scaled.shape[-1]
+    # unfiltered rows: inverse CDF in vocabulary order (always computed, so a row's sample never
+    # depends on whether *other* rows use filters)
+    cdf = torch.softmax(scaled, dim=-1).cumsum(-1)  # (B, V)
+    sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_max(V - 1)
     if use_filters:
-        V = scaled.shape[-1]
+        filtered = (top_k > 0) | (top_p < 1)  # (B,)
         s_logits, s_idx = scaled.sort(dim=-1, descending=True)  # (B, V)
         s_probs = torch.softmax(s_logits, dim=-1)
         ranks = torch.arange(V, device=logits.device)
         k_eff = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
         keep = ranks[None, :] < k_eff[:, None]
         keep &= (s_probs.cumsum(-1) - s_probs) < top_p[:, None]  # mass before token < p
-        cdf = (s_probs * keep).cumsum(-1)  # (B, V)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_max(V - 1)
-        sampled = s_idx.gather(1, pick).squeeze(1)
-    else:
-        cdf = torch.softmax(scaled, dim=-1).cumsum(-1)  # (B, V)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
-        sampled = pick.squeeze(1).clamp_max(scaled.shape[-1] - 1)
+        s_cdf = (s_probs * keep).cumsum(-1)  # (B, V)
+        pick = torch.searchsorted(s_cdf, (u * s_cdf[:, -1])[:, None], right=True).clamp_max(V - 1)
+        sampled = torch.where(filtered, s_idx.gather(1, pick).squeeze(1), sampled)
     tokens = torch.where(greedy, lf.argmax(-1), sampled)
     return tokens, logp_all.gather(1, tokens[:, None]).squeeze(1)
