@@ -15,6 +15,7 @@ import controller_toys  # noqa: E402
 from controller_toys import MeshWorker, RefToy, ToyWorker  # noqa: E402
 
 from postrl.controller import (  # noqa: E402
+    ControllerError,
     ResourcePool,
     Timeouts,
     WorkerDiedError,
@@ -140,3 +141,11 @@ def test_stuck_worker_times_out(ray_cluster):
         wg.sleep(30.0)
     assert time.monotonic() - t0 < 5.0
     assert _wait_dead(pids)
+
+
+def test_unplaceable_pool_fails_fast_with_resources(ray_cluster):
+    pool = ResourcePool(process_on_nodes=(2,), num_cpus_per_process=8.0, name="too_big")
+    t0 = time.monotonic()
+    with pytest.raises(ControllerError, match="could not be placed"):
+        create_worker_group("ray", ToyWorker, resource_pool=pool, timeouts=Timeouts(init_s=2.0), name="big")
+    assert time.monotonic() - t0 < 10.0
