@@ -1,0 +1,398 @@
+"""The multi-turn tool agent loop (``tool_agent``): generate → call tools → observe → generate ….
+
+State machine (one trajectory)::
+
+    PENDING ──► GENERATING ──(no tool call / EOS-less stop / turn or token budget)──► TERMINATED
+                   ▲   │
+                   │   └─(tool calls parsed)─► PROCESSING_TOOLS ──(max_user_turns / budget)──► TERMINATED
+                   └───────────(observation tokens appended)─────┘
+
+Token-in/token-out, no re-tokenisation: the prompt of generation *k* is ``prompt_ids`` followed by
+every response id so far, exactly as sampled. Only *observations* are tokenised, once, when they
+are appended. An observation is the chat template's rendering of the tool messages **delta**::
+
+    delta = render(base + tool_msgs, add_generation_prompt=True)[len(head):]
+
+where ``base = [user "U", assistant MARKER]`` and ``head`` is ``render(base)`` cut right after
+``MARKER``. For ChatML the delta is
+``<|im_end|>\\n<|im_start|>user\\n<tool_response>\\n…\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n``.
+Its first token is the end-of-turn token the model itself sampled (``<|im_end|>``), so it is
+dropped; the rest — including the template's ``\\n`` after ``<|im_end|>`` — is appended with
+``response_mask = 0`` and log-prob 0. The delta is exact whenever the template renders a message
+independently of the messages after it and the tokenizer splits at the end-of-turn special
+token (ChatML/Qwen, Llama-3, Mistral-style templates); the faithfulness check below proves it per
+trajectory.
+
+Token-faithfulness check (``check_token_faithfulness``): rebuild the conversation (prompt
+messages, the decoded assistant turns, the tool messages), render it with
+``apply_chat_template`` and tokenise it; ``agent/token_drift_ratio`` is the fraction of positions
+where that differs from ``prompt_ids + response_ids`` (over the longer length; a template's
+closing suffix after the final turn is not counted). The first mismatch is logged once per loop
+with both decodings. A non-zero ratio also appears when the *model* samples a non-canonical
+tokenisation of its own text — harmless for training (we train on the sampled ids) but reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from postrl.agent.base import AgentLoopBase, AgentLoopOutput, register_agent_loop
+from postrl.agent.manager import derive_seed
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AgentState", "ChatDelta", "ToolAgentLoop", "token_drift"]
+
+_MARKER = "\x1fPOSTRL_ASSISTANT_MARKER\x1f"
+
+
+class AgentState(enum.Enum):
+    """States of one tool-loop trajectory."""
+
+    PENDING = "pending"
+    GENERATING = "generating"
+    PROCESSING_TOOLS = "processing_tools"
+    TERMINATED = "terminated"
+
+
+class ChatDelta:
+    """Tokenises tool observations as chat-template deltas (see the module docstring).
+
+    Args:
+        tokenizer: HF tokenizer with a chat template.
+
+    Raises:
+        ValueError: the template does not render the marker assistant message verbatim or does
+            not extend the rendered prefix when tool messages are added (delta not valid).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._base = [{"role": "user", "content": "U"}, {"role": "assistant", "content": _MARKER}]
+        rendered = self.render(self._base, add_generation_prompt=False)
+        cut = rendered.rfind(_MARKER)
+        if cut < 0:
+            raise ValueError(
+                "chat template does not render assistant content verbatim; the tool loop cannot "
+                "compute observation deltas for it (use a ChatML/Qwen-style template)"
+            )
+        self._head = rendered[: cut + len(_MARKER)]
+        #: tokens the template closes an assistant turn with (e.g. ``<|im_end|>``, ``\n``).
+        self.turn_suffix_ids = self.encode(rendered[cut + len(_MARKER) :])
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kw: Any) -> str:
+        """``apply_chat_template`` as text."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenise ``text`` without adding BOS/EOS (special tokens in the text are kept)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def observation(self, tool_messages: list[dict[str, Any]], generated: list[int]) -> list[int]:
+        """Ids to append after an assistant turn that produced ``generated``.
+
+        Leading delta tokens the model already sampled (its end-of-turn token) are skipped; when
+        the turn did not end with them (stop string), they are part of the observation.
+        """
+        full = self.render(self._base + tool_messages, add_generation_prompt=True)
+        if not full.startswith(self._head):
+            raise ValueError("chat template rendering of earlier messages changes when tool messages are added; delta invalid")
+        ids = self.encode(full[len(self._head) :])
+        k = min(len(self.turn_suffix_ids), len(ids))
+        while k > 0 and not (len(generated) >= k and generated[-k:] == ids[:k]):
+            k -= 1
+        return ids[k:]
+
+    def closing(self, generated: list[int]) -> list[int]:
+        """Ids the template would add after a final assistant turn that produced ``generated``."""
+        suf = self.turn_suffix_ids
+        k = len(suf)
+        while k > 0 and not (len(generated) >= k and generated[-k:] == suf[:k]):
+            k -= 1
+        return suf[k:]
+
+
+def token_drift(actual: list[int], expected: list[int]) -> tuple[float, int]:
+    """Fraction of mismatching positions over ``max(len)`` and the first mismatch (-1 if none)."""
+    n = max(len(actual), len(expected))
+    if n == 0:
+        return 0.0, -1
+    m = min(len(actual), len(expected))
+    diffs = [i for i in range(m) if actual[i] != expected[i]]
+    mismatches = len(diffs) + (n - m)
+    first = diffs[0] if diffs else (m if n > m else -1)
+    return mismatches / n, first
+
+
+@dataclass
+class _Trajectory:
+    """Mutable state of one trajectory (private to :class:`ToolAgentLoop`)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    messages: list[dict[str, Any]]
+    budget: int
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
+    last_generated: list[int] = field(default_factory=list)
+    last_calls: list[Any] = field(default_factory=list)
+    last_parse_errors: list[str] = field(default_factory=list)
+    assistant_turns: int = 0
+    user_turns: int = 0
+    finish_reason: str = "stop"
+    termination: str = ""
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_time_s: float = 0.0
+    tool_reward: float = 0.0
+    tool_metrics: list[dict[str, Any]] = field(default_factory=list)
+    instances: dict[str, Any] = field(default_factory=dict)
+
+    def append(self, ids: list[int], logprobs: list[float] | None, policy: bool) -> None:
+        """Append policy (mask 1) or observation (mask 0, log-prob 0) ids."""
+        self.response_ids += ids
+        self.response_mask += [1 if policy else 0] * len(ids)
+        self.response_logprobs += list(logprobs) if (policy and logprobs) else [0.0] * len(ids)
+
+
+@register_agent_loop("tool_agent")
+class ToolAgentLoop(AgentLoopBase):
+    """Multi-turn generation with tool calls (Hermes ``<tool_call>{json}</tool_call>`` by default).
+
+    Args:
+        client: rollout client (``generate(prompt_ids, sampling, request_id, trajectory_id)``).
+        tokenizer: the policy's HF tokenizer (its chat template renders observations).
+        config: :class:`postrl.config.AgentConfig`.
+        tools: ``{name: tool}``; default: loaded from ``config.tool_config_path``.
+        max_response_length: total response-token budget per trajectory (policy + observation
+            ids); default ``max_new_tokens × max_assistant_turns + max_tool_response_length ×
+            max_user_turns`` (the trainer's KV sizing).
+        max_model_len: the rollout's per-sequence capacity; the budget never lets
+            ``prompt + response`` reach it.
+        tool_timeout_s: wall-clock limit of one tool call (the executor turns overruns into an
+            error observation).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        tokenizer: Any,
+        config: Any,
+        tools: dict[str, Any] | None = None,
+        max_response_length: int | None = None,
+        max_model_len: int | None = None,
+        tool_timeout_s: float = 30.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(client, tokenizer, config, **kwargs)
+        from postrl.tools import TOOL_PARSERS, ToolExecutor, load_tools
+
+        if tools is None:
+            tools = load_tools(config.tool_config_path) if config.tool_config_path else {}
+        self.tools: dict[str, Any] = dict(tools)
+        self.parser = TOOL_PARSERS.get(config.tool_parser)()
+        self.executor = ToolExecutor(self.tools, timeout_s=tool_timeout_s, max_response_chars=config.max_tool_response_length)
+        self.delta = ChatDelta(tokenizer)
+        self.max_response_length = max_response_length
+        self.max_model_len = max_model_len
+        self._drift_logged = False
+
+    # ------------------------------------------------------------------ public
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """OpenAI function schemas of the configured tools (for prompts: ``tools=`` of the template)."""
+        return [_schema(t) for t in self.tools.values()]
+
+    async def run(self, sampling: Any, **row: Any) -> AgentLoopOutput:
+        """Run the state machine for one row; tools are released even if generation fails."""
+        traj = self._start(sampling, row)
+        state = AgentState.PENDING
+        try:
+            state = AgentState.GENERATING
+            while state is not AgentState.TERMINATED:
+                if state is AgentState.GENERATING:
+                    state = await self._generate(traj, sampling, row)
+                else:
+                    state = await self._process_tools(traj)
+        finally:
+            await self._release(traj)
+        return self._finish(traj)
+
+    # ------------------------------------------------------------------ states
+    def _start(self, sampling: Any, row: dict[str, Any]) -> _Trajectory:
+        cfg = self.config
+        prompt_ids = [int(t) for t in row["raw_prompt_ids"]]
+        budget = self.max_response_length or (
+            sampling.max_new_tokens * max(1, cfg.max_assistant_turns) + cfg.max_tool_response_length * max(0, cfg.max_user_turns)
+        )
+        if self.max_model_len:
+            budget = min(budget, self.max_model_len - len(prompt_ids) - 1)
+        messages = [dict(m) for m in (row.get("messages") if row.get("messages") is not None else [])]
+        return _Trajectory(request_id=str(row["request_id"]), prompt_ids=prompt_ids, messages=messages, budget=budget)
+
+    async def _generate(self, traj: _Trajectory, sampling: Any, row: dict[str, Any]) -> AgentState:
+        room = traj.budget - len(traj.response_ids)
+        if room < 1:
+            traj.finish_reason, traj.termination = "length", "response_budget"
+            return AgentState.TERMINATED
+        turn = traj.assistant_turns
+        sp = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
+        if turn > 0 and sampling.seed is not None:
+            sp = replace(sp, seed=derive_seed(sampling.seed, turn))
+        out = await self.client.generate(
+            traj.prompt_ids + traj.response_ids, sp, request_id=f"{traj.request_id}-t{turn}", trajectory_id=traj.request_id
+        )
+        ids = [int(t) for t in out.token_ids]
+        traj.append(ids, out.log_probs, policy=True)
+        traj.last_generated = ids
+        traj.assistant_turns += 1
+        traj.finish_reason = out.finish_reason
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        content = self.tokenizer.decode(ids[: len(ids) - self._eot_len(ids)], skip_special_tokens=False)
+        traj.messages.append({"role": "assistant", "content": content})
+        if out.finish_reason != "stop":
+            traj.termination = "length" if out.finish_reason == "length" else out.finish_reason
+            return AgentState.TERMINATED
+        calls, errors = self._parse(text)
+        if not calls and not errors:
+            traj.termination = "no_tool_call"
+            return AgentState.TERMINATED
+        if traj.assistant_turns >= self.config.max_assistant_turns:
+            traj.termination = "max_assistant_turns"
+            return AgentState.TERMINATED
+        if traj.user_turns >= self.config.max_user_turns:
+            traj.termination = "max_user_turns"
+            return AgentState.TERMINATED
+        traj.last_calls, traj.last_parse_errors = calls, errors
+        return AgentState.PROCESSING_TOOLS
+
+    async def _process_tools(self, traj: _Trajectory) -> AgentState:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(self._call(traj, c) for c in traj.last_calls))
+        traj.tool_time_s += time.perf_counter() - t0
+        tool_msgs: list[dict[str, Any]] = []
+        for err in traj.last_parse_errors:
+            traj.tool_errors += 1
+            tool_msgs.append({"role": "tool", "content": err})
+        for call, (text, is_error) in zip(traj.last_calls, results, strict=True):
+            traj.tool_calls += 1
+            traj.tool_errors += int(is_error)
+            tool_msgs.append({"role": "tool", "name": _call_name(call), "content": text})
+        traj.user_turns += 1
+        obs = self.delta.observation(tool_msgs, traj.last_generated)
+        if len(traj.response_ids) + len(obs) >= traj.budget:
+            traj.finish_reason, traj.termination = "length", "response_budget"
+            return AgentState.TERMINATED
+        traj.append(obs, None, policy=False)
+        traj.messages += tool_msgs
+        return AgentState.GENERATING
+
+    # ------------------------------------------------------------------ tools
+    def _parse(self, text: str) -> tuple[list[Any], list[str]]:
+        """Parsed calls and error-observation texts for malformed ones (never raises)."""
+        try:
+            res = self.parser.parse(text)
+        except Exception as e:  # a parser bug must not wedge the trajectory
+            logger.warning("tool parser %r failed: %r", self.config.tool_parser, e)
+            return [], [f"Error: could not parse tool call ({type(e).__name__}: {e})"]
+        return list(res.calls), [str(e) for e in res.errors]
+
+    async def _call(self, traj: _Trajectory, call: Any) -> tuple[str, bool]:
+        """Run one call through the safe executor; returns (observation text, is_error)."""
+        res = await self.executor.execute(call, instance_id=traj.request_id, instances=traj.instances)
+        traj.tool_reward += float(res.reward_delta or 0.0)
+        if res.metrics:
+            traj.tool_metrics.append(dict(res.metrics))
+        return res.text, bool(res.error)
+
+    async def _release(self, traj: _Trajectory) -> None:
+        try:
+            await self.executor.release(traj.request_id, traj.instances)
+        except Exception as e:
+            logger.warning("releasing tools of %s failed: %r", traj.request_id, e)
+
+    # ------------------------------------------------------------------ output
+    def _eot_len(self, ids: list[int]) -> int:
+        """Number of trailing ids of a turn that are the template's end-of-turn tokens."""
+        return len(self.delta.turn_suffix_ids) - len(self.delta.closing(ids))
+
+    def _finish(self, traj: _Trajectory) -> AgentLoopOutput:
+        metrics: dict[str, float] = {
+            "agent/num_tool_calls": float(traj.tool_calls),
+            "agent/tool_errors": float(traj.tool_errors),
+            "agent/tool_time_s": traj.tool_time_s,
+            "agent/num_assistant_turns": float(traj.assistant_turns),
+        }
+        if self.config.check_token_faithfulness:
+            ratio = self._check_faithfulness(traj)
+            if ratio is not None:
+                metrics["agent/token_drift_ratio"] = ratio
+        return AgentLoopOutput(
+            prompt_ids=traj.prompt_ids,
+            response_ids=traj.response_ids,
+            response_mask=traj.response_mask,
+            response_logprobs=traj.response_logprobs,
+            num_turns=1 + traj.assistant_turns + traj.user_turns,
+            finish_reason=traj.finish_reason,
+            metrics=metrics,
+            extra={
+                "messages": traj.messages,
+                "tool_reward": traj.tool_reward,
+                "termination": traj.termination,
+                "tool_metrics": traj.tool_metrics,
+            },
+        )
+
+    def _check_faithfulness(self, traj: _Trajectory) -> float | None:
+        """``agent/token_drift_ratio`` of this trajectory (None without prompt messages)."""
+        if not traj.messages or traj.messages[0].get("role") == "assistant":
+            return None
+        actual = traj.prompt_ids + traj.response_ids
+        last_is_tool = traj.messages[-1].get("role") == "tool"
+        best: tuple[float, int, list[int]] | None = None
+        for tools in ([None, self.tool_schemas] if self.tools else [None]):
+            kw = {"tools": tools} if tools else {}
+            expected = self.delta.encode(self.delta.render(traj.messages, add_generation_prompt=last_is_tool, **kw))
+            if not last_is_tool and traj.messages[-1].get("role") == "assistant":
+                closing = self.delta.closing(traj.last_generated)
+                if closing and expected[-len(closing) :] == closing:
+                    expected = expected[: -len(closing)]
+            ratio, first = token_drift(actual, expected)
+            if best is None or ratio < best[0]:
+                best = (ratio, first, expected)
+            if ratio == 0.0:
+                break
+        assert best is not None
+        ratio, first, expected = best
+        if ratio > 0 and not self._drift_logged:
+            self._drift_logged = True
+            lo = max(0, first - 16)
+            logger.warning(
+                "token drift in %s at position %d (prompt %d tokens): trained ids decode to %r, chat template gives %r",
+                traj.request_id, first, len(traj.prompt_ids),
+                self.tokenizer.decode(actual[lo : first + 16], skip_special_tokens=False),
+                self.tokenizer.decode(expected[lo : first + 16], skip_special_tokens=False),
+            )
+        return ratio
+
+
+def _call_name(call: Any) -> str:
+    return str(getattr(call, "name", None) or (call.get("name") if isinstance(call, dict) else "") or "")
+
+
+def _schema(tool: Any) -> dict[str, Any]:
+    schema = getattr(tool, "tool_schema", None) or getattr(tool, "schema", None)
+    if callable(schema) and not isinstance(schema, dict):
+        schema = schema()
+    if hasattr(schema, "model_dump"):
+        schema = schema.model_dump(exclude_none=True)
+    if inspect.isawaitable(schema):  # pragma: no cover - defensive
+        raise TypeError("tool schema must not be a coroutine")
+    return dict(schema or {})
