@@ -163,10 +163,11 @@ class NativeBackend:
             self._aborts.add(request_id)
         self._kick()
 
-    def update_weights(self, weights: Iterable[WeightItem]) -> None:
+    def update_weights(self, weights: Iterable[WeightItem], version: int | None = None) -> None:
         """Copy a per-tensor stream of HF-named tensors into the engine's (fused) parameters.
 
         Runs between engine steps. Unknown names raise (rotary ``inv_freq`` buffers are ignored).
+        ``version`` sets ``weight_version`` (default: increment it).
         """
         views = self.weights.views
         n = 0
@@ -183,7 +184,7 @@ class NativeBackend:
                                      f"engine expects {tuple(dst.shape)}")
                 dst.copy_(tensor)
                 n += 1
-            self.weight_version += 1
+            self.weight_version = self.weight_version + 1 if version is None else int(version)
         logger.debug("native: updated %d tensors (version %d)", n, self.weight_version)
 
     def sleep(self) -> None:
