@@ -63,22 +63,30 @@ def _data_plugin(task: str):
     return getattr(importlib.import_module(mod), attr)
 
 
+def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """``postrl train a=b c=d`` (no YAML) puts the first override in ``config``; move it back."""
+    if args.config and "=" in args.config:
+        return None, [args.config, *args.overrides]
+    return args.config, list(args.overrides)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from postrl.trainer.run import train_main
 
-    return train_main(args.config, args.overrides)
+    return train_main(*_config_and_overrides(args))
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from postrl.engine.sft import sft_main
 
-    return sft_main([args.config, *args.overrides] if args.config else list(args.overrides))
+    config, overrides = _config_and_overrides(args)
+    return sft_main([config, *overrides] if config else overrides)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from postrl.trainer.run import eval_main
 
-    return eval_main(args.config, args.overrides)
+    return eval_main(*_config_and_overrides(args))
 
 
 def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:

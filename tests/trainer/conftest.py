@@ -34,3 +34,18 @@ def small_overrides(tiny_model_dir, addition_files, tmp_path):
         "trainer.loggers=[jsonl]",
         f"trainer.run_dir={tmp_path / 'run'}",
     ]
+
+
+DIGITS_REWARD = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    # dense, varied rewards so a random tiny model gets non-zero GRPO advantages\n"
+    "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n"
+)
+
+
+@pytest.fixture(scope="session")
+def digits_reward(tmp_path_factory):
+    """Path of a custom reward file scoring the fraction of digits in the response."""
+    p = tmp_path_factory.mktemp("rewards") / "digits.py"
+    p.write_text(DIGITS_REWARD)
+    return str(p)

@@ -29,17 +29,8 @@ def _actor_params(trainer: RLTrainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.roles.actor.get_per_tensor_param()}
 
 
-DIGITS_REWARD = (
-    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-    "    # dense, varied rewards so a random tiny model gets non-zero GRPO advantages\n"
-    "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n"
-)
-
-
-def test_grpo_local_runs_updates_and_reports(small_overrides, tmp_path):
-    fn = tmp_path / "digits.py"
-    fn.write_text(DIGITS_REWARD)
-    cfg = load_config(None, [*small_overrides, f"reward.custom_function.path={fn}"])
+def test_grpo_local_runs_updates_and_reports(small_overrides, digits_reward):
+    cfg = load_config(None, [*small_overrides, f"reward.custom_function.path={digits_reward}"])
     trainer = RLTrainer(cfg)
     try:
         before = _actor_params(trainer)

@@ -23,7 +23,10 @@ WALL_CLOCK = ("timing_s/", "perf/")
 def _train(overrides: list[str], kill_at: str | None = None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", POSTRL_KILL_AT=kill_at or "")
     cmd = [sys.executable, "-m", "postrl.cli", "train", *overrides, "trainer.num_threads=1"]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600).returncode
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode not in (0, -9):
+        print(proc.stderr[-4000:])
+    return proc.returncode
 
 
 def _rows(run: Path) -> list[dict]:
@@ -40,7 +43,7 @@ def _final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def resume_setup(tiny_model_dir, tmp_path_factory):
+def resume_setup(tiny_model_dir, tmp_path_factory, digits_reward):
     d = tmp_path_factory.mktemp("resume")
     train = write_parquet(generate_addition(8, seed=3), d / "train.parquet")  # 2 steps per epoch
     test = write_parquet(generate_addition(4, seed=3, split="test"), d / "test.parquet")
@@ -49,9 +52,12 @@ def resume_setup(tiny_model_dir, tmp_path_factory):
         "data.train_batch_size=4", "data.max_prompt_length=48", "actor.ppo_mini_batch_size=2", "actor.optim.lr=1e-4",
         "rollout.n=4", "rollout.response_length=6", "trainer.total_steps=4", "trainer.test_freq=2",
         "trainer.save_freq=1", "trainer.val_before_train=false", "trainer.loggers=[jsonl]",
+        f"reward.custom_function.path={digits_reward}",
     ]
     ref = d / "ref"
     assert _train([*base, f"trainer.run_dir={ref}"]) == 0
+    first = _final_weights(ref, 1)
+    assert any(not torch.equal(first[k], v) for k, v in _final_weights(ref, 4).items()), "training must move the weights"
     return base, d, ref
 
 
