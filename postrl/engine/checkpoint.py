@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
-__all__ = ["iter_hf_params", "save_engine_checkpoint", "load_engine_checkpoint", "export_hf"]
+__all__ = ["iter_hf_params", "save_engine_checkpoint", "load_engine_checkpoint", "export_hf", "save_hf"]
 
 
 def iter_hf_params(policy) -> Iterator[tuple[str, torch.Tensor]]:
@@ -181,13 +181,27 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
     mcfg.gradient_checkpointing = False
     policy = load_policy(mcfg, "cpu")
     load_model(policy.module, str(ck / "model.safetensors"), strict=True)
+    return save_hf(policy, mcfg.path, out_dir)
+
+
+def save_hf(policy, source_path: str | Path, out_dir: str | Path) -> Path:
+    """Save a :class:`PolicyModel` as a plain HF directory (LoRA merged, attention ``sdpa``),
+    copying tokenizer and generation files from ``source_path``. Written atomically."""
     lm = policy.module.merge_and_unload() if policy.is_lora else policy.module
+    prev = lm.config._attn_implementation
     lm.config._attn_implementation = "sdpa"
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    lm.save_pretrained(out, safe_serialization=True)
-    src = Path(mcfg.path)
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config", "chat_template")):
-            shutil.copy2(f, out / f.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        lm.save_pretrained(tmp, safe_serialization=True)
+    finally:
+        lm.config._attn_implementation = prev
+    for f in Path(source_path).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config", "chat_template", "postrl_model")):
+            shutil.copy2(f, tmp / f.name)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
     return out
