@@ -5,6 +5,7 @@ registered lazily and imported on first ``create_rollout_backend(name, ...)``.
 """
 
 from postrl.rollout.base import ROLLOUT_BACKENDS, create_rollout_backend, register_rollout_backend
+from postrl.rollout.client import LoadBalancer, RolloutClient, RolloutReplica
 from postrl.rollout.types import (
     FinishReason,
     RolloutBackend,
@@ -16,6 +17,9 @@ from postrl.rollout.types import (
 )
 
 __all__ = [
+    "LoadBalancer",
+    "RolloutClient",
+    "RolloutReplica",
     "ROLLOUT_BACKENDS",
     "create_rollout_backend",
     "register_rollout_backend",

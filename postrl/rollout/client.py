@@ -1,0 +1,233 @@
+"""Replicas, load balancing and the resuming client that agent loops talk to.
+
+- ``RolloutReplica`` wraps one backend instance in-process: tracks in-flight requests, the policy
+  version of its weights, and a pause gate used around weight updates (``pause`` aborts every
+  in-flight request and holds new ones until ``resume``).
+- ``LoadBalancer`` routes to the least-loaded replica, sticky per trajectory id (the turns of one
+  multi-turn sample reach the same replica, so its KV/prefix state can be reused).
+- ``RolloutClient.generate`` hides interruptions: when a request comes back ``"abort"`` because
+  its replica paused for a weight update, the client re-sends prompt + partial output and
+  concatenates tokens and log-probs; every segment records ``(num_tokens, policy_version)`` in
+  ``TokenOutput.versions``. Aborts requested through ``RolloutClient.abort`` are final.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+from postrl.rollout.types import (
+    RolloutError,
+    RolloutTimeoutError,
+    SamplingParams,
+    TokenOutput,
+    WeightItem,
+)
+
+__all__ = ["RolloutReplica", "LoadBalancer", "RolloutClient"]
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutReplica:
+    """One backend instance served in-process.
+
+    Args:
+        backend: any ``RolloutBackend``.
+        replica_id: index used in logs and routing.
+        pause_timeout_s: how long a request waits on a paused replica before failing.
+    """
+
+    def __init__(self, backend: Any, replica_id: int = 0, pause_timeout_s: float = 600.0) -> None:
+        self.backend = backend
+        self.replica_id = replica_id
+        self.policy_version = 0
+        self.pause_timeout_s = pause_timeout_s
+        self._inflight: set[str] = set()
+        self._paused = False
+
+    @property
+    def load(self) -> int:
+        """Number of in-flight requests (the load balancer's metric)."""
+        return len(self._inflight)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+        """Run one request on the backend (waits while the replica is paused)."""
+        deadline = time.monotonic() + self.pause_timeout_s
+        while self._paused:
+            if time.monotonic() > deadline:
+                raise RolloutTimeoutError(
+                    f"replica {self.replica_id} stayed paused > {self.pause_timeout_s}s; call resume() after the "
+                    f"weight update or raise pause_timeout_s")
+            await asyncio.sleep(0.005)
+        self._inflight.add(request_id)
+        try:
+            out = await self.backend.generate(prompt_ids, sampling, request_id)
+        finally:
+            self._inflight.discard(request_id)
+        out.versions = [(len(out.token_ids), self.policy_version)]
+        return out
+
+    def abort(self, request_id: str) -> None:
+        """Abort one request (partial output returned to its caller)."""
+        self.backend.abort(request_id)
+
+    def pause(self) -> None:
+        """Abort all in-flight requests and hold new ones (clients resume them after ``resume``)."""
+        self._paused = True
+        for rid in list(self._inflight):
+            self.backend.abort(rid)
+
+    def resume(self) -> None:
+        """Serve again after ``pause``."""
+        self._paused = False
+
+    def update_weights(self, weights: Iterable[WeightItem], version: int | None = None) -> None:
+        """Load new weights and set the policy version (default: previous + 1)."""
+        self.backend.update_weights(weights)
+        self.policy_version = self.policy_version + 1 if version is None else int(version)
+
+    def receive_bucket(self, frame: bytes) -> None:
+        """Load one ``postrl.weights`` bucket frame (raw bytes + JSON header, never unpickled)."""
+        from postrl.weights import decode_frame, unpack_bucket
+
+        bucket = decode_frame(frame)
+        self.backend.update_weights(unpack_bucket(bucket))
+        if bucket.header.get("last"):
+            v = bucket.header.get("version")
+            self.policy_version = self.policy_version + 1 if v is None else int(v)
+
+    def sleep(self) -> None:
+        """Release the backend's KV cache (aborts in-flight requests)."""
+        self.backend.sleep()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` released."""
+        self.backend.wake_up(tags)
+
+
+class LoadBalancer:
+    """Least-loaded routing with sticky trajectories.
+
+    Args:
+        replicas: objects with ``load`` (int) and async ``generate``.
+        max_sticky: how many trajectory → replica assignments to remember (LRU).
+    """
+
+    def __init__(self, replicas: list[Any], max_sticky: int = 100_000) -> None:
+        if not replicas:
+            raise ValueError("LoadBalancer needs at least one replica")
+        self.replicas = list(replicas)
+        self.max_sticky = max_sticky
+        self._sticky: OrderedDict[str, int] = OrderedDict()
+        self._assigned = [0] * len(replicas)  # requests routed and not yet released
+
+    def pick(self, trajectory_id: str | None = None) -> int:
+        """Index of the replica to use: the trajectory's replica if known, else the least loaded."""
+        if trajectory_id is not None and trajectory_id in self._sticky:
+            self._sticky.move_to_end(trajectory_id)
+            return self._sticky[trajectory_id]
+        idx = min(range(len(self.replicas)), key=lambda i: (self._assigned[i] + self.replicas[i].load, i))
+        if trajectory_id is not None:
+            self._sticky[trajectory_id] = idx
+            if len(self._sticky) > self.max_sticky:
+                self._sticky.popitem(last=False)
+        return idx
+
+    def acquire(self, idx: int) -> None:
+        """Count a request routed to replica ``idx`` (before it reaches the replica)."""
+        self._assigned[idx] += 1
+
+    def release(self, idx: int) -> None:
+        """Undo ``acquire``."""
+        self._assigned[idx] -= 1
+
+    def forget(self, trajectory_id: str) -> None:
+        """Drop a finished trajectory's sticky assignment."""
+        self._sticky.pop(trajectory_id, None)
+
+
+def _segment_seed(seed: int | None, segment: int) -> int | None:
+    if seed is None or segment == 0:
+        return seed
+    h = hashlib.blake2b(f"{seed}:{segment}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 2
+
+
+class RolloutClient:
+    """What agent loops call: ``await client.generate(prompt_ids, sampling, request_id)``.
+
+    Args:
+        target: a ``LoadBalancer``, a ``RolloutReplica`` or a bare backend.
+        max_segments: most resumes of one request before giving up (typed error).
+        timeout_s: deadline of one whole ``generate`` call (None = no deadline).
+    """
+
+    def __init__(self, target: Any, max_segments: int = 64, timeout_s: float | None = None) -> None:
+        if isinstance(target, LoadBalancer):
+            self.balancer = target
+        elif isinstance(target, RolloutReplica):
+            self.balancer = LoadBalancer([target])
+        else:
+            self.balancer = LoadBalancer([RolloutReplica(target)])
+        self.max_segments = max_segments
+        self.timeout_s = timeout_s
+        self._cancelled: set[str] = set()
+        self._current: dict[str, tuple[Any, str]] = {}
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str,
+                       trajectory_id: str | None = None) -> TokenOutput:
+        """Generate, transparently resuming across replica pauses (see module docstring)."""
+        coro = self._generate(list(prompt_ids), sampling, request_id, trajectory_id)
+        if self.timeout_s is None:
+            return await coro
+        try:
+            return await asyncio.wait_for(coro, self.timeout_s)
+        except asyncio.TimeoutError as e:
+            raise RolloutTimeoutError(f"request {request_id!r} exceeded timeout_s={self.timeout_s}") from e
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request for good: its ``generate`` returns the partial output ("abort")."""
+        self._cancelled.add(request_id)
+        cur = self._current.get(request_id)
+        if cur is not None:
+            cur[0].abort(cur[1])
+
+    async def _generate(self, prompt: list[int], sampling: SamplingParams, request_id: str,
+                        trajectory_id: str | None) -> TokenOutput:
+        tokens: list[int] = []
+        logps: list[float] = []
+        versions: list[tuple[int, int]] = []
+        lb = self.balancer
+        try:
+            for seg in range(self.max_segments):
+                idx = lb.pick(trajectory_id if trajectory_id is not None else request_id)
+                replica = lb.replicas[idx]
+                sp = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(tokens),
+                                         seed=_segment_seed(sampling.seed, seg))
+                seg_id = request_id if seg == 0 else f"{request_id}#resume{seg}"
+                self._current[request_id] = (replica, seg_id)
+                lb.acquire(idx)
+                try:
+                    out = await replica.generate(prompt + tokens, sp, seg_id)
+                finally:
+                    lb.release(idx)
+                tokens += out.token_ids
+                logps += out.log_probs
+                versions += out.versions or [(len(out.token_ids), getattr(replica, "policy_version", 0))]
+                done = out.finish_reason != "abort" or request_id in self._cancelled
+                if done or len(tokens) >= sampling.max_new_tokens:
+                    reason = out.finish_reason if out.finish_reason != "abort" or request_id in self._cancelled else "length"
+                    return TokenOutput(tokens, logps, reason, out.stop_reason, versions)
+                logger.debug("request %s interrupted after %d tokens; resuming (segment %d)", request_id, len(tokens), seg + 1)
+            raise RolloutError(f"request {request_id!r} was interrupted {self.max_segments} times; "
+                               f"raise max_segments or pause replicas less often")
+        finally:
+            self._current.pop(request_id, None)
+            self._cancelled.discard(request_id)
