@@ -9,7 +9,13 @@ See ``docs/tools.md`` for the tool config format, the sandbox's isolation layers
 """
 
 from postrl.tools.base import TOOLS, BaseTool, ToolResponse, register_tool, validate_tool_schema
-from postrl.tools.config import ToolConfigError, load_tool_config, resolve_tool_class
+from postrl.tools.config import (
+    ToolConfigError,
+    create_tools,
+    load_tool_config,
+    load_tools,
+    resolve_tool_class,
+)
 from postrl.tools.executor import ToolExecutor
 from postrl.tools.parsers import (
     TOOL_PARSERS,
@@ -24,6 +30,6 @@ from postrl.tools.sandbox import IsolationReport, Sandbox, SandboxConfig, Sandbo
 __all__ = [
     "TOOLS", "TOOL_PARSERS", "BaseTool", "HermesToolParser", "IsolationReport", "ParseError",
     "ParseResult", "Sandbox", "SandboxConfig", "SandboxResult", "ToolCall", "ToolConfigError",
-    "ToolExecutor", "ToolResponse", "get_tool_parser", "load_tool_config", "register_tool",
+    "ToolExecutor", "ToolResponse", "create_tools", "get_tool_parser", "load_tools", "load_tool_config", "register_tool",
     "resolve_tool_class", "validate_tool_schema",
 ]

@@ -37,12 +37,15 @@ class ToolResponse:
     Attributes:
         text: the observation shown to the model (already truncated by the executor).
         reward_delta: step reward contributed by this call (0.0 for most tools).
-        metrics: numeric per-call metrics, ``<component>/<name>`` keys (e.g. ``tool/errors/timeout``).
+        metrics: numeric per-call metrics, ``<component>/<name>`` keys (e.g.
+            ``tool/errors/timeout``).
     """
 
     text: str
     reward_delta: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    """Set by the executor when the call failed: the failure kind (``timeout``, ...)."""
 
 
 def validate_tool_schema(schema: dict[str, Any]) -> list[str]:

@@ -101,10 +101,12 @@ class CalculatorTool(BaseTool):
         expr = parameters.get("expression")
         if not isinstance(expr, str):
             return ToolResponse("Error: 'expression' must be a string",
-                                metrics={"tool/errors/bad_arguments": 1.0})
+                                metrics={"tool/errors/bad_arguments": 1.0},
+                                error="bad_arguments")
         kw = {k: int(self.config[k]) for k in ("max_exponent", "max_digits", "max_length")
               if k in self.config}
         try:
             return ToolResponse(str(safe_eval(expr, **kw)))
         except CalculatorError as e:
-            return ToolResponse(f"Error: {e}", metrics={"tool/calculator/errors": 1.0})
+            return ToolResponse(f"Error: {e}", metrics={"tool/calculator/errors": 1.0},
+                                error="bad_expression")

@@ -23,7 +23,8 @@ from typing import Any
 
 from postrl.tools.base import TOOLS, BaseTool
 
-__all__ = ["ToolConfigError", "load_tool_config", "resolve_tool_class"]
+__all__ = ["ToolConfigError", "create_tools", "load_tool_config", "load_tools",
+           "resolve_tool_class"]
 
 
 class ToolConfigError(ValueError):
@@ -86,3 +87,13 @@ def load_tool_config(source: str | Path | list[dict[str, Any]] | dict[str, Any]
     if errors:
         raise ToolConfigError("invalid tool config:\n  " + "\n  ".join(errors))
     return tools
+
+
+#: Alias used by the agent loop.
+load_tools = load_tool_config
+
+
+def create_tools(entries: list[str | dict[str, Any]]) -> dict[str, BaseTool]:
+    """Tools from registered names (default settings) and/or config entries, e.g.
+    ``create_tools(["calculator", {"class_name": "python", "config": {"wall_time_s": 2}}])``."""
+    return load_tool_config([{"class_name": e} if isinstance(e, str) else e for e in entries])

@@ -42,7 +42,7 @@ __all__ = ["ToolExecutor"]
 
 
 def _error(kind: str, text: str, **extra: float) -> ToolResponse:
-    return ToolResponse(f"Error: {text}", 0.0, {f"tool/errors/{kind}": 1.0, **extra})
+    return ToolResponse(f"Error: {text}", 0.0, {f"tool/errors/{kind}": 1.0, **extra}, error=kind)
 
 
 class ToolExecutor:
@@ -56,11 +56,12 @@ class ToolExecutor:
     """
 
     def __init__(self, tools: dict[str, BaseTool] | list[BaseTool],
-                 max_tool_response_length: int = 4096, timeout_s: float = 30.0) -> None:
+                 max_tool_response_length: int = 4096, timeout_s: float = 30.0,
+                 max_response_chars: int | None = None) -> None:
         if isinstance(tools, list):
             tools = {t.name: t for t in tools}
         self.tools = dict(tools)
-        self.max_tool_response_length = int(max_tool_response_length)
+        self.max_tool_response_length = int(max_response_chars or max_tool_response_length)
         self.timeout_s = float(timeout_s)
         self.metrics: Counter[str] = Counter()
         """Cumulative counts/sums of every call's metrics (for health reporting)."""
@@ -84,10 +85,34 @@ class ToolExecutor:
             self._created.add((name, instance_id))
         return instance_id
 
-    async def release(self, instance_id: str) -> float:
+    async def execute(self, call: Any, instance_id: str,
+                      instances: dict[str, Any] | None = None,
+                      timeout_s: float | None = None) -> ToolResponse:
+        """Agent-loop entry: ``call`` is a parsed ``ToolCall``, a ``(name, arguments)`` pair or a
+        ``{"name", "arguments"}`` dict; ``instances`` (the trajectory's dict) records which tools
+        were used. Same guarantees as :meth:`execute_tool_call`."""
+        if isinstance(call, dict):
+            name, args = call.get("name"), call.get("arguments")
+        else:
+            try:
+                name, args = call
+            except (TypeError, ValueError):
+                name, args = getattr(call, "name", None), getattr(call, "arguments", None)
+        if not isinstance(name, str):
+            resp = self._cap(_error("bad_arguments", f"malformed tool call {call!r}"))
+            resp.metrics["tool/calls"] = 1.0
+            self.metrics.update(resp.metrics)
+            return resp
+        if instances is not None:
+            instances.setdefault(name, instance_id)
+        return await self.execute_tool_call(name, args, instance_id, timeout_s)
+
+    async def release(self, instance_id: str, instances: dict[str, Any] | None = None) -> float:
         """Sum the tools' ``calc_reward`` for the trajectory and release their state.
 
-        Errors are logged and counted (``tool/errors/release``), never raised."""
+        ``instances`` is accepted for the agent loop's signature; every tool created for
+        ``instance_id`` is released. Errors are logged and counted (``tool/errors/release``),
+        never raised."""
         total = 0.0
         for name, tool in self.tools.items():
             if (name, instance_id) not in self._created:
@@ -160,7 +185,7 @@ class ToolExecutor:
             metrics = {str(k): float(v) for k, v in (out.metrics or {}).items()}
         except (TypeError, ValueError):
             return _error("bad_return", f"tool {name!r} returned a non-numeric reward or metric")
-        return ToolResponse(out.text, reward, metrics)
+        return ToolResponse(out.text, reward, metrics, error=out.error)
 
     def _cap(self, resp: ToolResponse) -> ToolResponse:
         limit = self.max_tool_response_length

@@ -50,6 +50,11 @@ class ParseError(NamedTuple):
     raw: str
     message: str
 
+    def __str__(self) -> str:
+        """The error observation shown to the model."""
+        return f"Error: {self.message}. Call tools as <tool_call>{{\"name\": ..., " \
+               f"\"arguments\": {{...}}}}</tool_call>"
+
 
 @dataclass
 class ParseResult:

@@ -73,9 +73,13 @@ class PythonTool(BaseTool):
         code = parameters.get("code")
         if not isinstance(code, str):
             return ToolResponse("Error: 'code' must be a string",
-                                metrics={"tool/errors/bad_arguments": 1.0})
+                                metrics={"tool/errors/bad_arguments": 1.0},
+                                error="bad_arguments")
         res = await self.sandbox.run_python(code)
         metrics = {"tool/python/duration_s": res.duration_s}
         if res.status != "ok":
             metrics[f"tool/python/status/{res.status}"] = 1.0
-        return ToolResponse(format_sandbox_output(res, self.max_output_chars), metrics=metrics)
+        # A program that raises is a normal observation; limits/refusals are tool failures.
+        failed = res.status not in ("ok", "error")
+        return ToolResponse(format_sandbox_output(res, self.max_output_chars), metrics=metrics,
+                            error=res.status if failed else None)

@@ -90,7 +90,8 @@ class SearchTool(BaseTool):
         query = parameters.get("query")
         if not isinstance(query, str) or not query.strip():
             return ToolResponse("Error: 'query' must be a non-empty string",
-                                metrics={"tool/errors/bad_arguments": 1.0})
+                                metrics={"tool/errors/bad_arguments": 1.0},
+                                error="bad_arguments")
         hits = self.search(query)
         if not hits:
             return ToolResponse("No results.", metrics={"tool/search/hits": 0.0})
