@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import inspect
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -135,6 +135,7 @@ class _Trajectory:
     """Mutable state of one trajectory (private to :class:`ToolAgentLoop`)."""
 
     request_id: str
+    instance_id: str
     prompt_ids: list[int]
     messages: list[dict[str, Any]]
     budget: int
@@ -142,6 +143,8 @@ class _Trajectory:
     response_mask: list[int] = field(default_factory=list)
     response_logprobs: list[float] = field(default_factory=list)
     last_generated: list[int] = field(default_factory=list)
+    assistant_idx: list[int] = field(default_factory=list)
+    turn_contents: list[list[int]] = field(default_factory=list)
     last_calls: list[Any] = field(default_factory=list)
     last_parse_errors: list[str] = field(default_factory=list)
     assistant_turns: int = 0
@@ -152,7 +155,7 @@ class _Trajectory:
     tool_errors: int = 0
     tool_time_s: float = 0.0
     tool_reward: float = 0.0
-    tool_metrics: list[dict[str, Any]] = field(default_factory=list)
+    tool_metrics: dict[str, float] = field(default_factory=dict)
     instances: dict[str, Any] = field(default_factory=dict)
 
     def append(self, ids: list[int], logprobs: list[float] | None, policy: bool) -> None:
@@ -192,13 +195,15 @@ class ToolAgentLoop(AgentLoopBase):
         **kwargs: Any,
     ) -> None:
         super().__init__(client, tokenizer, config, **kwargs)
-        from postrl.tools import TOOL_PARSERS, ToolExecutor, load_tools
+        from postrl.tools import ToolExecutor, get_tool_parser, load_tools
 
         if tools is None:
             tools = load_tools(config.tool_config_path) if config.tool_config_path else {}
         self.tools: dict[str, Any] = dict(tools)
-        self.parser = TOOL_PARSERS.get(config.tool_parser)()
-        self.executor = ToolExecutor(self.tools, timeout_s=tool_timeout_s, max_response_chars=config.max_tool_response_length)
+        if not self.tools:
+            logger.warning("tool_agent loop has no tools (rollout.agent.tool_config_path is empty); every call will be an error")
+        self.parser = get_tool_parser(config.tool_parser)
+        self.executor = ToolExecutor(self.tools, timeout_s=tool_timeout_s, max_tool_response_length=config.max_tool_response_length)
         self.delta = ChatDelta(tokenizer)
         self.max_response_length = max_response_length
         self.max_model_len = max_model_len
@@ -208,13 +213,16 @@ class ToolAgentLoop(AgentLoopBase):
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
         """OpenAI function schemas of the configured tools (for prompts: ``tools=`` of the template)."""
-        return [_schema(t) for t in self.tools.values()]
+        return self.executor.schemas()
 
     async def run(self, sampling: Any, **row: Any) -> AgentLoopOutput:
         """Run the state machine for one row; tools are released even if generation fails."""
         traj = self._start(sampling, row)
         state = AgentState.PENDING
         try:
+            tools_kwargs = (row.get("extra_info") or {}).get("tools_kwargs") if isinstance(row.get("extra_info"), dict) else None
+            if tools_kwargs:
+                await self.executor.create(traj.instance_id, tools_kwargs)
             state = AgentState.GENERATING
             while state is not AgentState.TERMINATED:
                 if state is AgentState.GENERATING:
@@ -235,7 +243,8 @@ class ToolAgentLoop(AgentLoopBase):
         if self.max_model_len:
             budget = min(budget, self.max_model_len - len(prompt_ids) - 1)
         messages = [dict(m) for m in (row.get("messages") if row.get("messages") is not None else [])]
-        return _Trajectory(request_id=str(row["request_id"]), prompt_ids=prompt_ids, messages=messages, budget=budget)
+        rid = str(row["request_id"])
+        return _Trajectory(request_id=rid, instance_id=f"{rid}-{uuid.uuid4().hex[:8]}", prompt_ids=prompt_ids, messages=messages, budget=budget)
 
     async def _generate(self, traj: _Trajectory, sampling: Any, row: dict[str, Any]) -> AgentState:
         room = traj.budget - len(traj.response_ids)
@@ -256,6 +265,8 @@ class ToolAgentLoop(AgentLoopBase):
         traj.finish_reason = out.finish_reason
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         content = self.tokenizer.decode(ids[: len(ids) - self._eot_len(ids)], skip_special_tokens=False)
+        traj.assistant_idx.append(len(traj.messages))
+        traj.turn_contents.append(ids[: len(ids) - self._eot_len(ids)])
         traj.messages.append({"role": "assistant", "content": content})
         if out.finish_reason != "stop":
             traj.termination = "length" if out.finish_reason == "length" else out.finish_reason
@@ -280,6 +291,7 @@ class ToolAgentLoop(AgentLoopBase):
         tool_msgs: list[dict[str, Any]] = []
         for err in traj.last_parse_errors:
             traj.tool_errors += 1
+            traj.tool_metrics["tool/errors/malformed_call"] = traj.tool_metrics.get("tool/errors/malformed_call", 0.0) + 1
             tool_msgs.append({"role": "tool", "content": err})
         for call, (text, is_error) in zip(traj.last_calls, results, strict=True):
             traj.tool_calls += 1
@@ -305,16 +317,21 @@ class ToolAgentLoop(AgentLoopBase):
         return list(res.calls), [str(e) for e in res.errors]
 
     async def _call(self, traj: _Trajectory, call: Any) -> tuple[str, bool]:
-        """Run one call through the safe executor; returns (observation text, is_error)."""
-        res = await self.executor.execute(call, instance_id=traj.request_id, instances=traj.instances)
+        """Run one call through the safe executor; returns (observation text, is_error).
+
+        A call counts as an error when the executor flags it (``error``), the tool follows the
+        ``"Error: ..."`` text convention, or it reports a ``tool/errors/*`` metric.
+        """
+        res = await self.executor.execute(call, instance_id=traj.instance_id, instances=traj.instances)
         traj.tool_reward += float(res.reward_delta or 0.0)
-        if res.metrics:
-            traj.tool_metrics.append(dict(res.metrics))
-        return res.text, bool(res.error)
+        for k, v in (res.metrics or {}).items():
+            traj.tool_metrics[k] = traj.tool_metrics.get(k, 0.0) + float(v)
+        is_error = bool(res.error) or res.text.startswith("Error:") or any(k.startswith("tool/errors/") for k in res.metrics or {})
+        return res.text, is_error
 
     async def _release(self, traj: _Trajectory) -> None:
         try:
-            await self.executor.release(traj.request_id, traj.instances)
+            traj.tool_reward += float(await self.executor.release(traj.instance_id, traj.instances))
         except Exception as e:
             logger.warning("releasing tools of %s failed: %r", traj.request_id, e)
 
@@ -329,11 +346,10 @@ class ToolAgentLoop(AgentLoopBase):
             "agent/tool_errors": float(traj.tool_errors),
             "agent/tool_time_s": traj.tool_time_s,
             "agent/num_assistant_turns": float(traj.assistant_turns),
+            **traj.tool_metrics,
         }
         if self.config.check_token_faithfulness:
-            ratio = self._check_faithfulness(traj)
-            if ratio is not None:
-                metrics["agent/token_drift_ratio"] = ratio
+            metrics.update(self._check_faithfulness(traj))
         return AgentLoopOutput(
             prompt_ids=traj.prompt_ids,
             response_ids=traj.response_ids,
@@ -350,49 +366,67 @@ class ToolAgentLoop(AgentLoopBase):
             },
         )
 
-    def _check_faithfulness(self, traj: _Trajectory) -> float | None:
-        """``agent/token_drift_ratio`` of this trajectory (None without prompt messages)."""
-        if not traj.messages or traj.messages[0].get("role") == "assistant":
-            return None
-        actual = traj.prompt_ids + traj.response_ids
-        last_is_tool = traj.messages[-1].get("role") == "tool"
-        best: tuple[float, int, list[int]] | None = None
-        for tools in ([None, self.tool_schemas] if self.tools else [None]):
-            kw = {"tools": tools} if tools else {}
-            expected = self.delta.encode(self.delta.render(traj.messages, add_generation_prompt=last_is_tool, **kw))
-            if not last_is_tool and traj.messages[-1].get("role") == "assistant":
-                closing = self.delta.closing(traj.last_generated)
-                if closing and expected[-len(closing) :] == closing:
-                    expected = expected[: -len(closing)]
-            ratio, first = token_drift(actual, expected)
-            if best is None or ratio < best[0]:
-                best = (ratio, first, expected)
-            if ratio == 0.0:
-                break
-        assert best is not None
-        ratio, first, expected = best
-        if ratio > 0 and not self._drift_logged:
-            self._drift_logged = True
-            lo = max(0, first - 16)
-            logger.warning(
-                "token drift in %s at position %d (prompt %d tokens): trained ids decode to %r, chat template gives %r",
-                traj.request_id, first, len(traj.prompt_ids),
-                self.tokenizer.decode(actual[lo : first + 16], skip_special_tokens=False),
-                self.tokenizer.decode(expected[lo : first + 16], skip_special_tokens=False),
-            )
-        return ratio
+    def _check_faithfulness(self, traj: _Trajectory) -> dict[str, float]:
+        """Drift metrics of this trajectory (empty without the row's prompt messages).
 
+        ``agent/token_drift_ratio``: against the template of the whole conversation with each
+        generated assistant turn spliced in as its *sampled* ids (the template text around them
+        tokenised) — the loop's own boundary/observation construction; must be 0.
+        ``agent/retokenize_drift_ratio``: against the fully re-tokenised conversation (assistant
+        turns decoded to text) — what a re-tokenising pipeline would train on; > 0 when the
+        model samples non-canonical or invalid-UTF-8 byte sequences.
+        """
+        if not traj.assistant_idx or traj.assistant_idx[0] == 0:
+            return {}
+        actual = traj.prompt_ids + traj.response_ids
+        out: dict[str, float] = {}
+        for key, spliced in (("agent/token_drift_ratio", True), ("agent/retokenize_drift_ratio", False)):
+            best: tuple[float, int, list[int]] = (2.0, -1, [])
+            for tools in [None, self.tool_schemas] if self.tools else [None]:
+                expected = self._expected_ids(traj, tools, spliced)
+                ratio, first = token_drift(actual, expected)
+                if ratio < best[0]:
+                    best = (ratio, first, expected)
+                if ratio == 0.0:
+                    break
+            ratio, first, expected = best
+            out[key] = ratio
+            if ratio > 0 and spliced and not self._drift_logged:
+                self._drift_logged = True
+                lo = max(0, first - 16)
+                logger.warning(
+                    "token drift in %s at position %d (prompt %d tokens): trained ids decode to %r, chat template gives %r",
+                    traj.request_id, first, len(traj.prompt_ids),
+                    self.tokenizer.decode(actual[lo : first + 16], skip_special_tokens=False),
+                    self.tokenizer.decode(expected[lo : first + 16], skip_special_tokens=False),
+                )
+        return out
+
+    def _expected_ids(self, traj: _Trajectory, tools: list[dict[str, Any]] | None, spliced: bool) -> list[int]:
+        """Token ids of ``apply_chat_template(conversation)`` (see :meth:`_check_faithfulness`)."""
+        msgs = [dict(m) for m in traj.messages]
+        markers = [f"\x1fPOSTRL_TURN_{k}\x1f" for k in range(len(traj.assistant_idx))]
+        if spliced:
+            for k, idx in enumerate(traj.assistant_idx):
+                msgs[idx]["content"] = markers[k]
+        last_is_tool = msgs[-1].get("role") == "tool"
+        text = self.delta.render(msgs, add_generation_prompt=last_is_tool, **({"tools": tools} if tools else {}))
+        if spliced:
+            expected: list[int] = []
+            for k, marker in enumerate(markers):
+                head, sep, text = text.partition(marker)
+                if not sep:  # the template dropped or rewrote a turn: nothing to splice
+                    return expected + self.delta.encode(head)
+                expected += self.delta.encode(head) + traj.turn_contents[k]
+            expected += self.delta.encode(text)
+        else:
+            expected = self.delta.encode(text)
+        if msgs[-1].get("role") == "assistant":
+            closing = self.delta.closing(traj.last_generated)
+            if closing and expected[-len(closing) :] == closing:
+                expected = expected[: -len(closing)]
+        return expected
 
 def _call_name(call: Any) -> str:
     return str(getattr(call, "name", None) or (call.get("name") if isinstance(call, dict) else "") or "")
 
-
-def _schema(tool: Any) -> dict[str, Any]:
-    schema = getattr(tool, "tool_schema", None) or getattr(tool, "schema", None)
-    if callable(schema) and not isinstance(schema, dict):
-        schema = schema()
-    if hasattr(schema, "model_dump"):
-        schema = schema.model_dump(exclude_none=True)
-    if inspect.isawaitable(schema):  # pragma: no cover - defensive
-        raise TypeError("tool schema must not be a coroutine")
-    return dict(schema or {})
