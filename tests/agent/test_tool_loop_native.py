@@ -83,7 +83,10 @@ def test_manager_with_native_backend(backend, tokenizer, agent_config):
         mask = batch.batch["response_mask"][i]
         am = batch.batch["attention_mask"][i, batch.batch["prompts"].shape[1] :]
         assert bool((mask <= am).all())
-        assert batch.non_tensor_batch["agent_metrics"][i]["agent/token_drift_ratio"] == 0.0
+        metrics = batch.non_tensor_batch["agent_metrics"][i]
+        # the loop's construction is exact; re-tokenising random (often invalid UTF-8) bytes is not
+        assert metrics["agent/token_drift_ratio"] == 0.0
+        assert 0.0 <= metrics["agent/retokenize_drift_ratio"] <= 1.0
     assert int(batch.batch["response_mask"].sum()) == sum(len(o.token_ids) for _, o in client.calls)
 
 
