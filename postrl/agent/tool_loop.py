@@ -24,12 +24,14 @@ token (ChatML/Qwen, Llama-3, Mistral-style templates); the faithfulness check be
 trajectory.
 
 Token-faithfulness check (``check_token_faithfulness``): rebuild the conversation (prompt
-messages, the decoded assistant turns, the tool messages), render it with
-``apply_chat_template`` and tokenise it; ``agent/token_drift_ratio`` is the fraction of positions
-where that differs from ``prompt_ids + response_ids`` (over the longer length; a template's
-closing suffix after the final turn is not counted). The first mismatch is logged once per loop
-with both decodings. A non-zero ratio also appears when the *model* samples a non-canonical
-tokenisation of its own text — harmless for training (we train on the sampled ids) but reported.
+messages, assistant turns, tool messages) and render it with ``apply_chat_template``;
+``agent/token_drift_ratio`` compares ``prompt_ids + response_ids`` with that rendering tokenised
+around the turns' *sampled* ids (the loop's own boundaries; must be 0), and
+``agent/retokenize_drift_ratio`` with the fully re-tokenised conversation (assistant turns
+decoded to text; > 0 when the model samples non-canonical or invalid-UTF-8 byte sequences —
+harmless for training, which uses the sampled ids). Both are the fraction of differing positions
+over the longer length; the template's closing suffix after a final turn is not counted. The
+first ``token_drift_ratio`` mismatch is logged once per loop with both decodings.
 """
 
 from __future__ import annotations
