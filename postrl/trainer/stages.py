@@ -57,11 +57,18 @@ def make_reward_request(tokenizer: Any, response_ids: list[int], row: dict[str, 
     )
 
 
-def apply_reward_result(batch: DataProto, result: RewardResult, overlong: Any | None = None) -> tuple[DataProto, dict[str, float]]:
+def apply_reward_result(batch: DataProto, result: RewardResult, overlong: Any | None = None,
+                        max_response_length: int | None = None) -> tuple[DataProto, dict[str, float]]:
     """Write ``token_level_scores`` (score on the last response token) and ``sample_valid``.
 
     Failed samples keep a 0 placeholder that no estimator reads: they are excluded from their
     group's baseline via ``sample_valid`` and their ``response_mask`` is zeroed (no loss).
+
+    With ``overlong.enable`` (DAPO soft overlong punishment) the penalty ramps over the last
+    ``overlong.buffer_len`` tokens before ``max_response_length`` — the *configured* maximum
+    (``rollout.response_length``), passed here or as ``meta_info["max_response_length"]``. The
+    batch's own width cannot stand in for it: responses are padded to the longest one of the
+    batch, so a batch of short answers would be punished for lengths far below the limit.
     """
     b = dict(batch.batch)
     R = b["responses"].shape[1]
@@ -69,8 +76,14 @@ def apply_reward_result(batch: DataProto, result: RewardResult, overlong: Any | 
     scores = result.scores.clone()
     metrics = dict(result.metrics)
     if overlong is not None and getattr(overlong, "enable", False):
-        penalty = overlong_reward_penalty(resp_len, R if "max_response_length" not in batch.meta_info else batch.meta_info["max_response_length"],
-                                          overlong.buffer_len, overlong.penalty_factor)
+        max_len = max_response_length if max_response_length is not None else batch.meta_info.get("max_response_length")
+        if max_len is None:
+            raise ValueError(
+                "reward.overlong.enable=True needs the configured maximum response length: call "
+                "apply_reward_result(..., max_response_length=cfg.rollout.response_length) or set "
+                "batch.meta_info['max_response_length'] (the padded batch width is not the limit)"
+            )
+        penalty = overlong_reward_penalty(resp_len, int(max_len), overlong.buffer_len, overlong.penalty_factor)
         scores = scores + penalty.to(scores.dtype)
         metrics["reward/overlong_penalty/mean"] = float(penalty.float().mean())
     tls = torch.zeros_like(b["responses"], dtype=torch.float32)
@@ -155,10 +168,19 @@ def dynamic_sampling_stage(batch: DataProto) -> tuple[DataProto, dict[str, float
     scores = batch.batch["token_level_scores"].sum(-1)
     keep, m = filter_groups(scores, np.asarray(batch.non_tensor_batch["uid"]), sample_mask=batch.batch.get("sample_valid"))
     metrics = {f"dynamic_sampling/{k}": float(v) for k, v in m.items()}
+    metrics["dynamic_sampling/skipped_update"] = 0.0
     if bool(keep.all()):
         return batch, metrics
     if not bool(keep.any()):
-        logger.warning("dynamic sampling dropped every group this step (all rewards equal within groups)")
+        # An empty batch cannot be dispatched to the workers (and a step without rows has nothing
+        # to learn): keep the rows but mask every token, so the engines drop them and take no
+        # optimizer step, while the step's bookkeeping still runs.
+        logger.warning("dynamic sampling dropped every group this step (all rewards equal within groups); "
+                       "skipping the update — raise data.train_batch_size or rollout.n if this is frequent")
+        b = dict(batch.batch)
+        b["response_mask"] = torch.zeros_like(b["response_mask"])
+        metrics["dynamic_sampling/skipped_update"] = 1.0
+        return DataProto(b, batch.non_tensor_batch, batch.meta_info), metrics
     return batch[keep], metrics
 
 

@@ -101,6 +101,8 @@ def test_example_runs(path: Path, tiny_model_dir, addition_files, countdown_file
     if "countdown" in path.stem:
         assert "val/countdown/acc" in last
         return
+    if "critic/vf_loss" in want:  # the critic really trained
+        assert last["critic/grad_norm"] > 0 and last["critic/vf_loss"] > 0
     # dense reward → non-zero advantages → the update moved the policy
     assert any(not torch.equal(before[k], after[k]) for k in before), f"{path.name}: no parameter changed"
 
@@ -127,3 +129,63 @@ def test_examples_select_their_algorithm():
     assert cfg["gspo_addition"].actor.policy_loss == "gspo"
     assert cfg["ppo_gae_addition"].algorithm.adv_estimator == "gae"
     assert all(c.rollout.n > 1 for c in cfg.values())
+
+
+_HALF_CONSTANT = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    if extra_info['index'] % 2 == 0:\n"
+    "        return 1.0  # every sample of this prompt scores the same: DAPO drops the group\n"
+    "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n"
+)
+_ALL_CONSTANT = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+
+
+@pytest.mark.parametrize("reward,mini", [(_HALF_CONSTANT, 6), (_HALF_CONSTANT, 2), (_ALL_CONSTANT, 2)],
+                         ids=["half-dropped", "half-dropped-ragged-minibatch", "all-dropped"])
+def test_dapo_dynamic_sampling_shrinks_the_batch(small_overrides, tmp_path, reward, mini):
+    """Dropped groups shrink the batch (possibly below/off a mini-batch multiple, or to nothing)."""
+    fn = tmp_path / "reward.py"
+    fn.write_text(reward)
+    ov = [*small_overrides, f"reward.custom_function.path={fn}", "data.val_files=[]", "trainer.total_steps=1",
+          "data.train_batch_size=6", f"actor.ppo_mini_batch_size={mini}",
+          "reward.overlong.enable=false"]  # the length penalty would make constant rewards differ
+    trainer = RLTrainer(load_config(EXAMPLES / "dapo_addition.yaml", ov))
+    try:
+        before = {k: v.detach().clone() for k, v in trainer.roles.actor.get_per_tensor_param()}
+        last = trainer.fit()
+        after = {k: v.detach().clone() for k, v in trainer.roles.actor.get_per_tensor_param()}
+    finally:
+        trainer.close()
+    moved = any(not torch.equal(before[k], after[k]) for k in before)
+    if reward is _ALL_CONSTANT:  # nothing to learn: no optimizer step at all (AdamW would still move)
+        assert last["dynamic_sampling/num_kept_groups"] == 0 and last["dynamic_sampling/skipped_update"] == 1
+        assert not moved
+    else:
+        assert last["dynamic_sampling/skipped_update"] == 0 and moved
+    assert last["dynamic_sampling/num_groups"] == 6
+    assert last["dynamic_sampling/num_dropped_groups"] >= 1
+    assert last["dynamic_sampling/num_kept_groups"] + last["dynamic_sampling/num_dropped_groups"] == 6
+    assert all(math.isfinite(v) for v in last.values()), last
+
+
+def test_overlong_penalty_uses_the_configured_length_not_the_batch_width():
+    """Short answers padded to a narrow batch are not punished; the ramp is over the configured max."""
+    from types import SimpleNamespace
+
+    from postrl.protocol import DataProto
+    from postrl.reward import RewardResult, SampleScore
+    from postrl.trainer.stages import apply_reward_result
+
+    lengths = torch.tensor([3, 2, 1])  # the batch is 3 tokens wide; the configured max is 16
+    am = torch.cat([torch.ones(3, 4, dtype=torch.long), (torch.arange(3)[None] < lengths[:, None]).long()], 1)
+    batch = DataProto.from_dict({"responses": torch.zeros(3, 3, dtype=torch.long), "attention_mask": am,
+                                 "response_mask": am[:, -3:].clone()})
+    result = RewardResult.from_samples([SampleScore(1.0, None, None, {}) for _ in range(3)], ["a", "a", "a"])
+    ov = SimpleNamespace(enable=True, buffer_len=4, penalty_factor=1.0)
+    out, m = apply_reward_result(batch, result, ov, max_response_length=16)
+    assert m["reward/overlong_penalty/mean"] == 0.0
+    assert out.batch["token_level_scores"].sum(-1).tolist() == [1.0, 1.0, 1.0]
+    _, m = apply_reward_result(batch, result, ov, max_response_length=4)  # ramp over lengths 1..4: -len/4
+    assert m["reward/overlong_penalty/mean"] == pytest.approx(-(3 / 4 + 2 / 4 + 1 / 4) / 3)
+    with pytest.raises(ValueError, match="max_response_length"):
+        apply_reward_result(batch, result, ov)
