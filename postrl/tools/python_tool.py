@@ -1,7 +1,7 @@
 """``python``: runs model-written code in the :class:`~postrl.tools.sandbox.Sandbox`.
 
 The observation is the program's stdout, then its stderr (each truncated to
-``max_output_chars``), then — when the run did not end normally — one ``[sandbox: status:
+``max_output_chars``: stdout keeps its head, stderr its tail, where tracebacks end), then — when the run did not end normally — one ``[sandbox: status:
 reason]`` line, so the model sees why (timeout, memory, output limit, refused ...). Each
 non-``ok`` status is counted as ``tool/python/status/<status>``.
 
@@ -21,10 +21,11 @@ from postrl.tools.sandbox import Sandbox, SandboxConfig
 __all__ = ["PythonTool", "format_sandbox_output"]
 
 
-def _truncate(text: str, limit: int) -> str:
+def _truncate(text: str, limit: int, keep_tail: bool = False) -> str:
     if len(text) <= limit:
         return text
-    return text[:limit] + f"\n... [truncated {len(text) - limit} characters]"
+    note = f"... [truncated {len(text) - limit} characters]"
+    return note + "\n" + text[-limit:] if keep_tail else text[:limit] + "\n" + note
 
 
 def format_sandbox_output(res: Any, max_chars: int) -> str:
@@ -33,7 +34,7 @@ def format_sandbox_output(res: Any, max_chars: int) -> str:
     if res.stdout:
         parts.append(_truncate(res.stdout, max_chars))
     if res.stderr:
-        parts.append("stderr:\n" + _truncate(res.stderr, max_chars))
+        parts.append("stderr:\n" + _truncate(res.stderr, max_chars, keep_tail=True))
     if res.status != "ok":
         parts.append(res.describe())
     return "\n".join(parts) if parts else "(no output)"

@@ -178,9 +178,10 @@ class Sandbox:
 
     def _probe(self) -> IsolationReport:
         is_root = os.geteuid() == 0
-        cfg = self._launch_config(slot=0, argv=[], files={}, stdin="", best_effort=True)
+        cfg = self._launch_config(slot=0, argv=[self.python, "-I", "-S", "-c", "pass"],
+                                  files={}, stdin="", best_effort=True)
         off = set(self.config.disabled_layers)
-        cfg.update(probe_only=True, drop_uid=is_root and "uid_drop" not in off,
+        cfg.update(drop_uid=is_root and "uid_drop" not in off,
                    pid_ns="pid_namespace" not in off, net_ns="net_namespace" not in off,
                    mount_ns="mount_namespace" not in off, landlock="landlock" not in off)
         workdir = self._make_workdir(0, is_root)
@@ -210,6 +211,9 @@ class Sandbox:
             errors["uid_drop"] = "not running as root: cannot switch to an unprivileged uid"
         if status.get("setup_error") or proc.returncode != 0:
             errors["probe"] = status.get("setup_error") or proc.stderr.decode(errors="replace")
+        elif status.get("exit_code") != 0:
+            errors["interpreter"] = (f"{self.python} cannot run inside the sandbox with these "
+                                     f"layers: {proc.stderr.decode(errors='replace').strip()}")
         return IsolationReport(active=active, errors=errors)
 
     # ------------------------------------------------------------------ running

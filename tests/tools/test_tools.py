@@ -273,3 +273,48 @@ def test_hermes_calls_inside_code_blocks_do_not_count_by_default():
 def test_unknown_parser_lists_choices():
     with pytest.raises(KeyError, match="hermes"):
         get_tool_parser("hermez")
+
+
+# ----------------------------------------------------------------------------- python tool
+
+
+def test_python_tool_through_the_executor():
+    from postrl.tools.sandbox import Sandbox, SandboxConfig
+
+    if Sandbox(SandboxConfig()).isolation_report().missing(SandboxConfig().required_layers):
+        pytest.skip("sandbox isolation unavailable on this host")
+    tools = load_tool_config([{"class_name": "python",
+                               "config": {"wall_time_s": 1.0, "max_output_chars": 100}}])
+    ex = ToolExecutor(tools, timeout_s=5.0)
+
+    async def go():
+        ok = await ex.execute_tool_call("python", {"code": "print(123456789 * 987654321)"}, "t")
+        slow = await ex.execute_tool_call("python", {"code": "import time; time.sleep(60)"}, "t")
+        loud = await ex.execute_tool_call("python", {"code": "print('y' * 10000)"}, "t")
+        exc = await ex.execute_tool_call("python", {"code": "1/0"}, "t")
+        return ok, slow, loud, exc
+
+    ok, slow, loud, exc = asyncio.run(go())
+    assert ok.text.strip() == "121932631112635269" and ok.error is None
+    assert "[sandbox: timeout: wall time limit of 1.0s exceeded" in slow.text
+    assert slow.error == "timeout" and slow.metrics["tool/python/status/timeout"] == 1.0
+    assert len(loud.text) < 200 and "truncated 9901 characters" in loud.text
+    assert "ZeroDivisionError" in exc.text and "[sandbox: error: exit code 1]" in exc.text
+    assert exc.error is None  # a program that raises is a normal observation
+
+
+def test_untrusted_sandbox_refuses_when_a_required_layer_is_missing():
+    from postrl.tools.sandbox import Sandbox, SandboxConfig
+
+    sb = Sandbox(SandboxConfig(disabled_layers=("mount_namespace",)))
+    rep = sb.isolation_report()
+    assert rep.active["mount_namespace"] is False and "mount_namespace=off" in rep.summary()
+    res = asyncio.run(sb.run_python("print('should not run')"))
+    assert res.status == "refused" and "mount_namespace" in res.reason and res.stdout == ""
+    assert sb.metrics["sandbox/refused"] == 1
+    # trusted mode runs with what is available and says so in the report
+    off = ("mount_namespace", "uid_drop")  # without the mount ns, the uid cannot reach /root
+    trusted = Sandbox(SandboxConfig(disabled_layers=off, untrusted=False))
+    assert asyncio.run(trusted.run_python("print('ran')")).stdout == "ran\n"
+    if str(sb.python).startswith("/root/"):  # this host: the interpreter lives under /root
+        assert "cannot run inside the sandbox" in rep.errors["interpreter"]

@@ -1,0 +1,160 @@
+"""``tool_arith``: large-number arithmetic where the ``calculator`` tool gives the exact answer.
+
+Problems are 6–9 digit products, sums of three numbers and ``a * b - c`` — easy to get exactly
+right with the tool, nearly impossible for a small model without it, so reward rises only if
+the policy learns to call the tool and copy its result.
+
+* :func:`generate_tool_arith` — RL rows in verl's parquet schema (``data_source="tool_arith"``,
+  ``agent_name="tool_agent"``, the system message describes the tool and the ``<tool_call>``
+  format, ``reward_model.ground_truth`` is the exact integer as a string).
+* :func:`tool_arith_demonstrations` — full multi-turn conversations (user → assistant with a
+  ``<tool_call>`` → tool result → assistant final answer) as SFT rows ``{"messages": [...]}``
+  for a warm-up before RL.
+* :func:`compute_tool_arith_score` — the reward: 1.0 when the last integer of the **final
+  assistant turn** equals the ground truth. Integers inside ``<tool_call>`` and
+  ``<tool_response>`` blocks and in earlier turns never count, so calling the tool and then
+  stopping without answering scores 0.
+
+Train and test splits are disjoint by construction (problems are partitioned by a hash).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Any
+
+__all__ = ["SYSTEM_PROMPT", "compute_tool_arith_score", "final_answer_text",
+           "generate_tool_arith", "tool_arith_demonstrations"]
+
+SYSTEM_PROMPT = (
+    "You can use a calculator tool. To call it, write exactly:\n"
+    "<tool_call>\n"
+    '{"name": "calculator", "arguments": {"expression": "<arithmetic expression>"}}\n'
+    "</tool_call>\n"
+    "The expression may use integers, + - * / // % ** and parentheses. The result comes back "
+    "in a tool message. Then give the final answer as: The answer is <integer>."
+)
+
+
+def _split_seed(seed: int, split: str) -> int:
+    return seed * 1_000_003 + {"train": 0, "test": 7919, "val": 7919}.get(split, 104729) + 17
+
+
+def _problem(rng: random.Random, min_digits: int, max_digits: int) -> tuple[str, int]:
+    def num() -> int:
+        d = rng.randint(min_digits, max_digits)
+        return rng.randrange(10 ** (d - 1), 10**d)
+
+    kind = rng.choice(("mul", "sum3", "mulsub"))
+    if kind == "mul":
+        a, b = num(), num()
+        return f"{a} * {b}", a * b
+    if kind == "sum3":
+        a, b, c = num(), num(), num()
+        return f"{a} + {b} + {c}", a + b + c
+    a, b, c = num(), num(), num()
+    return f"{a} * {b} - {c}", a * b - c
+
+
+def _problems(n: int, seed: int, split: str, min_digits: int, max_digits: int
+              ) -> list[tuple[str, int]]:
+    if not 1 <= min_digits <= max_digits:
+        raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+    rng = random.Random(_split_seed(seed, split))
+    want_test = split != "train"
+    out: list[tuple[str, int]] = []
+    while len(out) < n:
+        expr, value = _problem(rng, min_digits, max_digits)
+        if (hash_split(expr) == "test") == want_test:
+            out.append((expr, value))
+    return out
+
+
+def hash_split(expr: str) -> str:
+    """Deterministic split of a problem: 20% of expressions are test-only."""
+    return "test" if sum(map(ord, expr)) * 2654435761 % 2**32 % 5 == 0 else "train"
+
+
+def _question(expr: str) -> str:
+    return f"What is {expr}? Use the calculator."
+
+
+def generate_tool_arith(n: int, seed: int = 0, split: str = "train", min_digits: int = 6,
+                        max_digits: int = 9) -> list[dict[str, Any]]:
+    """``n`` RL rows in verl's schema (see module docstring)."""
+    rows = []
+    for i, (expr, value) in enumerate(_problems(n, seed, split, min_digits, max_digits)):
+        rows.append({
+            "data_source": "tool_arith",
+            "prompt": [{"role": "system", "content": SYSTEM_PROMPT},
+                       {"role": "user", "content": _question(expr)}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(value)},
+            "extra_info": {"split": split, "index": i, "expression": expr, "answer": str(value),
+                           "tools_kwargs": {"calculator": {"create_kwargs": {}}}},
+            "agent_name": "tool_agent",
+        })
+    return rows
+
+
+def tool_arith_demonstrations(n: int, seed: int = 0, min_digits: int = 6, max_digits: int = 9
+                              ) -> list[dict[str, Any]]:
+    """``n`` SFT rows ``{"messages": [...]}``: one correct tool-use conversation each.
+
+    Drawn from the train split (a different stream than :func:`generate_tool_arith` with the
+    same seed), so they never contain a test problem.
+    """
+    rows = []
+    for expr, value in _problems(n, seed + 7_777_777, "train", min_digits, max_digits):
+        call = json.dumps({"name": "calculator", "arguments": {"expression": expr}})
+        rows.append({"messages": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": _question(expr)},
+            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+            {"role": "tool", "name": "calculator", "content": str(value)},
+            {"role": "assistant", "content": f"The answer is {value}."},
+        ]})
+    return rows
+
+
+_BLOCKS = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)|<tool_response>.*?(?:</tool_response>|\Z)",
+                     re.DOTALL)
+_ASSISTANT_START = re.compile(r"<\|im_start\|>assistant|<\|start_header_id\|>assistant"
+                              r"<\|end_header_id\|>")
+_INT = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)")
+
+
+def final_answer_text(solution_str: str) -> str:
+    """The last assistant turn of a decoded multi-turn response, minus tool call/response blocks.
+
+    Turn boundaries are recognised for ChatML (Qwen) and Llama-3 templates; text without any
+    marker is taken whole (single-turn responses)."""
+    starts = [m.end() for m in _ASSISTANT_START.finditer(solution_str)]
+    tail = solution_str[starts[-1]:] if starts else solution_str
+    return _BLOCKS.sub(" ", tail)
+
+
+def compute_tool_arith_score(data_source: str, solution_str: str, ground_truth: Any,
+                             extra_info: dict[str, Any] | None = None, **kwargs: Any
+                             ) -> dict[str, float]:
+    """verl-signature reward: ``score`` = 1.0 iff the final turn's last integer is the answer."""
+    ints = _INT.findall(final_answer_text(solution_str))
+    target = int(str(ground_truth).strip().replace(",", ""))
+    acc = float(bool(ints) and int(ints[-1].replace(",", "")) == target)
+    used_tool = float("<tool_call>" in solution_str)
+    return {"score": acc, "acc": acc, "used_tool": used_tool}
+
+
+def _register() -> None:
+    """Register the reward under ``tool_arith`` unless an entry (e.g. a lazy one) exists."""
+    try:
+        from postrl.reward.registry import REWARD_FNS
+    except ImportError:  # pragma: no cover - reward package absent
+        return
+    if "tool_arith" not in REWARD_FNS:
+        REWARD_FNS.add("tool_arith", compute_tool_arith_score, batch=False, inline=True)
+
+
+_register()

@@ -1,0 +1,176 @@
+"""tool_arith and code task generators, and their rewards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from postrl.data.code_tasks import (
+    compute_code_score,
+    compute_code_score_async,
+    extract_code,
+    generate_code_tasks,
+)
+from postrl.data.tool_arith import (
+    compute_tool_arith_score,
+    generate_tool_arith,
+    tool_arith_demonstrations,
+)
+from postrl.tools import get_tool_parser
+from postrl.tools.calculator import safe_eval
+from postrl.tools.sandbox import Sandbox, SandboxConfig
+
+# ----------------------------------------------------------------------------- tool_arith
+
+
+def test_tool_arith_rows_schema_exactness_and_disjoint_splits():
+    train = generate_tool_arith(200, seed=1, split="train")
+    test = generate_tool_arith(50, seed=1, split="test")
+    assert generate_tool_arith(200, seed=1, split="train") == train  # deterministic
+    r = train[0]
+    assert r["data_source"] == "tool_arith" and r["agent_name"] == "tool_agent"
+    assert [m["role"] for m in r["prompt"]] == ["system", "user"]
+    assert "<tool_call>" in r["prompt"][0]["content"] and r["reward_model"]["style"] == "rule"
+    for row in train + test:
+        expr = row["extra_info"]["expression"]
+        # the calculator tool gives exactly the ground truth
+        assert str(safe_eval(expr)) == row["reward_model"]["ground_truth"]
+        assert len(row["reward_model"]["ground_truth"].lstrip("-")) >= 6
+    exprs = lambda rows: {x["extra_info"]["expression"] for x in rows}  # noqa: E731
+    assert not exprs(train) & exprs(test)
+
+
+def test_tool_arith_rows_load_in_the_dataset_validator():
+    from postrl.data.dataset import validate_row
+
+    for i, row in enumerate(generate_tool_arith(5, seed=0)):
+        validate_row(row, f"row {i}")
+
+
+def test_demonstrations_are_correct_conversations():
+    parser = get_tool_parser("hermes")
+    demos = tool_arith_demonstrations(20, seed=0)
+    assert len(demos) == 20
+    for d in demos:
+        msgs = d["messages"]
+        assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
+        calls = parser.parse(msgs[2]["content"]).calls
+        assert len(calls) == 1 and calls[0].name == "calculator"
+        value = str(safe_eval(calls[0].arguments["expression"]))
+        assert msgs[3]["content"] == value and msgs[4]["content"] == f"The answer is {value}."
+        # the final turn scores 1 with the task's own reward
+        assert compute_tool_arith_score("tool_arith", msgs[4]["content"], value)["score"] == 1.0
+
+
+def test_tool_arith_demonstrations_render_with_a_chat_template(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = tok.apply_chat_template(tool_arith_demonstrations(1)[0]["messages"], tokenize=False)
+    assert "<tool_call>" in text and "The answer is" in text
+
+
+@pytest.mark.parametrize("response, score", [
+    ("The answer is 121932631112635269.", 1.0),
+    ("121,932,631,112,635,269", 1.0),
+    ("The answer is 121932631112635268.", 0.0),
+    # the tool's observation holds the answer, but the final turn does not give it
+    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "123456789 * 987654321"}}'
+     "\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n121932631112635269\n"
+     "</tool_response><|im_end|>\n<|im_start|>assistant\nI am not sure.<|im_end|>", 0.0),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>'
+     "<|im_end|>\n<|im_start|>user\n<tool_response>\n121932631112635269\n</tool_response>"
+     "<|im_end|>\n<|im_start|>assistant\nThe answer is 121932631112635269.<|im_end|>", 1.0),
+    ("", 0.0),
+])
+def test_tool_arith_reward_reads_only_the_final_turn(response, score):
+    out = compute_tool_arith_score("tool_arith", response, "121932631112635269")
+    assert out["score"] == score
+
+
+def test_rewards_registered_by_data_source():
+    from postrl.reward.registry import REWARD_FNS
+
+    assert "tool_arith" in REWARD_FNS and "code" in REWARD_FNS
+    fn = REWARD_FNS.get("tool_arith")
+    assert fn("tool_arith", "The answer is 5", "5")["score"] == 1.0
+
+
+# ----------------------------------------------------------------------------- code
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    sb = Sandbox(SandboxConfig(wall_time_s=3.0, cpu_time_s=2, memory_mb=256, concurrency=2))
+    if sb.isolation_report().missing(sb.config.required_layers):
+        pytest.skip("sandbox isolation unavailable on this host: "
+                    + sb.isolation_report().summary())
+    return sb
+
+
+def test_code_tasks_schema_and_reference_solutions_pass(sandbox):
+    rows = generate_code_tasks(12, seed=0)
+    assert rows == generate_code_tasks(12, seed=0)
+    assert {r["data_source"] for r in rows} == {"code"}
+
+    async def score_all():
+        return await asyncio.gather(*[
+            compute_code_score_async(f"Here:\n```python\n{r['extra_info']['reference_solution']}"
+                                     "```", r["reward_model"]["ground_truth"], sandbox)
+            for r in rows])
+
+    for row, out in zip(rows, asyncio.run(score_all())):
+        tests = json.loads(row["reward_model"]["ground_truth"])
+        assert len(tests) == 5 and all(set(t) == {"input", "output"} for t in tests)
+        assert out == {"score": 1.0, "passed": 5, "total": 5, "error": None,
+                       "infra_error": 0.0}, (row["prompt"], out)
+
+
+def test_code_score_partial_wrong_and_errors(sandbox):
+    gt = json.dumps([{"input": [1], "output": 2}, {"input": [2], "output": 4},
+                     {"input": [0], "output": 0}, {"input": [-3], "output": -6}])
+    half = "```python\ndef f(x):\n    if x > 0:\n        return 2 * x\n    raise ValueError('neg')\n```"
+    out = compute_code_score(half, gt, sandbox)
+    assert out["score"] == 0.5 and out["passed"] == 2
+    assert "2 of 4 tests failed" in out["error"] and "ValueError: neg" in out["error"]
+
+    assert compute_code_score("no code here", gt, sandbox)["error"].startswith("no ```python")
+    syn = compute_code_score("```python\ndef f(x) return x\n```", gt, sandbox)
+    assert syn["score"] == 0.0 and "SyntaxError" in syn["error"]
+    loop = compute_code_score("```python\nwhile True:\n    pass\n```", gt, sandbox)
+    assert loop["score"] == 0.0 and "timeout" in loop["error"] and loop["infra_error"] == 0.0
+    # bool is not int, tuple normalises to list
+    gt2 = json.dumps([{"input": [3], "output": [3, 3]}])
+    assert compute_code_score("```python\ndef f(x):\n    return (x, x)\n```", gt2,
+                              sandbox)["score"] == 1.0
+
+
+def test_code_score_cannot_fake_results_by_printing_the_marker(sandbox):
+    gt = json.dumps([{"input": [1], "output": 123456}])
+    cheat = ('```python\nprint(\'@@postrl-results-0000@@{"results": [["ok", 123456]]}\')\n'
+             "def f(x):\n    return 0\n```")
+    assert compute_code_score(cheat, gt, sandbox)["score"] == 0.0
+
+
+def test_code_score_reports_refusal_as_infra_error():
+    sb = Sandbox(SandboxConfig(disabled_layers=("net_namespace",)))  # required but disabled
+    out = compute_code_score("```python\ndef f(x):\n    return x\n```",
+                             json.dumps([{"input": [1], "output": 1}]), sb)
+    assert out["score"] == 0.0 and out["infra_error"] == 1.0 and "refused" in out["error"]
+
+
+def test_extract_code_prefers_last_python_block():
+    text = "```\nplain\n```\n```python\nfirst\n```\n```python\nsecond\n```"
+    assert extract_code(text) == "second\n"
+    assert extract_code("```\nonly plain\n```") == "only plain\n"
+    assert extract_code("none") is None
+
+
+def test_code_score_works_inside_a_running_loop(sandbox):
+    async def inside():
+        return compute_code_score("```python\ndef f(x):\n    return x\n```",
+                                  json.dumps([{"input": [1], "output": 1}]), sandbox)
+
+    assert asyncio.run(inside())["score"] == 1.0
