@@ -30,6 +30,7 @@ import torch
 
 from postrl.rollout.base import register_rollout_backend
 from postrl.rollout.native.forward import decode, prefill
+from postrl.rollout.native.kvstore import DecodeLayout, KVStore
 from postrl.rollout.native.model import load_config, load_weights, rope_tables
 from postrl.rollout.native.sampler import sample_tokens
 from postrl.rollout.types import RolloutError, SamplingParams, TokenOutput, WeightItem
@@ -110,12 +111,8 @@ class NativeBackend:
     # ------------------------------------------------------------------ state
     def _alloc_state(self) -> None:
         S, T, dev = self.max_num_seqs, self.max_model_len, self.device
-        c = self.cfg
-        shape = (c.num_layers, S, c.num_kv_heads, T, c.head_dim)
         with torch.inference_mode():
-            # torch.zeros on CPU maps lazily: pages are touched only where K/V are written.
-            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
-            self.v_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
+            self.kv: KVStore | None = self._new_kv()
             i64 = dict(dtype=torch.int64, device=dev)
             self.s_last = torch.zeros(S, **i64)  # last sampled token (next decode input)
             self.s_pos = torch.zeros(S, **i64)  # position the last token will be written at
@@ -125,13 +122,21 @@ class NativeBackend:
             self.s_topk = torch.zeros(S, **i64)
             self.s_temp = torch.zeros(S, dtype=torch.float32, device=dev)
             self.s_topp = torch.ones(S, dtype=torch.float32, device=dev)
+            self.s_plen = torch.zeros(S, **i64)  # prompt length
+            self.s_pid = torch.zeros(S, **i64)  # prefix row in the KV store
             self.s_stop = torch.full((S, _MAX_STOP), -1, **i64)
             self.s_out = torch.zeros(S, T, **i64)
             self.s_logp = torch.zeros(S, T, dtype=torch.float32, device=dev)
             self._ar_s = torch.arange(S, **i64)
             self._ar_t = torch.arange(T, **i64)
         self._state_tensors = [self.s_last, self.s_pos, self.s_ngen, self.s_maxnew, self.s_seed, self.s_topk,
-                               self.s_temp, self.s_topp, self.s_stop, self.s_out, self.s_logp]
+                               self.s_temp, self.s_topp, self.s_plen, self.s_pid, self.s_stop, self.s_out, self.s_logp]
+        self._layout: DecodeLayout | None = None
+
+    def _new_kv(self) -> KVStore:
+        c = self.cfg
+        return KVStore(c.num_layers, self.max_num_seqs, c.num_kv_heads, self.max_model_len, c.head_dim,
+                       c.vocab_size, self.dtype, self.device)
 
     # ------------------------------------------------------------------ public API
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
@@ -200,7 +205,7 @@ class NativeBackend:
             if self._slots:
                 for req, out in self._finish_and_compact(self._collect_aborts()):
                     _resolve(req, out)
-            self.k_cache = self.v_cache = torch.empty(0)
+            self.kv = None
             if self.device.type != "cpu":
                 self._weights_backup = []
                 for t in self._base_weights():
@@ -219,10 +224,8 @@ class NativeBackend:
                     t.untyped_storage().resize_(cpu.numel() * cpu.element_size())
                     t.copy_(cpu)
                 self._weights_backup = None
-            shape = (self.cfg.num_layers, self.max_num_seqs, self.cfg.num_kv_heads, self.max_model_len, self.cfg.head_dim)
             with torch.inference_mode():
-                self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                self.kv = self._new_kv()
             self._asleep = False
         self._kick()
 
@@ -332,36 +335,32 @@ class NativeBackend:
         return slots, [(r, TokenOutput([], [], "abort")) for r in waiting_hit]
 
     def _admit(self, new: list[_Request]) -> torch.Tensor:
-        """Prefill ``new`` requests into slots ``B .. B+n-1``; returns their slot indices."""
-        B, n, dev = len(self._slots), len(new), self.device
-        groups: dict[tuple[int, ...], int] = {}
-        src = [groups.setdefault(tuple(r.prompt), len(groups)) for r in new]
-        uniq = list(groups)
+        """Give ``new`` requests slots ``B .. B+n-1``; prefill each distinct, not-yet-live prompt
+        once; sample every new slot's first token. Returns the new slot indices."""
+        B, n, dev, kv = len(self._slots), len(new), self.device, self.kv
+        pids, fresh = kv.lookup([tuple(r.prompt) for r in new])
         slots = torch.arange(B, B + n, device=dev)
-        src_t = torch.tensor(src, device=dev)
-        logits_u = torch.empty(len(uniq), self.cfg.vocab_size, dtype=self.dtype, device=dev)
-        # chunk unique prompts (sorted by length) under the prefill token budget
-        order = sorted(range(len(uniq)), key=lambda i: len(uniq[i]))
+        order = sorted(fresh, key=lambda r: len(kv.keys[r]))  # chunk by length under the token budget
         start = 0
         while start < len(order):
             end = start + 1
-            while end < len(order) and (end - start + 1) * len(uniq[order[end]]) <= self.max_num_batched_tokens:
+            while end < len(order) and (end - start + 1) * len(kv.keys[order[end]]) <= self.max_num_batched_tokens:
                 end += 1
-            ids = order[start:end]
-            P = len(uniq[ids[-1]])
-            toks = torch.zeros(len(ids), P, dtype=torch.int64)
-            for j, u in enumerate(ids):
-                toks[j, : len(uniq[u])] = torch.tensor(uniq[u])
-            lens = torch.tensor([len(uniq[u]) for u in ids], device=dev)
-            local = {u: j for j, u in enumerate(ids)}
-            members = [i for i, s in enumerate(src) if s in local]
-            logits_u[ids] = prefill(
-                self.weights, self.cfg, toks.to(dev), lens, self.cos, self.sin, self.k_cache, self.v_cache,
-                slots[members], torch.tensor([local[src[i]] for i in members], device=dev),
-            )
+            rows = order[start:end]
+            P = len(kv.keys[rows[-1]])
+            toks = torch.zeros(len(rows), P, dtype=torch.int64)
+            for j, r in enumerate(rows):
+                toks[j, : len(kv.keys[r])] = torch.tensor(kv.keys[r])
+            lens = torch.tensor([len(kv.keys[r]) for r in rows], device=dev)
+            rows_t = torch.tensor(rows, device=dev)
+            kv.logits[rows_t] = prefill(self.weights, self.cfg, toks.to(dev), lens, self.cos, self.sin,
+                                        kv.pk, kv.pv, rows_t)
             start = end
         sp = [r.sampling for r in new]
-        self.s_pos[B:B + n] = torch.tensor([len(r.prompt) for r in new], device=dev)
+        plen = torch.tensor([len(r.prompt) for r in new], device=dev)
+        self.s_pos[B:B + n] = plen
+        self.s_plen[B:B + n] = plen
+        self.s_pid[B:B + n] = torch.tensor(pids, device=dev)
         self.s_ngen[B:B + n] = 0
         self.s_maxnew[B:B + n] = torch.tensor([s.max_new_tokens for s in sp], device=dev)
         self.s_seed[B:B + n] = torch.tensor([r.seed for r in new], device=dev)
@@ -373,15 +372,19 @@ class NativeBackend:
             stop[i, : len(r.stop_ids)] = torch.tensor(r.stop_ids, dtype=torch.int64)
         self.s_stop[B:B + n] = stop.to(dev)
         self._slots.extend(new)
-        self._sample(slots, logits_u[src_t], advance_pos=False)
+        self._layout = None
+        self._sample(slots, kv.logits[torch.tensor(pids, device=dev)], advance_pos=False)
         return slots
 
     def _decode(self) -> torch.Tensor:
         B = len(self._slots)
         pos = self.s_pos[:B]
-        T = int(pos.max()) + 1
-        logits = decode(self.weights, self.cfg, self.s_last[:B], pos, T, self.cos, self.sin,
-                        self.k_cache, self.v_cache, self._ar_s, self._ar_t)
+        off = pos - self.s_plen[:B]
+        T = int(off.max()) + 1
+        if self._layout is None:
+            self._layout = self.kv.layout(self.s_pid[:B], self.s_plen[:B])
+        logits = decode(self.weights, self.cfg, self.s_last[:B], pos, off, T, self.cos, self.sin,
+                        self.kv, self._layout, self._ar_s, self._ar_t)
         rows = self._ar_s[:B]
         self._sample(rows, logits, advance_pos=True)
         return rows
@@ -439,6 +442,7 @@ class NativeBackend:
                 reason, stop_reason = why, None
             results.append((req, TokenOutput(toks, lps, reason, stop_reason, [(n, self.weight_version)])))
         gone = {i for i, _ in done_slots}
+        dead_pids = self.s_pid[sorted(gone)].tolist()
         B = len(self._slots)
         keep = B - len(gone)
         holes = sorted(i for i in gone if i < keep)
@@ -446,14 +450,20 @@ class NativeBackend:
         if holes:
             dst = torch.tensor(holes, device=self.device)
             srcs = torch.tensor(movers, device=self.device)
-            T = int(self.s_pos[srcs].max()) + 1
-            self.k_cache[:, dst, :, :T] = self.k_cache[:, srcs, :, :T]
-            self.v_cache[:, dst, :, :T] = self.v_cache[:, srcs, :, :T]
+            if self.kv is not None:
+                T = int((self.s_pos[srcs] - self.s_plen[srcs]).max()) + 1
+                self.kv.k[:, dst, :, :T] = self.kv.k[:, srcs, :, :T]
+                self.kv.v[:, dst, :, :T] = self.kv.v[:, srcs, :, :T]
             for t in self._state_tensors:
                 t[dst] = t[srcs]
             for h, m in zip(holes, movers, strict=True):
                 self._slots[h] = self._slots[m]
         del self._slots[keep:]
+        if self.kv is not None:
+            remap = self.kv.release(dead_pids)
+            if remap is not None and keep:
+                self.s_pid[:keep] = remap[self.s_pid[:keep]]
+        self._layout = None
         return results
 
 

@@ -1,12 +1,11 @@
 """Prefill and decode forwards of the native decoder over a slot KV cache.
 
-KV cache layout: ``k, v: (L, S, H_kv, T_max, D)`` — one slot per running sequence. The running
-sequences always occupy slots ``0 .. B-1`` (the engine compacts on exit), so decode attention
-reads ``k[l, :B, :, :T]`` as a *view*, with no gather. Position ``j`` of slot ``b`` is attended
-iff ``j <= pos_b`` (positions past ``pos_b`` may hold stale values and are masked).
+K/V live in a ``KVStore`` (see ``kvstore.py``): one prefix row per distinct prompt, one slot per
+running sequence holding only its completion. Running slots and live prefixes are compact
+(``0 .. B-1``, ``0 .. NG-1``) so decode reads them as views. Positions past a sequence's current
+length may hold stale values and are masked.
 
-Shared-prompt prefill: ``prefill`` runs each *unique* prompt once and scatters its K/V into every
-slot that uses it (``dst_slots[i]`` gets unique prompt ``src[i]``).
+Shared-prompt prefill: ``prefill`` runs each *distinct* prompt once, writing its prefix row.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from postrl.rollout.native.kvstore import DecodeLayout, KVStore
 from postrl.rollout.native.model import DecoderConfig, DecoderWeights, apply_rope, mlp, rms_norm
 
 __all__ = ["prefill", "decode"]
@@ -41,15 +41,14 @@ def prefill(
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    dst_slots: torch.Tensor,
-    src: torch.Tensor,
+    rows: torch.Tensor,
 ) -> torch.Tensor:
-    """Prefill ``U`` unique prompts and return last-position logits (U, V).
+    """Prefill ``U`` distinct prompts into prefix rows ``rows`` (U,); return last-position logits (U, V).
 
     Args:
         tokens: (U, P) right-padded prompt ids; lens: (U,) true lengths.
         cos, sin: (T_max, D) RoPE tables.
-        dst_slots: (N,) cache slots to fill; src: (N,) which unique prompt each slot receives.
+        k_cache, v_cache: the prefix store (L, S, H_kv, T_max, D).
 
     Right padding needs no mask beyond causality: a real query ``i < len`` only attends keys
     ``j <= i``, all real. Pad positions write garbage K/V past ``len``, which decode masks.
@@ -63,8 +62,8 @@ def prefill(
         q, k, v = _qkv(h, lw, cfg)  # (U, P, H|Hkv, D)
         q, k = apply_rope(q, c, s), apply_rope(k, c, s)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (U, H|Hkv, P, D)
-        k_cache[li, dst_slots, :, :P] = k[src]
-        v_cache[li, dst_slots, :, :P] = v[src]
+        k_cache[li, rows, :, :P] = k
+        v_cache[li, rows, :, :P] = v
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)  # (U, H, P, D)
         x = x + F.linear(o.transpose(1, 2).reshape(U, P, H * D), lw.w_o, lw.b_o)
         x = x + mlp(rms_norm(x, lw.ln2, cfg.rms_norm_eps), lw)
@@ -77,42 +76,64 @@ def decode(
     cfg: DecoderConfig,
     tokens: torch.Tensor,
     pos: torch.Tensor,
+    off: torch.Tensor,
     T: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: KVStore,
+    lay: DecodeLayout,
     arange_b: torch.Tensor,
     arange_t: torch.Tensor,
 ) -> torch.Tensor:
-    """One decode step for slots ``0 .. B-1``; returns logits (B, V).
+    """One decode step for running slots ``0 .. B-1``; returns logits (B, V).
+
+    Attention of slot ``b`` spans its prompt (prefix row ``pid_b``, positions ``< P_b``) and its own
+    completion (slot offsets ``0 .. off_b``), under one softmax::
+
+        s = [q·K_pre^T, q·K_own^T] / sqrt(D) + masks;   o = softmax(s) · [V_pre; V_own]
+
+    The prompt part is one batched matmul per group: queries are scattered into a padded
+    (NG, nmax) table so a prompt's K/V is read once for its ``nmax·G`` queries.
 
     Args:
-        tokens: (B,) input ids, written at positions ``pos`` (B,); ``T = max(pos) + 1``.
-        arange_b, arange_t: preallocated ``arange`` buffers (sliced, never reallocated).
+        tokens: (B,) input ids at absolute positions ``pos`` (B,) (for RoPE);
+        off: (B,) own-cache offsets ``pos - P_b``; ``T = max(off) + 1``.
+        arange_b, arange_t: preallocated ``arange`` buffers.
     """
     B = tokens.shape[0]
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    G = H // Hkv
-    ar = arange_b[:B]
+    G, NG, nmax, Pm = H // Hkv, lay.NG, lay.nmax, lay.Pm
+    Tmax = kv.k.shape[3]
     x = F.embedding(tokens, w.embed)  # (B, hidden)
     c, s = cos[pos][:, None, :], sin[pos][:, None, :]  # (B, 1, D)
-    # additive mask (B, 1, 1, T): 0 where j <= pos_b, -inf after
-    mask = torch.zeros(B, 1, 1, T, dtype=x.dtype, device=x.device)
-    mask.masked_fill_((arange_t[:T][None, :] > pos[:, None])[:, None, None, :], float("-inf"))
+    own_mask = torch.zeros(B, 1, 1, T, dtype=x.dtype, device=x.device)
+    own_mask.masked_fill_((arange_t[:T][None, :] > off[:, None])[:, None, None, :], float("-inf"))
+    mask = torch.cat([lay.pre_mask, own_mask], dim=-1)  # (B, 1, 1, Pm + T)
+    wflat = ((arange_b[:B, None] * Hkv + arange_b[None, :Hkv]) * Tmax + off[:, None]).reshape(-1)  # (B·Hkv,)
     scale = D**-0.5
+
+    def to_groups(t: torch.Tensor) -> torch.Tensor:  # (B, Hkv, G, X) -> (NG, Hkv, nmax·G, X)
+        pad = t.new_zeros(NG * nmax, Hkv, G, t.shape[-1]).index_copy_(0, lay.flat, t)
+        return pad.view(NG, nmax, Hkv, G, -1).transpose(1, 2).reshape(NG, Hkv, nmax * G, -1)
+
+    def from_groups(t: torch.Tensor) -> torch.Tensor:  # (NG, Hkv, nmax·G, X) -> (B, Hkv, G, X)
+        X = t.shape[-1]
+        return t.view(NG, Hkv, nmax, G, X).transpose(1, 2).reshape(NG * nmax, Hkv, G, X).index_select(0, lay.flat)
+
     for li, lw in enumerate(w.layers):
         h = rms_norm(x, lw.ln1, cfg.rms_norm_eps)
         q, k, v = _qkv(h, lw, cfg)  # (B, H|Hkv, D)
         q, k = apply_rope(q, c, s), apply_rope(k, c, s)
-        k_cache[li, ar, :, pos] = k
-        v_cache[li, ar, :, pos] = v
-        K = k_cache[li, :B, :, :T]  # (B, Hkv, T, D) view
-        V = v_cache[li, :B, :, :T]
-        scores = torch.matmul(q.view(B, Hkv, G, D), K.transpose(-1, -2))  # (B, Hkv, G, T)
-        scores = scores.mul_(scale).add_(mask)
+        kv.k[li].view(-1, D).index_copy_(0, wflat, k.reshape(B * Hkv, D))
+        kv.v[li].view(-1, D).index_copy_(0, wflat, v.reshape(B * Hkv, D))
+        qg = q.view(B, Hkv, G, D)
+        s_pre = from_groups(torch.matmul(to_groups(qg), kv.pk[li, :NG, :, :Pm].transpose(-1, -2)))  # (B, Hkv, G, Pm)
+        s_own = torch.matmul(qg, kv.k[li, :B, :, :T].transpose(-1, -2))  # (B, Hkv, G, T)
+        scores = torch.cat([s_pre, s_own], dim=-1).mul_(scale).add_(mask)
         p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(p, V).reshape(B, H * D)  # (B, Hkv, G, D) -> (B, H·D)
-        x = x + F.linear(o, lw.w_o, lw.b_o)
+        p_pre, p_own = p.split([Pm, T], dim=-1)
+        o = from_groups(torch.matmul(to_groups(p_pre), kv.pv[li, :NG, :, :Pm]))  # (B, Hkv, G, D)
+        o = o + torch.matmul(p_own, kv.v[li, :B, :, :T])
+        x = x + F.linear(o.reshape(B, H * D), lw.w_o, lw.b_o)
         x = x + mlp(rms_norm(x, lw.ln2, cfg.rms_norm_eps), lw)
     return F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head)
