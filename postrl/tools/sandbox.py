@@ -9,8 +9,9 @@ layer                  what it does
 ``pid_namespace``      the program runs under a private PID 1; when the call ends the kernel
                        kills every process left (double-forked daemons included); the trainer
                        and other sandboxes are invisible (fresh ``/proc``)
-``uid_drop``           runs as an unprivileged uid (one per pool slot, so ``RLIMIT_NPROC``
-                       binds per call and a final ``kill(-1)`` as that uid sweeps stragglers)
+``uid_drop``           runs as an unprivileged uid claimed for the call alone (a file lock per
+                       uid, so processes and Sandbox objects never share one): ``RLIMIT_NPROC``
+                       binds per call and a final ``kill(-1)`` as that uid sweeps stragglers
 ``net_namespace``      empty network namespace: no interface is up, not even loopback
 ``mount_namespace``    a tmpfs root holding read-only binds of a whitelist only; the project
                        directory, ``/root``, ``/home`` and the host ``/tmp`` do not exist inside
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -41,6 +43,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -79,7 +82,9 @@ class SandboxConfig:
     concurrency: int = 4
     """Pool size: at most this many sandboxed programs run at once."""
     uid_base: int = 61000
-    """Slot ``i`` of the pool runs as uid/gid ``uid_base + i`` (unprivileged, unused)."""
+    """First uid/gid of the range calls run as (unprivileged, not used by anything else)."""
+    uid_count: int = 1024
+    """Size of the uid range; each running call holds one uid of it exclusively."""
     untrusted: bool = True
     """Refuse to run when a layer in ``required_layers`` is unavailable (fail closed)."""
     required_layers: tuple[str, ...] = ("uid_drop", "pid_namespace", "net_namespace",
@@ -160,7 +165,6 @@ class Sandbox:
         self.metrics: Counter[str] = Counter()
         self._report: IsolationReport | None = None
         self._sem: asyncio.Semaphore | None = None
-        self._free_slots = list(range(self.config.concurrency))
 
     # ------------------------------------------------------------------ isolation
     def _ro_paths(self) -> list[str]:
@@ -178,13 +182,20 @@ class Sandbox:
 
     def _probe(self) -> IsolationReport:
         is_root = os.geteuid() == 0
-        cfg = self._launch_config(slot=0, argv=[self.python, "-I", "-S", "-c", "pass"],
+        uid = _claim_uid(self.config.uid_base, self.config.uid_count)
+        try:
+            return self._probe_as(uid, is_root)
+        finally:
+            _release_uid(uid)
+
+    def _probe_as(self, uid: int, is_root: bool) -> IsolationReport:
+        cfg = self._launch_config(uid, argv=[self.python, "-I", "-S", "-c", "pass"],
                                   files={}, stdin="", best_effort=True)
         off = set(self.config.disabled_layers)
         cfg.update(drop_uid=is_root and "uid_drop" not in off,
                    pid_ns="pid_namespace" not in off, net_ns="net_namespace" not in off,
                    mount_ns="mount_namespace" not in off, landlock="landlock" not in off)
-        workdir = self._make_workdir(0, is_root)
+        workdir = self._make_workdir(uid, is_root)
         rfd, wfd = os.pipe()
         cfg.update(status_fd=wfd, fallback_workdir=workdir, newroot=workdir)
         try:
@@ -217,7 +228,7 @@ class Sandbox:
         return IsolationReport(active=active, errors=errors)
 
     # ------------------------------------------------------------------ running
-    def _launch_config(self, slot: int, argv: list[str], files: dict[str, str], stdin: str,
+    def _launch_config(self, uid: int, argv: list[str], files: dict[str, str], stdin: str,
                        best_effort: bool = False) -> dict:
         c = self.config
         report = self._report
@@ -227,7 +238,7 @@ class Sandbox:
         return {
             "pid_ns": use("pid_namespace"), "net_ns": use("net_namespace"),
             "mount_ns": use("mount_namespace"), "landlock": use("landlock"),
-            "drop_uid": use("uid_drop"), "uid": c.uid_base + slot, "gid": c.uid_base + slot,
+            "drop_uid": use("uid_drop"), "uid": uid, "gid": uid,
             "ro_paths": self._ro_paths(), "workdir_size_mb": c.workdir_size_mb,
             "files": files, "stdin_path": ".stdin" if stdin else "", "argv": argv,
             "wall_s": c.wall_time_s, "best_effort": best_effort,
@@ -238,10 +249,10 @@ class Sandbox:
                         "RLIMIT_NOFILE": c.max_open_files, "RLIMIT_CORE": 0},
         }
 
-    def _make_workdir(self, slot: int, chown: bool) -> str:
+    def _make_workdir(self, uid: int, chown: bool) -> str:
         workdir = tempfile.mkdtemp(prefix="postrl-sandbox-")
         if chown:
-            os.chown(workdir, self.config.uid_base + slot, self.config.uid_base + slot)
+            os.chown(workdir, uid, uid)
         os.chmod(workdir, 0o700)
         return workdir
 
@@ -267,19 +278,23 @@ class Sandbox:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.config.concurrency)
         async with self._sem:
-            slot = self._free_slots.pop()
             try:
-                result = await self._run_in_slot(slot, argv, files or {}, stdin)
+                uid = _claim_uid(self.config.uid_base, self.config.uid_count)
+            except RuntimeError as e:
+                self.metrics["sandbox/status/setup_failed"] += 1
+                return SandboxResult("", "", None, "setup_failed", 0.0, str(e))
+            try:
+                result = await self._run_as(uid, argv, files or {}, stdin)
             finally:
-                self._free_slots.append(slot)
+                _release_uid(uid)
         self.metrics[f"sandbox/status/{result.status}"] += 1
         return result
 
-    async def _run_in_slot(self, slot: int, argv: list[str], files: dict[str, str],
-                           stdin: str) -> SandboxResult:
+    async def _run_as(self, uid: int, argv: list[str], files: dict[str, str],
+                      stdin: str) -> SandboxResult:
         c = self.config
-        cfg = self._launch_config(slot, argv, files, stdin)
-        workdir = self._make_workdir(slot, cfg["drop_uid"])
+        cfg = self._launch_config(uid, argv, files, stdin)
+        workdir = self._make_workdir(uid, cfg["drop_uid"])
         rfd, wfd = os.pipe()
         cfg.update(status_fd=wfd, fallback_workdir=workdir, newroot=workdir)
         t0 = time.monotonic()
@@ -323,11 +338,11 @@ class Sandbox:
                 _kill_group(proc.pid)
             if cfg["drop_uid"]:
                 leaked = await asyncio.get_running_loop().run_in_executor(
-                    None, _sweep_uid, c.uid_base + slot)
+                    None, _sweep_uid, uid)
                 if leaked:
                     self.metrics["sandbox/leaked_processes"] += leaked
                     logger.error("sandbox uid %d still has %d processes after the sweep",
-                                 c.uid_base + slot, leaked)
+                                 uid, leaked)
             raw = _read_all(rfd)
             os.close(rfd)
             shutil.rmtree(workdir, ignore_errors=True)
@@ -396,6 +411,38 @@ async def _first_overflow(*tasks: asyncio.Future) -> bool:
     return False
 
 
+_UID_LOCK_DIR = "/tmp/postrl-sandbox-uids"
+_UID_THREAD_LOCK = threading.Lock()
+_UID_HELD: dict[int, int] = {}
+
+
+def _claim_uid(base: int, count: int) -> int:
+    """Claim a uid of ``[base, base + count)`` for one call, exclusive across threads and
+    processes (``flock`` on a per-uid file)."""
+    os.makedirs(_UID_LOCK_DIR, mode=0o700, exist_ok=True)
+    with _UID_THREAD_LOCK:
+        for uid in range(base, base + count):
+            if uid in _UID_HELD:
+                continue
+            fd = os.open(f"{_UID_LOCK_DIR}/{uid}", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            _UID_HELD[uid] = fd
+            return uid
+    raise RuntimeError(f"no free sandbox uid in [{base}, {base + count}); raise "
+                       "SandboxConfig.uid_count or lower concurrency")
+
+
+def _release_uid(uid: int) -> None:
+    with _UID_THREAD_LOCK:
+        fd = _UID_HELD.pop(uid, None)
+    if fd is not None:
+        os.close(fd)
+
+
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
@@ -426,8 +473,8 @@ def _read_all(fd: int) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
-def processes_of_uid(uid: int) -> list[int]:
-    """PIDs of live processes whose real uid is ``uid`` (for tests and health checks)."""
+def processes_of_uid(uid: int, count: int = 1) -> list[int]:
+    """PIDs of live processes whose real uid is in ``[uid, uid + count)`` (tests, health)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -436,7 +483,7 @@ def processes_of_uid(uid: int) -> list[int]:
             with open(f"/proc/{entry}/status") as f:
                 for line in f:
                     if line.startswith("Uid:"):
-                        if int(line.split()[1]) == uid:
+                        if uid <= int(line.split()[1]) < uid + count:
                             pids.append(int(entry))
                         break
         except OSError:

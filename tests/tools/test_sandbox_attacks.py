@@ -75,8 +75,7 @@ def run(sandbox: Sandbox, code: str, **kw):
         return res, ticks, elapsed
 
     res, ticks, elapsed = asyncio.run(go())
-    uids = [sandbox.config.uid_base + i for i in range(sandbox.config.concurrency)]
-    survivors = [p for u in uids for p in processes_of_uid(u)]
+    survivors = processes_of_uid(sandbox.config.uid_base, sandbox.config.uid_count)
     assert survivors == [], f"sandbox processes survived the call: {survivors}"
     assert elapsed < sandbox.config.wall_time_s + 3.0, elapsed
     # the loop ticked at least every ~50 ms on average while the sandbox ran
@@ -284,3 +283,17 @@ def test_concurrent_calls_are_bounded_by_the_pool(sandbox):
     res, dt = asyncio.run(go())
     assert all(r.status == "ok" for r in res)
     assert dt >= 0.6  # 4 calls, pool of 2, 0.3 s each -> at least two waves
+
+
+def test_concurrent_calls_never_share_a_uid(sandbox):
+    """Calls from two Sandbox objects at once run as distinct uids (the sweep of one call can
+    never kill another call's program)."""
+    other = Sandbox(SandboxConfig(**FAST))
+
+    async def go():
+        code = "import os, time; time.sleep(0.2); print(os.getuid())"
+        return await asyncio.gather(sandbox.run_python(code), sandbox.run_python(code),
+                                    other.run_python(code), other.run_python(code))
+
+    uids = [int(r.stdout) for r in asyncio.run(go())]
+    assert len(set(uids)) == 4 and all(u >= sandbox.config.uid_base for u in uids)
