@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,7 +81,8 @@ class SandboxConfig:
     max_output_bytes: int = 1 << 20
     """Cap on captured stdout and on stderr (each); exceeding it kills the call."""
     concurrency: int = 4
-    """Pool size: at most this many sandboxed programs run at once."""
+    """Pool size: at most this many sandboxed programs of this Sandbox run at once (per event
+    loop)."""
     uid_base: int = 61000
     """First uid/gid of the range calls run as (unprivileged, not used by anything else)."""
     uid_count: int = 1024
@@ -164,7 +166,9 @@ class Sandbox:
         self.python = self.config.python or os.path.realpath(sys.executable)
         self.metrics: Counter[str] = Counter()
         self._report: IsolationReport | None = None
-        self._sem: asyncio.Semaphore | None = None
+        # one pool per event loop (asyncio primitives are bound to the loop that uses them)
+        self._sems: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary())
 
     # ------------------------------------------------------------------ isolation
     def _ro_paths(self) -> list[str]:
@@ -275,9 +279,11 @@ class Sandbox:
                                  f"untrusted sandbox needs isolation layers {missing} that are "
                                  f"unavailable here ({why}); set untrusted=False or "
                                  "required_layers to run with less isolation")
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.config.concurrency)
-        async with self._sem:
+        loop = asyncio.get_running_loop()
+        sem = self._sems.get(loop)
+        if sem is None:
+            sem = self._sems[loop] = asyncio.Semaphore(self.config.concurrency)
+        async with sem:
             try:
                 uid = _claim_uid(self.config.uid_base, self.config.uid_count)
             except RuntimeError as e:

@@ -174,3 +174,15 @@ def test_code_score_works_inside_a_running_loop(sandbox):
                                   json.dumps([{"input": [1], "output": 1}]), sandbox)
 
     assert asyncio.run(inside())["score"] == 1.0
+
+
+def test_code_score_reuses_a_sandbox_across_event_loops(sandbox):
+    gt = json.dumps([{"input": [1], "output": 1}])
+    code = "```python\ndef f(x):\n    import time; time.sleep(0.05)\n    return x\n```"
+
+    async def many():
+        return await asyncio.gather(*[compute_code_score_async(code, gt, sandbox)
+                                      for _ in range(4)])
+
+    for _ in range(2):  # two loops, each with contention on the pool
+        assert [r["score"] for r in asyncio.run(many())] == [1.0] * 4
