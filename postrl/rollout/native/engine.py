@@ -92,6 +92,8 @@ class NativeBackend:
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.weights = load_weights(model_path, self.cfg, self.dtype, self.device)
         self.cos, self.sin = rope_tables(self.cfg, self.max_model_len, self.dtype, self.device)
+        half = self.cfg.head_dim // 2
+        self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)  # for apply_rope_fast
         self.weight_version = 0
         self._rng = random.Random(seed)
         self._lock = threading.RLock()  # guards engine state (step / update / sleep)
@@ -339,6 +341,8 @@ class NativeBackend:
         once; sample every new slot's first token. Returns the new slot indices."""
         B, n, dev, kv = len(self._slots), len(new), self.device, self.kv
         pids, fresh = kv.lookup([tuple(r.prompt) for r in new])
+        order_new = sorted(range(n), key=lambda i: pids[i])  # group samples of a prompt contiguously
+        new, pids = [new[i] for i in order_new], [pids[i] for i in order_new]
         slots = torch.arange(B, B + n, device=dev)
         order = sorted(fresh, key=lambda r: len(kv.keys[r]))  # chunk by length under the token budget
         start = 0
@@ -380,10 +384,11 @@ class NativeBackend:
         B = len(self._slots)
         pos = self.s_pos[:B]
         off = pos - self.s_plen[:B]
-        T = int(off.max()) + 1
+        lo, hi = torch.stack([off.min(), off.max()]).tolist()
+        T = hi + 1
         if self._layout is None:
             self._layout = self.kv.layout(self.s_pid[:B], self.s_plen[:B])
-        logits = decode(self.weights, self.cfg, self.s_last[:B], pos, off, T, self.cos, self.sin,
+        logits = decode(self.weights, self.cfg, self.s_last[:B], pos, off, T, lo == hi, self.cos, self.sin_signed,
                         self.kv, self._layout, self._ar_s, self._ar_t)
         rows = self._ar_s[:B]
         self._sample(rows, logits, advance_pos=True)

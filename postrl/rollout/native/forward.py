@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from postrl.rollout.native.kvstore import DecodeLayout, KVStore
-from postrl.rollout.native.model import DecoderConfig, DecoderWeights, apply_rope, mlp, rms_norm
+from postrl.rollout.native.model import (
+    DecoderConfig,
+    DecoderWeights,
+    apply_rope,
+    apply_rope_fast,
+    mlp,
+    rms_norm,
+)
 
 __all__ = ["prefill", "decode"]
 
@@ -30,6 +37,18 @@ def _qkv(x: torch.Tensor, lw, cfg: DecoderConfig) -> tuple[torch.Tensor, torch.T
         q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
     return q, k, v
+
+
+def _qkv_fused(x: torch.Tensor, lw, cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode-time projection: ``qk`` (B, H + H_kv, D) (q/k-normed, ready for one RoPE call), v."""
+    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = F.linear(x, lw.w_qkv, lw.b_qkv)  # (B, (H + 2·Hkv)·D)
+    B = x.shape[0]
+    qk = qkv[:, : (H + Hkv) * D].reshape(B, H + Hkv, D)
+    v = qkv[:, (H + Hkv) * D :].reshape(B, Hkv, D)
+    if lw.q_norm is not None:  # Qwen3: separate q/k norm weights over head_dim
+        qk = torch.cat([rms_norm(qk[:, :H], lw.q_norm, cfg.rms_norm_eps), rms_norm(qk[:, H:], lw.k_norm, cfg.rms_norm_eps)], 1)
+    return qk, v
 
 
 def prefill(
@@ -78,6 +97,7 @@ def decode(
     pos: torch.Tensor,
     off: torch.Tensor,
     T: int,
+    uniform_off: bool,
     cos: torch.Tensor,
     sin: torch.Tensor,
     kv: KVStore,
@@ -97,7 +117,9 @@ def decode(
 
     Args:
         tokens: (B,) input ids at absolute positions ``pos`` (B,) (for RoPE);
-        off: (B,) own-cache offsets ``pos - P_b``; ``T = max(off) + 1``.
+        off: (B,) own-cache offsets ``pos - P_b``; ``T = max(off) + 1``; ``uniform_off``: all
+            offsets equal (sequences admitted together) → cache writes are one strided copy.
+        sin: the *sign-folded* table (see ``model.apply_rope_fast``).
         arange_b, arange_t: preallocated ``arange`` buffers.
     """
     B = tokens.shape[0]
@@ -113,20 +135,29 @@ def decode(
     scale = D**-0.5
 
     def to_groups(t: torch.Tensor) -> torch.Tensor:  # (B, Hkv, G, X) -> (NG, Hkv, nmax·G, X)
+        if lay.identity:
+            return t.view(NG, nmax, Hkv, G, -1).transpose(1, 2).reshape(NG, Hkv, nmax * G, -1)
         pad = t.new_zeros(NG * nmax, Hkv, G, t.shape[-1]).index_copy_(0, lay.flat, t)
         return pad.view(NG, nmax, Hkv, G, -1).transpose(1, 2).reshape(NG, Hkv, nmax * G, -1)
 
     def from_groups(t: torch.Tensor) -> torch.Tensor:  # (NG, Hkv, nmax·G, X) -> (B, Hkv, G, X)
         X = t.shape[-1]
+        if lay.identity:
+            return t.view(NG, Hkv, nmax, G, X).transpose(1, 2).reshape(B, Hkv, G, X)
         return t.view(NG, Hkv, nmax, G, X).transpose(1, 2).reshape(NG * nmax, Hkv, G, X).index_select(0, lay.flat)
 
     for li, lw in enumerate(w.layers):
         h = rms_norm(x, lw.ln1, cfg.rms_norm_eps)
-        q, k, v = _qkv(h, lw, cfg)  # (B, H|Hkv, D)
-        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
-        kv.k[li].view(-1, D).index_copy_(0, wflat, k.reshape(B * Hkv, D))
-        kv.v[li].view(-1, D).index_copy_(0, wflat, v.reshape(B * Hkv, D))
-        qg = q.view(B, Hkv, G, D)
+        qk, v = _qkv_fused(h, lw, cfg)  # (B, H + Hkv, D), (B, Hkv, D)
+        qk = apply_rope_fast(qk, c, s)
+        q, k = qk[:, :H], qk[:, H:]
+        if uniform_off:
+            kv.k[li, :B, :, T - 1] = k
+            kv.v[li, :B, :, T - 1] = v
+        else:
+            kv.k[li].view(-1, D).index_copy_(0, wflat, k.reshape(B * Hkv, D))
+            kv.v[li].view(-1, D).index_copy_(0, wflat, v.reshape(B * Hkv, D))
+        qg = q.reshape(B, Hkv, G, D)
         s_pre = from_groups(torch.matmul(to_groups(qg), kv.pk[li, :NG, :, :Pm].transpose(-1, -2)))  # (B, Hkv, G, Pm)
         s_own = torch.matmul(qg, kv.k[li, :B, :, :T].transpose(-1, -2))  # (B, Hkv, G, T)
         scores = torch.cat([s_pre, s_own], dim=-1).mul_(scale).add_(mask)

@@ -37,6 +37,9 @@ class DecodeLayout:
     Pm: int
     flat: torch.Tensor
     pre_mask: torch.Tensor
+    identity: bool = False
+    """True when slots are already grouped contiguously (``flat == arange(B)``, ``B = NG·nmax``):
+    the group table is then a view, no scatter/gather needed (the W1 case)."""
 
 
 class KVStore:
@@ -117,4 +120,6 @@ class KVStore:
         flat = pids * nmax + torch.tensor(rank, dtype=torch.int64, device=dev)
         pre_mask = torch.zeros(B, 1, 1, Pm, dtype=self.k.dtype, device=dev)
         pre_mask.masked_fill_((torch.arange(Pm, device=dev)[None, :] >= plens[:, None])[:, None, None, :], float("-inf"))
-        return DecodeLayout(self.num_prefixes, nmax, Pm, flat, pre_mask)
+        identity = B == len(counts) * nmax == self.num_prefixes * nmax and bool(
+            torch.equal(flat, torch.arange(B, device=dev)))
+        return DecodeLayout(self.num_prefixes, nmax, Pm, flat, pre_mask, identity)

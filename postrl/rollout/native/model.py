@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DecoderConfig", "DecoderWeights", "load_config", "load_weights", "rope_tables", "rms_norm"]
+__all__ = ["DecoderConfig", "DecoderWeights", "load_config", "load_weights", "rope_tables", "rms_norm", "apply_rope",
+           "apply_rope_fast"]
 
 SUPPORTED = ("qwen2", "llama", "qwen3", "mistral")
 
@@ -163,8 +164,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rot * sin
 
 
+def apply_rope_fast(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Same as ``apply_rope`` in 3 ops: ``rotate_half(x)·sin = roll(x, D/2)·[-sin₁, sin₂]``.
+
+    ``sin_signed`` = ``sin`` with its first half negated (sign flips are exact in IEEE).
+    """
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm: normalise in fp32, cast back to the input dtype, then scale by ``w``."""
+    """HF RMSNorm: normalise in fp32, cast back to the input dtype, then scale by ``w``.
+
+    fp32 inputs use the fused ``F.rms_norm`` (same formula, one kernel).
+    """
+    if x.dtype == torch.float32 and w.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(x.dtype)
