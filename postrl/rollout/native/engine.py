@@ -80,7 +80,7 @@ class NativeBackend:
         max_model_len: int | None = None,
         device: str = "cpu",
         dtype: str | torch.dtype = "float32",
-        max_num_batched_tokens: int = 16384,
+        max_num_batched_tokens: int = 2048,
         seed: int = 0,
         threaded: bool = False,
     ) -> None:
@@ -360,7 +360,7 @@ class NativeBackend:
                 toks[j, : len(kv.keys[r])] = torch.tensor(kv.keys[r])
             lens = torch.tensor([len(kv.keys[r]) for r in rows], device=dev)
             rows_t = torch.tensor(rows, device=dev)
-            kv.logits[rows_t] = prefill(self.weights, self.cfg, toks.to(dev), lens, self.cos, self.sin,
+            kv.logits[rows_t] = prefill(self.weights, self.cfg, toks.to(dev), lens, self.cos, self.sin_signed,
                                         kv.pk, kv.pv, rows_t)
             start = end
         sp = [r.sampling for r in new]

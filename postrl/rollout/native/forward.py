@@ -17,7 +17,6 @@ from postrl.rollout.native.kvstore import DecodeLayout, KVStore
 from postrl.rollout.native.model import (
     DecoderConfig,
     DecoderWeights,
-    apply_rope,
     apply_rope_fast,
     mlp,
     rms_norm,
@@ -66,7 +65,7 @@ def prefill(
 
     Args:
         tokens: (U, P) right-padded prompt ids; lens: (U,) true lengths.
-        cos, sin: (T_max, D) RoPE tables.
+        cos, sin: (T_max, D) RoPE tables (``sin`` sign-folded, see ``model.apply_rope_fast``).
         k_cache, v_cache: the prefix store (L, S, H_kv, T_max, D).
 
     Right padding needs no mask beyond causality: a real query ``i < len`` only attends keys
@@ -79,7 +78,7 @@ def prefill(
     for li, lw in enumerate(w.layers):
         h = rms_norm(x, lw.ln1, cfg.rms_norm_eps)
         q, k, v = _qkv(h, lw, cfg)  # (U, P, H|Hkv, D)
-        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+        q, k = apply_rope_fast(q, c, s), apply_rope_fast(k, c, s)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (U, H|Hkv, P, D)
         k_cache[li, rows, :, :P] = k
         v_cache[li, rows, :, :P] = v
