@@ -215,3 +215,15 @@ def test_import_is_lazy():
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert {"native", "hf", "vllm", "sglang"} <= set(ROLLOUT_BACKENDS.names())
+
+
+@pytest.mark.parametrize("name,extra", [("vllm", "postrl[vllm]"), ("sglang", "postrl[sglang]")])
+def test_gpu_backends_say_which_extra(tiny_model_dir, name, extra):
+    pytest.importorskip("torch")
+    try:
+        __import__(name)
+    except ImportError:
+        with pytest.raises(ImportError, match=extra.replace("[", r"\[").replace("]", r"\]")):
+            create_rollout_backend(name, tiny_model_dir)
+    else:
+        pytest.skip(f"{name} is installed")
