@@ -164,7 +164,8 @@ class RolloutClient:
     """What agent loops call: ``await client.generate(prompt_ids, sampling, request_id)``.
 
     Args:
-        target: a ``LoadBalancer``, a ``RolloutReplica`` or a bare backend.
+        target: a ``LoadBalancer``, a replica (``RolloutReplica``, ``RayRolloutReplica``: anything
+            with ``load``) or a bare backend (wrapped in a ``RolloutReplica``).
         max_segments: most resumes of one request before giving up (typed error).
         timeout_s: deadline of one whole ``generate`` call (None = no deadline).
     """
@@ -172,7 +173,7 @@ class RolloutClient:
     def __init__(self, target: Any, max_segments: int = 64, timeout_s: float | None = None) -> None:
         if isinstance(target, LoadBalancer):
             self.balancer = target
-        elif isinstance(target, RolloutReplica):
+        elif isinstance(target, RolloutReplica) or hasattr(target, "load"):  # a replica (local or Ray)
             self.balancer = LoadBalancer([target])
         else:
             self.balancer = LoadBalancer([RolloutReplica(target)])
