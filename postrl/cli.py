@@ -38,29 +38,19 @@ def _cmd_data(args: argparse.Namespace) -> int:
         if not args.input:
             raise SystemExit("postrl data gsm8k needs --input FILE.jsonl|parquet (a local GSM8K/MATH-style file)")
         rows = data.convert_gsm8k(args.input, split=args.split)
+    elif args.task == "tool-arith" and args.sft:
+        from postrl.data.tool_arith import tool_arith_demonstrations
+
+        rows = tool_arith_demonstrations(args.n, seed=args.seed)
     elif args.task in data.TASKS:
         rows = data.TASKS[args.task](args.n, seed=args.seed, split=args.split)
+        if args.sft:
+            rows = data.sft_rows_from_rl_rows(rows)
     else:
-        mod = _data_plugin(args.task)
-        rows = mod(args.n, seed=args.seed, split=args.split)
-    if args.sft:
-        rows = data.sft_rows_from_rl_rows(rows)
+        raise SystemExit(f"unknown data task {args.task!r}; choose from gsm8k, {', '.join(data.TASKS)}")
     path = data.write_parquet(rows, args.out)
     print(f"wrote {len(rows)} {args.task} rows ({args.split}) to {path}")
     return 0
-
-
-_DATA_PLUGINS = {
-    "tool-arith": "postrl.data.tool_arith:generate_tool_arith",
-    "code": "postrl.data.code_tasks:generate_code_tasks",
-}
-
-
-def _data_plugin(task: str):
-    if task not in _DATA_PLUGINS:
-        raise SystemExit(f"unknown data task {task!r}; choose from addition, countdown, gsm8k, {', '.join(_DATA_PLUGINS)}")
-    mod, _, attr = _DATA_PLUGINS[task].partition(":")
-    return getattr(importlib.import_module(mod), attr)
 
 
 def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -134,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--split", default="train", choices=["train", "test"])
     d.add_argument("--input", help="gsm8k: local input file (.jsonl or .parquet)")
-    d.add_argument("--sft", action="store_true", help="write SFT rows (messages with reference answers)")
+    d.add_argument("--sft", action="store_true", help="write SFT rows (messages with reference answers; tool-arith: multi-turn tool-use demonstrations)")
     d.set_defaults(fn=_cmd_data)
 
     for name, fn, helptext in (

@@ -161,8 +161,17 @@ def write_parquet(rows: list[dict[str, Any]], path: str | Path) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    pq.write_table(pa.Table.from_pylist([_no_empty_structs(r) for r in rows]), path)
     return path
+
+
+def _no_empty_structs(value: Any) -> Any:
+    # Parquet cannot store a struct with no fields: an empty dict is written as null.
+    if isinstance(value, dict):
+        return {k: _no_empty_structs(v) for k, v in value.items()} if value else None
+    if isinstance(value, list):
+        return [_no_empty_structs(v) for v in value]
+    return value
 
 
 def sft_rows_from_rl_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -177,8 +186,21 @@ def sft_rows_from_rl_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _lazy(target: str) -> Callable[..., list[dict[str, Any]]]:
+    def gen(n: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
+        import importlib
+
+        mod, _, attr = target.partition(":")
+        return getattr(importlib.import_module(mod), attr)(n, seed=seed, split=split)
+
+    gen.__doc__ = f"Generator loaded from {target}."
+    return gen
+
+
 #: task name -> generator(n, seed, split)
 TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "addition": generate_addition,
     "countdown": generate_countdown,
+    "tool-arith": _lazy("postrl.data.tool_arith:generate_tool_arith"),
+    "code": _lazy("postrl.data.code_tasks:generate_code_tasks"),
 }

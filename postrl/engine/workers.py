@@ -86,6 +86,14 @@ class ActorWorker(Worker):
         """(HF name, full tensor) one at a time (an iterator: in-process backends only)."""
         return iter_hf_params(self.policy)
 
+    @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
+    def get_weight_frames(self, bucket_bytes: int = 64 << 20) -> list[bytes]:
+        """The weights as raw-byte bucket frames (JSON header + tensor bytes, never pickled),
+        for rollout engines in another process (Ray backend)."""
+        from postrl.weights import encode_frame, pack_buckets
+
+        return [encode_frame(b) for b in pack_buckets(iter_hf_params(self.policy), bucket_bytes)]
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """Rank 0 writes the checkpoint atomically (replicas hold identical state)."""

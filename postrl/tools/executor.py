@@ -80,7 +80,7 @@ class ToolExecutor:
         instance_id = instance_id or uuid.uuid4().hex
         for name, tool in self.tools.items():
             kwargs = ((tools_kwargs or {}).get(name) or {})
-            kwargs = kwargs.get("create_kwargs", kwargs)
+            kwargs = (kwargs.get("create_kwargs") or {}) if "create_kwargs" in kwargs else kwargs  # null after parquet
             await tool.create(instance_id, **kwargs)
             self._created.add((name, instance_id))
         return instance_id

@@ -7,7 +7,6 @@ workers and how weights reach the rollout engine are decided here, once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,11 +121,8 @@ class Roles:
         return _metrics_of(self.critic.update_critic(batch))
 
     def sync_weights(self) -> None:
-        """Stream the actor's weights into the rollout engine (one tensor at a time)."""
-        weights = self.actor.get_per_tensor_param()
-        if isinstance(weights, list) and weights and isinstance(weights[0], list):
-            weights = weights[0]
-        self.rollout.update_weights(_iter_weights(weights))
+        """Stream the actor's weights into the rollout engines (one tensor/bucket at a time)."""
+        self.rollout.push_weights(self.actor)
 
     # --- checkpoints ------------------------------------------------------------------
     def save(self, ckpt_dir: Path) -> None:
@@ -148,10 +144,6 @@ class Roles:
         self.reward_loop.close()
 
 
-def _iter_weights(weights: Any) -> Iterable[tuple[str, Any]]:
-    yield from weights
-
-
 def _metrics_of(out: Any) -> dict[str, float]:
     if isinstance(out, DataProto):
         return dict(out.meta_info.get("metrics", {}))
@@ -166,7 +158,7 @@ def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_criti
     from postrl.controller import create_worker_group
     from postrl.data import load_tokenizer
     from postrl.engine.workers import ActorWorker, CriticWorker, RefWorker
-    from postrl.rollout import create_rollout_backend
+    from postrl.rollout import LoadBalancer, RolloutClient, RolloutReplica, create_rollout_backend
 
     tc = cfg.trainer
     dp = tc.num_workers if tc.backend == "ray" else 1
@@ -184,11 +176,12 @@ def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_criti
                                   + r.agent.max_tool_response_length * r.agent.max_user_turns)
     options: dict[str, Any] = dict(max_num_seqs=r.max_num_seqs, max_model_len=max_len, device=tc.device)
     options.update(r.engine_kwargs)
-    backend = create_rollout_backend(r.backend, cfg.model.path, **options)
-    client = _make_client(backend)
+    replicas = [RolloutReplica(create_rollout_backend(r.backend, cfg.model.path, **options), replica_id=i)
+                for i in range(r.num_replicas)]
+    fleet = RolloutFleet(replicas, cfg.rollout.weight_sync, remote_actor=tc.backend == "ray")
+    client = RolloutClient(LoadBalancer(replicas))
     tokenizer = load_tokenizer(cfg.model.path)
-    loop_kwargs: dict[str, Any] = {}
-    manager = AgentLoopManager(client, tokenizer, r.agent, **loop_kwargs)
+    manager = AgentLoopManager(client, tokenizer, r.agent, max_model_len=max_len)
     rw = cfg.reward
     reward = RewardLoop(
         timeout_s=rw.timeout_s,
@@ -200,23 +193,46 @@ def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_criti
         max_failure_ratio=rw.max_failure_ratio,
         isolate_builtin=rw.isolate_builtin,
     )
-    return Roles(cfg, actor, backend, manager, TrainerRewards(reward), ref=ref, critic=critic, dp_size=dp, use_lora_ref=use_lora_ref)
+    return Roles(cfg, actor, fleet, manager, TrainerRewards(reward), ref=ref, critic=critic, dp_size=dp, use_lora_ref=use_lora_ref)
 
 
-def _make_client(backend: Any) -> Any:
-    """The rollout client (load balancer + transparent resume) over one backend."""
-    try:
-        from postrl.rollout import LoadBalancer, RolloutClient
-    except ImportError:
-        return _DirectClient(backend)
-    return RolloutClient(LoadBalancer([backend]))
+class RolloutFleet:
+    """All rollout replicas of a run, driven together (wake/sleep/weights).
 
+    Weights reach the replicas through the configured ``rollout.weight_sync`` backend. When the
+    actor lives in other processes (Ray), it ships raw-byte bucket frames (JSON header + bytes,
+    never pickled) that each replica unpacks.
+    """
 
-class _DirectClient:
-    """Minimal client used until the load-balanced client is available."""
+    def __init__(self, replicas: list[Any], weight_sync: str, remote_actor: bool) -> None:
+        from postrl.weights import create_weight_sync
 
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
+        self.replicas = replicas
+        self.remote_actor = remote_actor
+        self.sync = create_weight_sync(weight_sync)
+        self.version = 0
 
-    async def generate(self, prompt_ids: list[int], sampling: Any, request_id: str, trajectory_id: str | None = None) -> Any:
-        return await self.backend.generate(prompt_ids, sampling, request_id)
+    def wake_up(self) -> None:
+        for r in self.replicas:
+            r.wake_up()
+
+    def sleep(self) -> None:
+        for r in self.replicas:
+            r.sleep()
+
+    def push_weights(self, actor: Any) -> None:
+        """Deliver the actor's current weights to every replica; bumps the policy version."""
+        self.version += 1
+        if self.remote_actor:
+            frames = actor.get_weight_frames()
+            frames = frames[0] if frames and isinstance(frames[0], list) else frames
+            for frame in frames:
+                for r in self.replicas:
+                    r.receive_bucket(frame)
+            return
+        self.sync.sync(actor.get_per_tensor_param(), self.replicas)
+
+    def close(self) -> None:
+        for r in self.replicas:
+            if hasattr(r.backend, "close"):
+                r.backend.close()

@@ -129,7 +129,7 @@ class RLTrainer:
         with timer("reward", t):  # 2. reward
             result = self.reward_loop.finish(batch, futures, self.tokenizer)
             self.reward_loop.check_failures(result)
-            batch, rm = stages.apply_reward_result(batch, result, cfg.reward.overlong)
+            batch, rm = stages.apply_reward_result(batch, result, cfg.reward.overlong, max_response_length=cfg.rollout.response_length)
             m.update(rm)
         if cfg.algorithm.filter_groups.enable:
             batch, dm = stages.dynamic_sampling_stage(batch)
