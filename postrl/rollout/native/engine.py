@@ -137,6 +137,7 @@ class NativeBackend:
         self._state_tensors = [self.s_last, self.s_pos, self.s_ngen, self.s_maxnew, self.s_seed, self.s_topk,
                                self.s_temp, self.s_topp, self.s_plen, self.s_pid, self.s_stop, self.s_out, self.s_logp]
         self._layout: DecodeLayout | None = None
+        self._use_filters = self._any_stop_str = False
 
     def _new_kv(self) -> KVStore:
         c = self.cfg
@@ -339,14 +340,13 @@ class NativeBackend:
         slots = [(i, "abort") for i, r in enumerate(self._slots) if r.request_id in ids]
         return slots, [(r, TokenOutput([], [], "abort")) for r in waiting_hit]
 
-    def _admit(self, new: list[_Request]) -> torch.Tensor:
+    def _admit(self, new: list[_Request]) -> slice:
         """Give ``new`` requests slots ``B .. B+n-1``; prefill each distinct, not-yet-live prompt
         once; sample every new slot's first token. Returns the new slot indices."""
         B, n, dev, kv = len(self._slots), len(new), self.device, self.kv
         pids, fresh = kv.lookup([tuple(r.prompt) for r in new])
         order_new = sorted(range(n), key=lambda i: pids[i])  # group samples of a prompt contiguously
         new, pids = [new[i] for i in order_new], [pids[i] for i in order_new]
-        slots = torch.arange(B, B + n, device=dev)
         order = sorted(fresh, key=lambda r: len(kv.keys[r]))  # chunk by length under the token budget
         start = 0
         while start < len(order):
@@ -379,11 +379,12 @@ class NativeBackend:
             stop[i, : len(r.stop_ids)] = torch.tensor(r.stop_ids, dtype=torch.int64)
         self.s_stop[B:B + n] = stop.to(dev)
         self._slots.extend(new)
-        self._layout = None
-        self._sample(slots, kv.logits[torch.tensor(pids, device=dev)], advance_pos=False)
-        return slots
+        self._membership_changed()
+        rows = slice(B, B + n)
+        self._sample(rows, kv.logits[torch.tensor(pids, device=dev)], advance_pos=False)
+        return rows
 
-    def _decode(self) -> torch.Tensor:
+    def _decode(self) -> slice:
         B = len(self._slots)
         pos = self.s_pos[:B]
         off = pos - self.s_plen[:B]
@@ -393,35 +394,41 @@ class NativeBackend:
             self._layout = self.kv.layout(self.s_pid[:B], self.s_plen[:B])
         logits = decode(self.weights, self.cfg, self.s_last[:B], pos, off, T, lo == hi, self.cos, self.sin_signed,
                         self.kv, self._layout, self._ar_s, self._ar_t)
-        rows = self._ar_s[:B]
+        rows = slice(0, B)
         self._sample(rows, logits, advance_pos=True)
         return rows
 
-    def _sample(self, rows: torch.Tensor, logits: torch.Tensor, advance_pos: bool) -> None:
-        use_filters = any(r.sampling.top_k > 0 or r.sampling.top_p < 1 for r in self._slots)
+    def _sample(self, rows: slice, logits: torch.Tensor, advance_pos: bool) -> None:
+        """Sample one token for the contiguous slot range ``rows`` and record it (views only)."""
         ngen = self.s_ngen[rows]
         tok, lp = sample_tokens(logits, self.s_temp[rows], self.s_topk[rows], self.s_topp[rows],
-                                self.s_seed[rows], ngen, use_filters)
-        self.s_out[rows, ngen] = tok
-        self.s_logp[rows, ngen] = lp
-        self.s_ngen[rows] = ngen + 1
+                                self.s_seed[rows], ngen, self._use_filters)
+        idx = ngen[:, None]
+        self.s_out[rows].scatter_(1, idx, tok[:, None])
+        self.s_logp[rows].scatter_(1, idx, lp[:, None].to(self.s_logp.dtype))
+        ngen += 1  # in-place on the view
         self.s_last[rows] = tok
         if advance_pos:
             self.s_pos[rows] += 1
 
-    def _done_rows(self, rows: torch.Tensor) -> list[tuple[int, str]]:
-        last = self.s_last[rows]
-        hit_stop = (self.s_stop[rows] == last[:, None]).any(-1)
-        hit_len = (self.s_ngen[rows] >= self.s_maxnew[rows]) | (self.s_pos[rows] + 1 >= self.max_model_len)
+    def _done_rows(self, rows: slice) -> list[tuple[int, str]]:
+        hit_stop = (self.s_stop[rows] == self.s_last[rows, None]).any(-1)
+        hit_len = (self.s_ngen[rows] >= self.s_maxnew[rows]) | (self.s_pos[rows] >= self.max_model_len - 1)
         flags = (hit_stop.to(torch.int8) * 2 + hit_len.to(torch.int8)).tolist()
-        base = int(rows[0]) if len(rows) else 0
+        base = rows.start
         out = [(base + i, "stop" if f >= 2 else "length") for i, f in enumerate(flags) if f]
-        if any(r.sampling.stop for r in self._slots):
+        if self._any_stop_str:
             taken = {i for i, _ in out}
-            for i in range(base, base + len(rows)):
+            for i in range(base, base + len(flags)):
                 if i not in taken and self._slots[i].sampling.stop and self._stop_string(i) is not None:
                     out.append((i, "stop_str"))
         return out
+
+    def _membership_changed(self) -> None:
+        """Refresh per-batch flags (on join/leave only, never per decode step)."""
+        self._layout = None
+        self._use_filters = any(r.sampling.top_k > 0 or r.sampling.top_p < 1 for r in self._slots)
+        self._any_stop_str = any(r.sampling.stop for r in self._slots)
 
     def _stop_string(self, slot: int) -> str | None:
         if self._tokenizer is None:
@@ -471,7 +478,7 @@ class NativeBackend:
             remap = self.kv.release(dead_pids)
             if remap is not None and keep:
                 self.s_pid[:keep] = remap[self.s_pid[:keep]]
-        self._layout = None
+        self._membership_changed()
         return results
 
 

@@ -164,6 +164,9 @@ def decode(
         p_pre, p_own = p.split([Pm, T], dim=-1)
         o = from_groups(torch.matmul(to_groups(p_pre), kv.pv[li, :NG, :, :Pm]))  # (B, Hkv, G, D)
         o = o + torch.matmul(p_own, kv.v[li, :B, :, :T])
-        x = x + F.linear(o.reshape(B, H * D), lw.w_o, lw.b_o)
-        x = x + mlp(rms_norm(x, lw.ln2, cfg.rms_norm_eps), lw)
+        o = o.reshape(B, H * D)
+        # residual adds fused into the GEMMs: x + o·W_oᵀ, x + (silu(g)·u)·W_downᵀ
+        x = torch.addmm(x, o, lw.w_o.t()) if lw.b_o is None else x + F.linear(o, lw.w_o, lw.b_o)
+        g, u = F.linear(rms_norm(x, lw.ln2, cfg.rms_norm_eps), lw.w_gu).chunk(2, dim=-1)
+        x = torch.addmm(x, F.silu(g).mul_(u), lw.w_down.t())
     return F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head)
