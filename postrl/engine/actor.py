@@ -10,8 +10,10 @@ Update (verl's ``update_policy``, with explicit global denominators):
                 L.backward()                       # additive share of the mini-batch loss
             all-reduce(SUM) grads; clip; step unless the norm is non-finite (counted)
 
-Rows whose ``response_mask`` is all zero (failed samples, filtered groups) are dropped before
-micro-batching: they contribute nothing to the loss or the denominators.
+Rows whose ``response_mask`` is all zero (failed samples, filtered groups) are dropped inside each
+mini-batch (:func:`postrl.engine.minibatch.split_mini_batches`): they contribute nothing to the
+loss or the denominators, and every dp rank still runs the same mini-batches and collectives. A
+mini-batch with no valid token on any rank is skipped (no optimizer step).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from postrl.algos.kl import kl_penalty
 from postrl.algos.policy_losses import get_policy_loss
 from postrl.engine.logprob import policy_logprobs
 from postrl.engine.microbatch import make_micro_batches, restore_order
+from postrl.engine.minibatch import split_mini_batches
 from postrl.engine.model import PolicyModel
 from postrl.engine.optim import (
     allreduce_grads,
@@ -148,7 +151,7 @@ class Actor:
         if self.cfg.shuffle:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.update_count * 101 + epoch)
             order = torch.randperm(b, generator=g)
-        return [data[order[s : s + size]] for s in range(0, b, size)]
+        return split_mini_batches(data, size, order, self.group)
 
     def _loss_terms(self, mb, lp, ent, denoms: dict):
         hp = dict(clip_ratio_low=self.cfg.clip_ratio_low, clip_ratio_high=self.cfg.clip_ratio_high,
@@ -177,8 +180,6 @@ class Actor:
         ``old_log_probs``, ``advantages`` (+ ``ref_log_prob`` with the KL loss, optional
         ``rollout_log_probs`` / ``rollout_is_weights``); meta ``temperature``.
         """
-        keep = (data.batch["response_mask"].sum(-1) > 0).nonzero(as_tuple=True)[0]
-        data = data[keep]
         temperature = float(data.meta_info.get("temperature", 1.0))
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages",
                 "ref_log_prob", "rollout_log_probs", "rollout_is_weights"]
@@ -188,6 +189,8 @@ class Actor:
             for mini in self._mini_batches(data, epoch):
                 rm = mini.batch["response_mask"].float()
                 counts = allreduce_sum(torch.stack([rm.sum(), (rm.sum(-1) > 0).float().sum()]), self.group)
+                if not bool(counts[0] > 0):  # no valid token on any rank: nothing to learn, no step
+                    continue
                 denoms = dict(global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=self.dp_size)
                 step: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
                 for idx in self._micro(mini, self.cfg.ppo_max_token_len_per_gpu):

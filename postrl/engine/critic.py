@@ -17,6 +17,7 @@ import torch.distributed as dist
 from postrl.algos.value import compute_value_loss
 from postrl.engine.logprob import critic_values
 from postrl.engine.microbatch import make_micro_batches, restore_order
+from postrl.engine.minibatch import split_mini_batches
 from postrl.engine.model import CriticModel
 from postrl.engine.optim import (
     allreduce_grads,
@@ -83,16 +84,16 @@ class Critic:
         Returns ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``,
         ``critic/grad_norm``, ``critic/lr``, ``critic/grad_norm_nonfinite_skips``.
         """
-        data = data[(data.batch["response_mask"].sum(-1) > 0).nonzero(as_tuple=True)[0]]
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "values", "returns"]
         size = max(1, self.cfg.ppo_mini_batch_size * self.rollout_n // self.dp_size)
         sums: dict[str, list[torch.Tensor]] = defaultdict(list)
         self.model.train()
         for _ in range(self.cfg.ppo_epochs):
-            for s in range(0, len(data), size):
-                mini = data[s : s + size]
+            for mini in split_mini_batches(data, size, group=self.group):  # same count on every dp rank
                 rm = mini.batch["response_mask"].float()
                 counts = allreduce_sum(torch.stack([rm.sum(), (rm.sum(-1) > 0).float().sum()]), self.group)
+                if not bool(counts[0] > 0):  # no valid token on any rank: no step
+                    continue
                 den = dict(global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=self.dp_size)
                 step = {k: torch.zeros(()) for k in ("vf_loss", "vf_clipfrac", "vpred_mean")}
                 for idx in self._micro(mini):

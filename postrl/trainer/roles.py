@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from postrl.config import PostRLConfig
+from postrl.engine.minibatch import pad_masked_rows
 from postrl.protocol import DataProto
 from postrl.reward import RewardLoop, RewardRequest, RewardResult
 
@@ -115,10 +116,12 @@ class Roles:
         return self.critic.compute_values(batch)
 
     def update_actor(self, batch: DataProto) -> dict[str, float]:
-        return _metrics_of(self.actor.update_actor(batch))
+        """Stage 7: one actor update; metrics of rank 0 (identical on every rank after all-reduce)."""
+        return _metrics_of(self.actor.update_actor(pad_masked_rows(batch, self.dp_size)))
 
     def update_critic(self, batch: DataProto) -> dict[str, float]:
-        return _metrics_of(self.critic.update_critic(batch))
+        """Stage 7: one critic update (padding rows masked, as for the actor)."""
+        return _metrics_of(self.critic.update_critic(pad_masked_rows(batch, self.dp_size)))
 
     def sync_weights(self) -> None:
         """Stream the actor's weights into the rollout engines (one tensor/bucket at a time)."""

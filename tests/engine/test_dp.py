@@ -1,0 +1,113 @@
+"""Data parallelism: an actor update on dp=2 (Ray, gloo) equals the same update on dp=1 (local).
+
+Gradients are SUMMED over ranks and every loss term uses the mini-batch's GLOBAL denominators,
+so two ranks each holding half of a mini-batch must produce the weights one rank produces from
+the whole mini-batch — up to float reduction order. The groups live for the whole module and
+see the same sequence of updates, so optimizer state is compared too, not just one step.
+
+Adam's first steps are ≈ lr·sign(g): float noise on a ~0 gradient becomes a ±lr step. The test
+sets ``optim.eps`` ≫ |g| so AdamW behaves like SGD with lr/eps (update ≈ lr·g/eps) and
+"same update" is testable tightly (the engine tests swap in SGD for the same reason).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from postrl.config import load_config  # noqa: E402
+from postrl.controller import create_worker_group  # noqa: E402
+from postrl.engine.minibatch import pad_masked_rows  # noqa: E402
+from postrl.engine.workers import ActorWorker  # noqa: E402
+from postrl.protocol import DataProto  # noqa: E402
+from postrl.weights import decode_frame, unpack_bucket  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_model_dir):
+    """(local dp=1 actor group, ray dp=2 actor group) built from one config."""
+    cfg = load_config(None, [
+        f"model.path={tiny_model_dir}", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2",
+        "actor.optim.lr=10.0", "actor.optim.eps=1000.0", "actor.optim.grad_clip=1e6", "actor.entropy_coeff=0.01",
+        "trainer.num_threads=1",
+    ])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    local = ray_wg = None
+    try:
+        local = create_worker_group("local", ActorWorker, kwargs={"cfg": cfg, "total_steps": 1}, world_size=1, name="actor_dp1")
+        ray_wg = create_worker_group("ray", ActorWorker, kwargs={"cfg": cfg, "total_steps": 1}, world_size=2,
+                                     name="actor_dp2", init_dist=True)
+        yield local, ray_wg
+    finally:
+        for g in (local, ray_wg):
+            if g is not None:
+                g.shutdown()
+        ray.shutdown()
+
+
+def _weights_local(wg) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in wg.get_per_tensor_param()}
+
+
+def _weights_ray(wg) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for frame in wg.get_weight_frames():
+        out.update({k: v.clone() for k, v in unpack_bucket(decode_frame(frame))})
+    return out
+
+
+def _prepared(local, make_batch, rows: int, masked_rows: slice | None) -> DataProto:
+    batch = make_batch(num_prompts=4, n=4, seed=11)[list(range(rows))]
+    batch = batch.union(local.compute_log_prob(batch))
+    batch.batch["old_log_probs"] = batch.batch["old_log_probs"] + 0.05 * batch.batch["response_mask"]  # ratios ≠ 1
+    if masked_rows is not None:
+        rm = batch.batch["response_mask"].clone()
+        rm[masked_rows] = 0
+        batch.batch["response_mask"] = rm
+    return batch
+
+
+# Run in order on the same two groups: each case starts from the weights the previous one left.
+CASES = [
+    pytest.param(16, None, id="even-split"),
+    pytest.param(15, None, id="padded-row-masked"),  # 15 rows → one masked pad row, not a re-trained duplicate
+    pytest.param(16, slice(8, 16), id="rank1-has-no-valid-row"),  # rank 1 runs placeholders, no deadlock
+    pytest.param(16, slice(2, 5), id="some-empty-rows"),
+]
+
+
+@pytest.mark.parametrize(("rows", "masked"), CASES)
+def test_dp2_update_equals_dp1(groups, make_batch, rows, masked):
+    local, ray_wg = groups
+    batch = _prepared(local, make_batch, rows, masked)
+    before = _weights_local(local)
+    torch.testing.assert_close(_weights_ray(ray_wg), before, atol=1e-6, rtol=1e-5)  # same start
+
+    m1 = local.update_actor(batch).meta_info["metrics"]
+    m2 = ray_wg.update_actor(pad_masked_rows(batch, 2)).meta_info["metrics"]  # what Roles.update_actor sends
+    w1, w2 = _weights_local(local), _weights_ray(ray_wg)
+
+    assert set(m1) == set(m2)
+    for k in m1:
+        assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
+    assert m1["actor/grad_norm"] > 0
+    moved = max(float((w1[k] - before[k]).abs().max()) for k in w1)
+    assert moved > 1e-4, f"the update barely moved the weights ({moved}); the comparison would be vacuous"
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=1e-6, rtol=1e-5, msg=lambda s, k=k: f"{k}: {s}")
+
+
+def test_unmasked_dispatch_padding_would_train_a_row_twice(groups, make_batch):
+    """Why Roles pads with masked rows: the dispatch's own padding repeats a real row."""
+    local, _ = groups
+    batch = _prepared(local, make_batch, 15, None)
+    padded, pad = batch.pad_to_divisor(2)
+    assert pad == 1 and bool(padded.batch["response_mask"][-1].any())  # a live duplicate of row 0
+    ours = pad_masked_rows(batch, 2)
+    assert len(ours) == 16 and not bool(ours.batch["response_mask"][-1].any())
+    assert not bool(ours.batch["advantages"][-1].any())
+    assert torch.equal(ours.batch["input_ids"][:15], batch.batch["input_ids"])
