@@ -291,9 +291,13 @@ class ToolAgentLoop(AgentLoopBase):
         results = await asyncio.gather(*(self._call(traj, c) for c in traj.last_calls))
         traj.tool_time_s += time.perf_counter() - t0
         tool_msgs: list[dict[str, Any]] = []
+        limit = self.config.max_tool_response_length
         for err in traj.last_parse_errors:
             traj.tool_errors += 1
             traj.tool_metrics["tool/errors/malformed_call"] = traj.tool_metrics.get("tool/errors/malformed_call", 0.0) + 1
+            if len(err) > limit:  # parse errors obey the same cap as tool responses
+                err = err[:limit]
+                traj.tool_metrics["tool/truncated"] = traj.tool_metrics.get("tool/truncated", 0.0) + 1
             tool_msgs.append({"role": "tool", "content": err})
         for call, (text, is_error) in zip(traj.last_calls, results, strict=True):
             traj.tool_calls += 1

@@ -37,7 +37,7 @@ from typing import Any
 
 from postrl.tools.sandbox import Sandbox, SandboxConfig
 
-__all__ = ["code_reward", "compute_code_score", "compute_code_score_async", "extract_code",
+__all__ = ["SandboxUnavailableError", "code_reward", "compute_code_score", "compute_code_score_async", "extract_code",
            "generate_code_tasks"]
 
 # (description template, reference source template, input generator)
@@ -225,29 +225,52 @@ def compute_code_score(solution_str: str, ground_truth: str | list,
     return box["r"]
 
 
-_SANDBOX: Sandbox | None = None
+_SANDBOXES: dict[SandboxConfig, Sandbox] = {}
 
 
-def _default_sandbox() -> Sandbox:
-    global _SANDBOX
-    if _SANDBOX is None:
-        _SANDBOX = Sandbox(SandboxConfig(wall_time_s=5.0, cpu_time_s=3, memory_mb=512))
-    return _SANDBOX
+class SandboxUnavailableError(RuntimeError):
+    """The sandbox could not judge the program (refused for missing isolation, or failed to
+    start). Raised by :func:`code_reward` so the reward loop reports the sample as failed
+    (``reward/failed/exception``) instead of scoring the model 0 for an infrastructure fault."""
+
+
+def _default_sandbox(sandbox_config: dict[str, Any] | None = None) -> Sandbox:
+    """The process-wide sandbox for ``sandbox_config`` (:class:`SandboxConfig` fields)."""
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in (sandbox_config or {}).items()}
+    if not kw:
+        kw = {"wall_time_s": 5.0, "cpu_time_s": 3, "memory_mb": 512}
+    cfg = SandboxConfig(**kw)
+    if cfg not in _SANDBOXES:
+        _SANDBOXES[cfg] = Sandbox(cfg)
+    return _SANDBOXES[cfg]
 
 
 def code_reward(data_source: str, solution_str: str, ground_truth: Any,
-                extra_info: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
-    """verl-signature reward for ``data_source="code"`` (process-wide default sandbox).
+                extra_info: dict[str, Any] | None = None,
+                sandbox_config: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+    """verl-signature reward for ``data_source="code"`` (a process-wide sandbox).
 
-    The ``error`` string is dropped (reward dicts carry numbers); ``infra_error`` stays."""
+    Args:
+        sandbox_config: :class:`SandboxConfig` fields for the sandbox that runs the programs
+            (set it through ``reward.reward_kwargs.sandbox_config``); default 5 s wall, 3 s CPU,
+            512 MiB.
+
+    The ``error`` string is dropped (reward dicts carry numbers).
+
+    Raises:
+        SandboxUnavailableError: the sandbox refused or failed to start; the sample has no
+            score (the reward loop counts it as failed, with this message as the detail).
+    """
     fn_name = (extra_info or {}).get("fn_name", "f")
-    out = compute_code_score(solution_str, ground_truth, fn_name=fn_name)
+    out = compute_code_score(solution_str, ground_truth, sandbox=_default_sandbox(sandbox_config),
+                             fn_name=fn_name)
+    if out["infra_error"]:
+        raise SandboxUnavailableError(f"code reward not computed, sandbox unavailable: {out['error']}")
     if out["error"]:
         import logging
 
         logging.getLogger(__name__).debug("code reward: %s", out["error"])
-    return {"score": out["score"], "passed": float(out["passed"]),
-            "total": float(out["total"]), "infra_error": out["infra_error"]}
+    return {"score": out["score"], "passed": float(out["passed"]), "total": float(out["total"])}
 
 
 def _register() -> None:
