@@ -227,3 +227,20 @@ def test_gpu_backends_say_which_extra(tiny_model_dir, name, extra):
             create_rollout_backend(name, tiny_model_dir)
     else:
         pytest.skip(f"{name} is installed")
+
+
+def test_engine_failure_fails_requests_then_recovers(tiny_model_dir):
+    from postrl.rollout import RolloutError
+
+    be = create_rollout_backend("native", tiny_model_dir, max_num_seqs=4, max_model_len=64)
+    good = be._admit
+
+    def boom(new):
+        raise RuntimeError("injected prefill failure")
+
+    be._admit = boom
+    with pytest.raises(RolloutError, match="injected"):
+        _gen(be, [[1, 2, 3]] * 3, [GREEDY] * 3)
+    be._admit = good
+    out = _gen(be, [[1, 2, 3]], [GREEDY])[0]
+    assert len(out.token_ids) == 12 and be.num_running == 0 and be.kv.num_prefixes == 0

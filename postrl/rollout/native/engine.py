@@ -138,6 +138,7 @@ class NativeBackend:
                                self.s_temp, self.s_topp, self.s_plen, self.s_pid, self.s_stop, self.s_out, self.s_logp]
         self._layout: DecodeLayout | None = None
         self._use_filters = self._any_stop_str = False
+        self._admitting: list[_Request] = []
 
     def _new_kv(self) -> KVStore:
         c = self.cfg
@@ -299,9 +300,14 @@ class NativeBackend:
 
     def _fail_all(self, err: Exception) -> None:
         with self._lock, self._qlock:
-            reqs = list(self._slots) + list(self._waiting)
+            reqs = list(self._slots) + list(self._waiting) + self._admitting
             self._slots.clear()
             self._waiting.clear()
+            self._admitting = []
+            if self.kv is not None:  # drop prefix refcounts held by the failed requests
+                with torch.inference_mode():
+                    self.kv = self._new_kv()
+            self._membership_changed()
         for r in reqs:
             if not r.future.done():
                 r.loop.call_soon_threadsafe(_set_exc, r.future, err)
@@ -319,7 +325,9 @@ class NativeBackend:
             with self._qlock:
                 new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
             if new:
+                self._admitting = new  # failed by _fail_all if admission raises
                 rows = self._admit(new)
+                self._admitting = []
             elif self._slots:
                 rows = self._decode()
             else:
