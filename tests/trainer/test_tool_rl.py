@@ -147,6 +147,8 @@ def test_grpo_with_tool_loop_end_to_end(tiny_model_dir, tool_arith_files, tmp_pa
     assert last["agent/num_tool_calls"] == pytest.approx(0.75)
     assert last["agent/tool_errors"] == pytest.approx(0.25)
     assert last["agent/token_drift_ratio"] == 0.0
+    # the malformed call's parse error is capped at max_tool_response_length like tool output
+    assert last["agent/tool/errors/malformed_call"] == 1.0 and last["agent/tool/truncated"] == 1.0
     assert "agent/tool_time_s" in last and "agent/num_assistant_turns" in last
     assert last["agent/num_turns/mean"] == 4.0  # prompt + call + observation + answer
     # even samples copy the tool result (reward 1), odd ones are the random model (reward 0)
