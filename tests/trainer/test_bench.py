@@ -42,7 +42,7 @@ def test_bench_step_tiny_runs_both_sides_and_caches_warm_model(tmp_path, capsys)
     for stage in ("gen", "reward", "old_log_prob", "adv", "update_actor", "sync_weights", "step"):
         assert 0 <= p[stage] <= p["step"] + 1e-6, stage
     assert q["gen"] + q["reward"] + q["update"] <= q["step"] + 1e-6
-    assert set(r) == {"step", "gen", "update", "train"} and all(v > 0 and math.isfinite(v) for v in r.values())
+    assert set(r) == {"step", "gen", "update", "train", "step_best"} and all(v > 0 and math.isfinite(v) for v in r.values())
     assert math.isclose(r["step"], q["step"] / p["step"])
     assert len(res["steps"]["postrl"]) == len(res["steps"]["plain"]) == 1
     printed = capsys.readouterr().out
