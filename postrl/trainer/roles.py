@@ -155,7 +155,19 @@ def _metrics_of(out: Any) -> dict[str, float]:
     return dict(out)
 
 
-def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_critic: bool) -> Roles:
+def kv_capacity(cfg: PostRLConfig, multi_turn: bool) -> int:
+    """Tokens per KV slot: prompt + response, plus the agent-turn allowances only for multi-turn
+    loops (an oversized cache costs real memory traffic on every wake-up)."""
+    r = cfg.rollout
+    if r.max_model_len:
+        return r.max_model_len
+    if not multi_turn:
+        return cfg.data.max_prompt_length + r.response_length
+    a = r.agent
+    return cfg.data.max_prompt_length + r.response_length * max(1, a.max_assistant_turns) + a.max_tool_response_length * a.max_user_turns
+
+
+def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_critic: bool, multi_turn: bool = True) -> Roles:
     """Create worker groups on ``trainer.backend``, the rollout engine(s) and the reward loop."""
     from postrl.agent import AgentLoopManager
     from postrl.controller import create_worker_group
@@ -175,8 +187,7 @@ def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_criti
     critic = create_worker_group(tc.backend, CriticWorker, kwargs=kwargs, name="critic", **common) if use_critic else None
 
     r = cfg.rollout
-    max_len = r.max_model_len or (cfg.data.max_prompt_length + r.response_length * max(1, r.agent.max_assistant_turns)
-                                  + r.agent.max_tool_response_length * r.agent.max_user_turns)
+    max_len = kv_capacity(cfg, multi_turn)
     options: dict[str, Any] = dict(max_num_seqs=r.max_num_seqs, max_model_len=max_len, device=tc.device)
     options.update(r.engine_kwargs)
     replicas = [RolloutReplica(create_rollout_backend(r.backend, cfg.model.path, **options), replica_id=i)

@@ -92,7 +92,10 @@ class RLTrainer:
 
         from postrl.trainer.roles import build_roles
 
-        self.roles = build_roles(cfg, self.total_steps, use_ref=self.use_ref, use_critic=self.use_critic)
+        loops = {r.get("agent_name") or cfg.rollout.agent.default_agent_loop
+                 for ds in (self.train_set, self.val_set) if ds is not None for r in ds.rows}
+        self.roles = build_roles(cfg, self.total_steps, use_ref=self.use_ref, use_critic=self.use_critic,
+                                 multi_turn=loops != {"single_turn"})
         self.rollout = self.roles.rollout
         self.agent_manager = self.roles.agent_manager
         self.reward_loop = self.roles.reward_loop

@@ -38,6 +38,7 @@ EXPECTED_KEYS: dict[str, set[str]] = {
     "rloo_addition": {"actor/kl_loss"},
     "reinforce_pp_addition": {"actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"},
     "gspo_addition": set(),
+    "grpo_tool_arith": {"agent/num_tool_calls", "agent/token_drift_ratio"},
     "ppo_gae_addition": {
         "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/values/mean",
         "critic/returns/mean", "timing_s/values", "timing_s/update_critic", "actor/reward_kl_penalty",
