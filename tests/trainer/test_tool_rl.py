@@ -184,8 +184,6 @@ def test_grpo_with_tool_loop_end_to_end(tiny_model_dir, tool_arith_files, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="1 SFT epoch (47 steps, lr 3e-3) was measured too short: the model "
-                   "writes near-miss tags like '<tol_cal>'; 3 epochs not yet verified (~15 min on 2 loaded cores)")
 def test_sft_on_demonstrations_teaches_tool_calls(tiny_model_dir, tmp_path):
     """200 demonstrations, a short SFT, then a real rollout: parseable calls at a non-zero rate."""
     from postrl.engine.sft import run_sft
