@@ -267,9 +267,11 @@ class WorkerPool:
         for i, slot in enumerate(list(self._slots)):
             if slot.task is not None and now >= slot.deadline:
                 self.stats["killed_timeout"] += 1
-                timeout = slot.task.timeout_s
-                self._finish(slot, Outcome("timeout", error=f"exceeded timeout_s={timeout:g}"))
+                task, slot.task, slot.deadline = slot.task, None, float("inf")
+                # replace before resolving: whoever waits on the result sees the new worker
                 self._replace(i, slot, reason=None)
+                if not task.future.done():
+                    task.future.set_result(Outcome("timeout", error=f"exceeded timeout_s={task.timeout_s:g}"))
             elif not slot.ready and now >= self._start_deadlines.get(id(slot), float("inf")):
                 self._start_failures += 1
                 log.warning("reward worker %d did not start within %ss", i, self.start_timeout_s)
