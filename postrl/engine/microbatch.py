@@ -13,43 +13,17 @@ Callers restore the original order with :func:`restore_order`.
 
 from __future__ import annotations
 
-import heapq
-import itertools
-
 import torch
+
+from postrl.protocol.balance import karmarkar_karp as _kk
 
 __all__ = ["karmarkar_karp", "make_micro_batches", "restore_order"]
 
 
 def karmarkar_karp(costs: list[int], k: int) -> list[list[int]]:
-    """Partition item indices into ``k`` sets with near-equal cost sums (largest differencing).
-
-    Each item starts as a k-tuple of sets with the item in one set; repeatedly the two tuples
-    with the largest spread (max − min sum) are merged pairing the largest set of one with the
-    smallest of the other. O(n log n · k).
-    """
-    if k <= 0:
-        raise ValueError(f"k must be >= 1, got {k}")
-    tie = itertools.count()
-    heap: list = []
-    for i, c in enumerate(costs):
-        sets = [[i]] + [[] for _ in range(k - 1)]
-        sums = [int(c)] + [0] * (k - 1)
-        heapq.heappush(heap, (-(sums[0]), next(tie), sums, sets))
-    if not heap:
-        return [[] for _ in range(k)]
-    while len(heap) > 1:
-        _, _, s1, t1 = heapq.heappop(heap)
-        _, _, s2, t2 = heapq.heappop(heap)
-        o1 = sorted(range(k), key=lambda j: -s1[j])  # largest first
-        o2 = sorted(range(k), key=lambda j: s2[j])  # smallest first
-        sums = [s1[a] + s2[b] for a, b in zip(o1, o2, strict=True)]
-        sets = [t1[a] + t2[b] for a, b in zip(o1, o2, strict=True)]
-        order = sorted(range(k), key=lambda j: -sums[j])
-        sums = [sums[j] for j in order]
-        sets = [sets[j] for j in order]
-        heapq.heappush(heap, (-(sums[0] - sums[-1]), next(tie), sums, sets))
-    return [sorted(s) for s in heap[0][3]]
+    """``k`` parts of free size with near-equal cost sums (the one KK partitioner in
+    :mod:`postrl.protocol.balance`)."""
+    return _kk(costs, k, equal_size=False)
 
 
 def make_micro_batches(
