@@ -188,7 +188,7 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
         losses.append(loss.detach())
         n_tokens += int(am.sum())
         if cfg.log_every and len(losses) % cfg.log_every == 0:
-            logger.info("sft step %d/%d loss %.4f", len(losses), total, float(loss))
+            logger.info("sft step %d/%d loss %.4f", len(losses), total, float(losses[-1]))
     wall = time.perf_counter() - t0
     hist = torch.stack(losses)
     metrics = {
