@@ -8,7 +8,6 @@ need in their registry metadata.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -182,11 +181,3 @@ def dynamic_sampling_stage(batch: DataProto) -> tuple[DataProto, dict[str, float
         metrics["dynamic_sampling/skipped_update"] = 1.0
         return DataProto(b, batch.non_tensor_batch, batch.meta_info), metrics
     return batch[keep], metrics
-
-
-def collect_reward_futures(futures: list[Future], timeout_s: float) -> list[Any]:
-    """Wait for streamed reward futures with one overall deadline."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
