@@ -38,10 +38,15 @@ def _cmd_data(args: argparse.Namespace) -> int:
         if not args.input:
             raise SystemExit("postrl data gsm8k needs --input FILE.jsonl|parquet (a local GSM8K/MATH-style file)")
         rows = data.convert_gsm8k(args.input, split=args.split)
-    elif args.task == "tool-arith" and args.sft:
-        from postrl.data.tool_arith import tool_arith_demonstrations
+    elif args.task == "tool-arith":
+        from postrl.data.tool_arith import generate_tool_arith, tool_arith_demonstrations
 
-        rows = tool_arith_demonstrations(args.n, seed=args.seed)
+        kw = dict(min_digits=args.min_digits, max_digits=args.max_digits, kinds=args.kinds.split(","),
+                  prompt_style=args.prompt_style)
+        if args.sft:
+            rows = tool_arith_demonstrations(args.n, seed=args.seed, tool_fraction=args.tool_fraction, **kw)
+        else:
+            rows = generate_tool_arith(args.n, seed=args.seed, split=args.split, **kw)
     elif args.task in data.TASKS:
         rows = data.TASKS[args.task](args.n, seed=args.seed, split=args.split)
         if args.sft:
@@ -125,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--split", default="train", choices=["train", "test"])
     d.add_argument("--input", help="gsm8k: local input file (.jsonl or .parquet)")
     d.add_argument("--sft", action="store_true", help="write SFT rows (messages with reference answers; tool-arith: multi-turn tool-use demonstrations)")
+    d.add_argument("--min-digits", type=int, default=6, help="tool-arith: fewest digits per operand")
+    d.add_argument("--max-digits", type=int, default=9, help="tool-arith: most digits per operand")
+    d.add_argument("--kinds", default="mul,sum3,mulsub", help="tool-arith: comma-separated problem kinds")
+    d.add_argument("--prompt-style", default="full", choices=["full", "short"],
+                   help="tool-arith: full (system message describing the tool) or short (question only)")
+    d.add_argument("--tool-fraction", type=float, default=1.0,
+                   help="tool-arith --sft: fraction of demonstrations that call the tool (others answer directly)")
     d.set_defaults(fn=_cmd_data)
 
     for name, fn, helptext in (

@@ -25,7 +25,7 @@ import random
 import re
 from typing import Any
 
-__all__ = ["SYSTEM_PROMPT", "compute_tool_arith_score", "final_answer_text",
+__all__ = ["KINDS", "PROMPT_STYLES", "SYSTEM_PROMPT", "compute_tool_arith_score", "final_answer_text",
            "generate_tool_arith", "tool_arith_demonstrations"]
 
 SYSTEM_PROMPT = (
@@ -38,16 +38,26 @@ SYSTEM_PROMPT = (
 )
 
 
+#: problem kinds: ``a * b``, ``a + b + c``, ``a * b - c``.
+KINDS: tuple[str, ...] = ("mul", "sum3", "mulsub")
+
+#: ``full``: the system message above + "What is E? Use the calculator."; ``short``: no system
+#: message and "What is E?" — the tool format is learned from the SFT demonstrations only, which
+#: keeps the prompt ~20 tokens instead of ~450 for a byte-level model.
+PROMPT_STYLES: tuple[str, ...] = ("full", "short")
+
+
 def _split_seed(seed: int, split: str) -> int:
     return seed * 1_000_003 + {"train": 0, "test": 7919, "val": 7919}.get(split, 104729) + 17
 
 
-def _problem(rng: random.Random, min_digits: int, max_digits: int) -> tuple[str, int]:
+def _problem(rng: random.Random, min_digits: int, max_digits: int,
+             kinds: tuple[str, ...] = KINDS) -> tuple[str, int]:
     def num() -> int:
         d = rng.randint(min_digits, max_digits)
         return rng.randrange(10 ** (d - 1), 10**d)
 
-    kind = rng.choice(("mul", "sum3", "mulsub"))
+    kind = rng.choice(kinds)
     if kind == "mul":
         a, b = num(), num()
         return f"{a} * {b}", a * b
@@ -58,15 +68,28 @@ def _problem(rng: random.Random, min_digits: int, max_digits: int) -> tuple[str,
     return f"{a} * {b} - {c}", a * b - c
 
 
-def _problems(n: int, seed: int, split: str, min_digits: int, max_digits: int
-              ) -> list[tuple[str, int]]:
+def _check_options(min_digits: int, max_digits: int, kinds: tuple[str, ...], prompt_style: str) -> None:
     if not 1 <= min_digits <= max_digits:
         raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+    bad = [k for k in kinds if k not in KINDS]
+    if not kinds or bad:
+        raise ValueError(f"kinds={list(kinds)!r}: choose a non-empty subset of {list(KINDS)}")
+    if prompt_style not in PROMPT_STYLES:
+        raise ValueError(f"prompt_style={prompt_style!r}: choose one of {list(PROMPT_STYLES)}")
+
+
+def _problems(n: int, seed: int, split: str, min_digits: int, max_digits: int,
+              kinds: tuple[str, ...] = KINDS) -> list[tuple[str, int]]:
     rng = random.Random(_split_seed(seed, split))
     want_test = split != "train"
     out: list[tuple[str, int]] = []
+    attempts = 0
     while len(out) < n:
-        expr, value = _problem(rng, min_digits, max_digits)
+        attempts += 1
+        if attempts > 100 * n + 1000:
+            raise ValueError(f"could not draw {n} {split}-split problems with {min_digits}-"
+                             f"{max_digits} digits and kinds {list(kinds)}; allow more digits")
+        expr, value = _problem(rng, min_digits, max_digits, kinds)
         if (hash_split(expr) == "test") == want_test:
             out.append((expr, value))
     return out
@@ -77,19 +100,27 @@ def hash_split(expr: str) -> str:
     return "test" if sum(map(ord, expr)) * 2654435761 % 2**32 % 5 == 0 else "train"
 
 
-def _question(expr: str) -> str:
-    return f"What is {expr}? Use the calculator."
+def _prompt(expr: str, prompt_style: str) -> list[dict[str, str]]:
+    if prompt_style == "short":
+        return [{"role": "user", "content": f"What is {expr}?"}]
+    return [{"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"What is {expr}? Use the calculator."}]
 
 
 def generate_tool_arith(n: int, seed: int = 0, split: str = "train", min_digits: int = 6,
-                        max_digits: int = 9) -> list[dict[str, Any]]:
-    """``n`` RL rows in verl's schema (see module docstring)."""
+                        max_digits: int = 9, kinds: tuple[str, ...] | list[str] = KINDS,
+                        prompt_style: str = "full") -> list[dict[str, Any]]:
+    """``n`` RL rows in verl's schema (see module docstring).
+
+    ``min_digits``/``max_digits`` bound each operand, ``kinds`` picks the problem kinds (a subset
+    of :data:`KINDS`), ``prompt_style`` one of :data:`PROMPT_STYLES`."""
+    kinds = tuple(kinds)
+    _check_options(min_digits, max_digits, kinds, prompt_style)
     rows = []
-    for i, (expr, value) in enumerate(_problems(n, seed, split, min_digits, max_digits)):
+    for i, (expr, value) in enumerate(_problems(n, seed, split, min_digits, max_digits, kinds)):
         rows.append({
             "data_source": "tool_arith",
-            "prompt": [{"role": "system", "content": SYSTEM_PROMPT},
-                       {"role": "user", "content": _question(expr)}],
+            "prompt": _prompt(expr, prompt_style),
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": str(value)},
             "extra_info": {"split": split, "index": i, "expression": expr, "answer": str(value),
@@ -99,22 +130,41 @@ def generate_tool_arith(n: int, seed: int = 0, split: str = "train", min_digits:
     return rows
 
 
-def tool_arith_demonstrations(n: int, seed: int = 0, min_digits: int = 6, max_digits: int = 9
-                              ) -> list[dict[str, Any]]:
-    """``n`` SFT rows ``{"messages": [...]}``: one correct tool-use conversation each.
+def tool_arith_demonstrations(n: int, seed: int = 0, min_digits: int = 6, max_digits: int = 9,
+                              kinds: tuple[str, ...] | list[str] = KINDS, prompt_style: str = "full",
+                              tool_fraction: float = 1.0) -> list[dict[str, Any]]:
+    """``n`` SFT rows ``{"messages": [...]}``: one correct conversation each.
 
+    A ``tool_fraction`` of them (rounded, at random positions) call the calculator and copy its
+    result (user → assistant ``<tool_call>`` → tool → assistant "The answer is V."); the others
+    answer directly (user → assistant "The answer is V."). A fraction below 1 gives a warm-started
+    policy that calls the tool only sometimes, so RL has a tool-use rate to raise: the direct
+    answers are correct in the data, but a small model cannot compute them itself.
     Drawn from the train split (a different stream than :func:`generate_tool_arith` with the
-    same seed), so they never contain a test problem.
+    same seed), so they never contain a test problem. Other options as in
+    :func:`generate_tool_arith`.
     """
+    kinds = tuple(kinds)
+    _check_options(min_digits, max_digits, kinds, prompt_style)
+    if not 0.0 <= tool_fraction <= 1.0:
+        raise ValueError(f"tool_fraction={tool_fraction!r}: must be in [0, 1]")
+    problems = _problems(n, seed + 7_777_777, "train", min_digits, max_digits, kinds)
+    n_tool = round(tool_fraction * n)
+    use_tool = [True] * n_tool + [False] * (n - n_tool)
+    if n_tool < n:
+        random.Random(seed + 31).shuffle(use_tool)
     rows = []
-    for expr, value in _problems(n, seed + 7_777_777, "train", min_digits, max_digits):
+    for (expr, value), tool in zip(problems, use_tool):
+        answer = {"role": "assistant", "content": f"The answer is {value}."}
+        if not tool:
+            rows.append({"messages": [*_prompt(expr, prompt_style), answer]})
+            continue
         call = json.dumps({"name": "calculator", "arguments": {"expression": expr}})
         rows.append({"messages": [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": _question(expr)},
+            *_prompt(expr, prompt_style),
             {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
             {"role": "tool", "name": "calculator", "content": str(value)},
-            {"role": "assistant", "content": f"The answer is {value}."},
+            answer,
         ]})
     return rows
 

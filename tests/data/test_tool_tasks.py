@@ -72,6 +72,55 @@ def test_tool_arith_demonstrations_render_with_a_chat_template(tiny_model_dir):
     assert "<tool_call>" in text and "The answer is" in text
 
 
+def test_short_prompt_style_and_kinds():
+    from postrl.data.dataset import validate_row
+
+    rows = generate_tool_arith(30, seed=2, min_digits=3, max_digits=3, kinds=["mul"], prompt_style="short")
+    for i, row in enumerate(rows):
+        validate_row(row, f"row {i}")
+        expr = row["extra_info"]["expression"]
+        assert row["prompt"] == [{"role": "user", "content": f"What is {expr}?"}]
+        a, op, b = expr.split()
+        assert op == "*" and len(a) == len(b) == 3
+        assert str(safe_eval(expr)) == row["reward_model"]["ground_truth"]
+    # the default stays the full prompt with the system message
+    assert generate_tool_arith(1)[0]["prompt"][0]["role"] == "system"
+
+
+def test_demonstrations_mix_tool_use_and_direct_answers():
+    demos = tool_arith_demonstrations(40, seed=0, min_digits=3, max_digits=3, kinds=["mul"],
+                                      prompt_style="short", tool_fraction=0.25)
+    tool = [d for d in demos if len(d["messages"]) == 4]
+    direct = [d for d in demos if len(d["messages"]) == 2]
+    assert len(tool) == 10 and len(direct) == 30
+    for d in direct:
+        user, answer = d["messages"]
+        assert user["role"] == "user" and answer["role"] == "assistant"
+        value = safe_eval(user["content"].removeprefix("What is ").removesuffix("?"))
+        assert answer["content"] == f"The answer is {value}."
+    for d in tool:
+        assert [m["role"] for m in d["messages"]] == ["user", "assistant", "tool", "assistant"]
+    # the tool-using rows are not all at the front
+    assert [len(d["messages"]) for d in demos][:10] != [4] * 10
+    # same problems whatever the fraction: only the solution style changes
+    all_tool = tool_arith_demonstrations(40, seed=0, min_digits=3, max_digits=3, kinds=["mul"],
+                                         prompt_style="short")
+    assert [d["messages"][0] for d in all_tool] == [d["messages"][0] for d in demos]
+    assert all(len(d["messages"]) == 4 for d in all_tool)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(kinds=["div"]), "kinds"),
+    (dict(kinds=[]), "kinds"),
+    (dict(prompt_style="long"), "prompt_style"),
+    (dict(min_digits=4, max_digits=3), "min_digits"),
+    (dict(tool_fraction=1.5), "tool_fraction"),
+])
+def test_bad_generator_options_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        tool_arith_demonstrations(2, **kwargs)
+
+
 @pytest.mark.parametrize("response, score", [
     ("The answer is 121932631112635269.", 1.0),
     ("121,932,631,112,635,269", 1.0),
