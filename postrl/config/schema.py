@@ -111,6 +111,10 @@ class ActorConfig:
     """Registered KL estimator for the KL loss."""
     share_prompt_prefix: bool | None = None
     """Compute the n responses of a prompt against one shared prompt copy (None = auto)."""
+    fuse_old_log_prob: bool | None = None
+    """On-policy steps (one mini-batch, ppo_epochs=1) take old log-probs from the update's own
+    forward (ratio exactly 1) instead of a separate pass. None = on when allowed: one mini-batch
+    per step, no KL-in-reward, no rollout IS/rejection. True where not allowed is an error."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer of the policy."""
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from postrl.config.loader import ConfigError
 from postrl.config.schema import PostRLConfig
 
-__all__ = ["validate_config", "ConfigError"]
+__all__ = ["validate_config", "ConfigError", "old_log_prob_fusion_blockers"]
 
 
 def _registry_checks(cfg: PostRLConfig) -> list[str]:
@@ -105,6 +105,9 @@ def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_regist
         e.append(f"reward.max_failure_ratio={cfg.reward.max_failure_ratio} must be in [0, 1]")
     if cfg.trainer.resume_mode not in ("auto", "disable") and check_files and not Path(cfg.trainer.resume_mode).exists():
         e.append(f"trainer.resume_mode={cfg.trainer.resume_mode!r} is neither auto/disable nor an existing checkpoint path")
+    if a.fuse_old_log_prob:
+        for why in old_log_prob_fusion_blockers(cfg):
+            e.append(f"actor.fuse_old_log_prob=True but {why}: set actor.fuse_old_log_prob=null (auto) or false")
     if t.total_steps < 0 or t.total_epochs < 1:
         e.append(f"trainer.total_steps={t.total_steps} must be >= 0 and trainer.total_epochs={t.total_epochs} >= 1")
 
@@ -121,3 +124,25 @@ def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_regist
 
     if e:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
+
+
+def old_log_prob_fusion_blockers(cfg: PostRLConfig) -> list[str]:
+    """Why old log-probs cannot come from the update's own forward (empty: they can).
+
+    Fusion is exact only for an on-policy update — one mini-batch, one epoch — and when nothing
+    before the update reads the old log-probs (KL in the reward, rollout IS weights/rejection).
+    """
+    a, rc = cfg.actor, cfg.algorithm.rollout_correction
+    out = []
+    if a.ppo_epochs != 1:
+        out.append(f"actor.ppo_epochs={a.ppo_epochs} (epochs after the first are off-policy)")
+    if a.ppo_mini_batch_size != cfg.data.train_batch_size:
+        out.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} != data.train_batch_size={cfg.data.train_batch_size} "
+                   "(mini-batches after the first are off-policy)")
+    if cfg.algorithm.use_kl_in_reward:
+        out.append("algorithm.use_kl_in_reward=True (the reward needs old log-probs before the update)")
+    if rc.rollout_is or rc.rollout_rs:
+        out.append("algorithm.rollout_correction.rollout_is/rollout_rs is set (the weights need old log-probs before the update)")
+    if rc.bypass_mode:
+        out.append("algorithm.rollout_correction.bypass_mode=True (old log-probs are the rollout's)")
+    return out

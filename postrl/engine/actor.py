@@ -86,6 +86,8 @@ class Actor:
         self.seed = seed
         self.update_count = 0
         self.nonfinite_skips = 0
+        self.fused_old_log_probs: torch.Tensor | None = None
+        """(B, R) old log-probs of the last update when it computed them itself (no ``old_log_probs`` given)."""
 
     # ------------------------------------------------------------------ helpers
     def share_prefix(self) -> bool:
@@ -179,14 +181,34 @@ class Actor:
         Needs ``input_ids``, ``attention_mask``, ``responses``, ``response_mask``,
         ``old_log_probs``, ``advantages`` (+ ``ref_log_prob`` with the KL loss, optional
         ``rollout_log_probs`` / ``rollout_is_weights``); meta ``temperature``.
+
+        Without ``old_log_probs`` the update must be on-policy (one mini-batch, ``ppo_epochs=1``):
+        the old log-probs are then the detached log-probs of the update's own forward — the
+        parameters have not moved yet, so this is exactly π_old — and are kept in
+        :attr:`fused_old_log_probs` (zeros on rows with no valid token). This saves the separate
+        old-log-prob pass (verl makes the same substitution inside its update but still runs the
+        pass).
         """
         temperature = float(data.meta_info.get("temperature", 1.0))
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages",
                 "ref_log_prob", "rollout_log_probs", "rollout_is_weights"]
+        fused = "old_log_probs" not in data.batch
+        self.fused_old_log_probs = None
+        if fused:  # on-policy: old log-probs come from this update's own forward (see fuse_old_log_prob)
+            if self.cfg.ppo_epochs != 1:
+                raise ValueError(f"update_policy without batch['old_log_probs'] needs actor.ppo_epochs=1 (on-policy), "
+                                 f"got {self.cfg.ppo_epochs}: compute old log-probs first")
+            data = data.union(DataProto.from_dict({"_row": torch.arange(len(data))}))
+            keys.append("_row")
+            self.fused_old_log_probs = torch.zeros(data.batch["responses"].shape, dtype=torch.float32)
         sums: dict[str, list[torch.Tensor]] = defaultdict(list)
         self.policy.module.train()
         for epoch in range(self.cfg.ppo_epochs):
-            for mini in self._mini_batches(data, epoch):
+            minis = self._mini_batches(data, epoch)
+            if fused and len(minis) != 1:
+                raise ValueError(f"update_policy without batch['old_log_probs'] needs one mini-batch per update (on-policy), "
+                                 f"got {len(minis)}: set actor.ppo_mini_batch_size=data.train_batch_size or compute old log-probs first")
+            for mini in minis:
                 rm = mini.batch["response_mask"].float()
                 counts = allreduce_sum(torch.stack([rm.sum(), (rm.sum(-1) > 0).float().sum()]), self.group)
                 if not bool(counts[0] > 0):  # no valid token on any rank: nothing to learn, no step
@@ -196,6 +218,9 @@ class Actor:
                 for idx in self._micro(mini, self.cfg.ppo_max_token_len_per_gpu):
                     mb = self._to_dev(mini, idx, keys)
                     lp, ent = self._forward(mb, temperature, True)
+                    if fused:  # π_old = π_θ at this point: ratio exactly 1, gradient of the on-policy loss
+                        mb["old_log_probs"] = lp.detach()
+                        self.fused_old_log_probs[mb["_row"].cpu()] = mb["old_log_probs"].float().cpu()
                     loss, terms, m = self._loss_terms(mb, lp, ent, denoms)
                     loss.backward()
                     w = mb["response_mask"].sum().float().cpu() / counts[0].clamp(min=1)  # token share of the mini-batch

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from postrl.engine.varlen import AttnLayout
+from postrl.engine.varlen import AttnLayout, PrefixLayout
 
 __all__ = ["Packed", "pack", "chunked_token_logprobs", "policy_logprobs", "critic_values"]
 
@@ -43,7 +43,7 @@ class Packed:
     Attributes:
         input_ids: (1, N) packed token ids.
         position_ids: (1, N) per-sequence positions.
-        layout: the varlen attention layout.
+        layout: the varlen attention layout (:class:`PrefixLayout` with prefix sharing).
         pred_idx: (M,) packed index of the hidden state predicting each valid response token.
         targets: (M,) the response token ids.
         resp_valid: (B, R) bool, where the M values go back to.
@@ -57,6 +57,25 @@ class Packed:
     targets: torch.Tensor
     resp_valid: torch.Tensor
     num_tokens: int
+
+
+def _prefix_layout(group, g, gplen, pstart, rlen, rstart, tok_kind, tok_group, tok_row, within, n) -> PrefixLayout:
+    """The two-pass prompt-shared attention layout (see :class:`~postrl.engine.varlen.PrefixLayout`)."""
+    dev = group.device
+    b = group.shape[0]
+    lp = max(int(gplen.max()), 1)
+    lr = int(rlen.max()) if b else 0
+    jp = torch.arange(lp, device=dev)
+    ir = torch.arange(lr, device=dev)
+    prompt_idx = (pstart.unsqueeze(1) + torch.minimum(jp.unsqueeze(0), (gplen - 1).clamp(min=0).unsqueeze(1))).clamp(0, n - 1)
+    resp_q_idx = (rstart.unsqueeze(1) + torch.minimum(ir.unsqueeze(0), (rlen - 1).clamp(min=0).unsqueeze(1))).clamp(0, n - 1)
+    resp_k_idx = torch.cat([prompt_idx[group], resp_q_idx], dim=1)  # (B, Lp + Lr)
+    see_prompt = (jp.view(1, 1, lp) < gplen[group].view(b, 1, 1)).expand(b, lr, lp)
+    see_resp = (ir.view(1, 1, lr) <= ir.view(1, lr, 1)).expand(b, lr, lr)
+    resp_mask = torch.cat([see_prompt, see_resp], dim=2).unsqueeze(1)  # (B, 1, Lr, Lp + Lr)
+    out_idx = torch.where(tok_kind == 0, tok_group * lp + within, g * lp + tok_row * lr + within)
+    return PrefixLayout(prompt_idx=prompt_idx, resp_q_idx=resp_q_idx, resp_k_idx=resp_k_idx, resp_mask=resp_mask,
+                        out_idx=out_idx)
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *, share_prefix: bool = False) -> Packed:
@@ -113,17 +132,21 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length:
     gplen = plen[owner]  # (G,)
     tok_plen = gplen[seg_group[seg_of_tok]]  # (N,)
     pos = within + seg_kind[seg_of_tok] * tok_plen  # (N,)
-    # Virtual sequences: one per row.
-    vlen = gplen[group] + rlen  # (B,)
-    width = max(int(vlen.max()) if b else 1, 1)
-    j = torch.arange(width, device=dev).unsqueeze(0)  # (1, L)
-    jc = torch.minimum(j, (vlen - 1).clamp(min=0).unsqueeze(1))  # (B, L) clamp padding slots
-    in_prompt = jc < gplen[group].unsqueeze(1)
-    gather = torch.where(in_prompt, pstart[group].unsqueeze(1) + jc, rstart.unsqueeze(1) + jc - gplen[group].unsqueeze(1))
-    gather = gather.clamp(0, max(n - 1, 0))
-    # Outputs: prompt tokens read the owner's virtual sequence, response tokens their own.
-    tok_row = torch.where(seg_kind[seg_of_tok] == 0, owner[seg_group[seg_of_tok]], seg_row[seg_of_tok])
-    out_idx = tok_row * width + pos
+    if share_prefix:
+        layout = _prefix_layout(group, g, gplen, pstart, rlen, rstart, seg_kind[seg_of_tok], seg_group[seg_of_tok],
+                                seg_row[seg_of_tok], within, n)
+    else:
+        # One virtual sequence per row: [its prompt, its response], causal.
+        vlen = gplen[group] + rlen  # (B,)
+        width = max(int(vlen.max()) if b else 1, 1)
+        j = torch.arange(width, device=dev).unsqueeze(0)  # (1, L)
+        jc = torch.minimum(j, (vlen - 1).clamp(min=0).unsqueeze(1))  # (B, L) clamp padding slots
+        in_prompt = jc < gplen[group].unsqueeze(1)
+        gather = torch.where(in_prompt, pstart[group].unsqueeze(1) + jc, rstart.unsqueeze(1) + jc - gplen[group].unsqueeze(1))
+        gather = gather.clamp(0, max(n - 1, 0))
+        # Outputs: prompt tokens read the owner's virtual sequence, response tokens their own.
+        tok_row = torch.where(seg_kind[seg_of_tok] == 0, owner[seg_group[seg_of_tok]], seg_row[seg_of_tok])
+        layout = AttnLayout(gather_idx=gather, out_idx=tok_row * width + pos)
     # Response targets and the hidden states predicting them.
     resp_valid = mask[:, p:]  # (B, R)
     r_idx = torch.arange(response_length, device=dev).unsqueeze(0).expand(b, -1)
@@ -135,7 +158,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length:
     return Packed(
         input_ids=ids.unsqueeze(0),
         position_ids=pos.unsqueeze(0),
-        layout=AttnLayout(gather_idx=gather, out_idx=out_idx),
+        layout=layout,
         pred_idx=pred_all[resp_valid],
         targets=input_ids[:, p:][resp_valid],
         resp_valid=resp_valid,

@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTN_NAME", "AttnLayout", "register_varlen_attention", "varlen_attention"]
+__all__ = ["ATTN_NAME", "AttnLayout", "PrefixLayout", "register_varlen_attention", "varlen_attention"]
 
 ATTN_NAME = "postrl_varlen"
 
 
 @dataclass(frozen=True)
 class AttnLayout:
-    """Where each virtual sequence's tokens live in the packed row.
+    """Where each virtual sequence's tokens live in the packed row (one causal pass per sequence).
 
     Attributes:
         gather_idx: (S, L) long — packed index of token j of virtual sequence s (any valid index
@@ -47,6 +47,53 @@ class AttnLayout:
     out_idx: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PrefixLayout:
+    """Prompt-shared layout: each prompt attends once, each response attends to its prompt's keys.
+
+    ``G`` prompt groups (prompt stored once), ``B`` responses; ``Lp``/``Lr`` the longest prompt /
+    response. Attention is split in two passes so no prompt query is computed more than once:
+
+    * prompts: ``(G, Lp)`` causal self-attention over each group's prompt;
+    * responses: ``(B, Lr)`` queries over ``Lp + Lr`` keys = [the group's prompt, the row's own
+      response], masked by ``resp_mask`` (prompt key j valid iff ``j < plen``; response key k
+      valid iff ``k <= i``).
+
+    Cost ``G·Lp² + B·Lr·(Lp+Lr)`` instead of ``B·(Lp+Lr)²`` for one pass per row.
+
+    Attributes:
+        prompt_idx: (G, Lp) packed index of prompt token j of group g (clamped on padding).
+        resp_q_idx: (B, Lr) packed index of response token i of row b (clamped on padding).
+        resp_k_idx: (B, Lp + Lr) packed index of key slot j of row b.
+        resp_mask: (B, 1, Lr, Lp + Lr) bool, True where attention is allowed.
+        out_idx: (N,) for packed token n, its row in ``cat([prompt outputs (G·Lp), response
+            outputs (B·Lr)])``.
+    """
+
+    prompt_idx: torch.Tensor
+    resp_q_idx: torch.Tensor
+    resp_k_idx: torch.Tensor
+    resp_mask: torch.Tensor
+    out_idx: torch.Tensor
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` (S, L) of token-major ``x`` (N, h, D) as (S, h, L, D).
+
+    ``index_select`` (not advanced indexing): its backward is ``index_add_``, several times
+    faster on CPU than the accumulating ``index_put_`` advanced indexing falls back to.
+    """
+    s, length = idx.shape
+    return x.index_select(0, idx.reshape(-1)).view(s, length, x.shape[1], x.shape[2]).transpose(1, 2)
+
+
+def _sdpa(q, k, v, *, scaling, causal: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA with grouped-query heads (no key/value repeat), (S, H, L, D) -> (S·L, H, D)."""
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[-1])
+
+
 def varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -55,7 +102,7 @@ def varlen_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    postrl_layout: AttnLayout | None = None,
+    postrl_layout: AttnLayout | PrefixLayout | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention over packed tokens following ``postrl_layout``.
@@ -73,18 +120,19 @@ def varlen_attention(
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}")
-    idx = postrl_layout.gather_idx  # (S, L)
-    s, length = idx.shape
-    q = query[0][:, idx].transpose(0, 1)  # (H, S, L, D) -> (S, H, L, D)
-    k = key[0][:, idx].transpose(0, 1)  # (S, Hkv, L, D)
-    v = value[0][:, idx].transpose(0, 1)
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1)
-        v = v.repeat_interleave(n_rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)  # (S, H, L, D)
-    out = out.transpose(1, 2).reshape(s * length, out.shape[1], out.shape[-1])  # (S*L, H, D)
-    return out[postrl_layout.out_idx].unsqueeze(0), None  # (1, N, H, D)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, h, D), token-major
+    lay = postrl_layout
+    if isinstance(lay, PrefixLayout):
+        pi = lay.prompt_idx
+        parts = [_sdpa(_take(q, pi), _take(k, pi), _take(v, pi), scaling=scaling, causal=True)]
+        if lay.resp_q_idx.shape[1]:
+            ki = lay.resp_k_idx
+            parts.append(_sdpa(_take(q, lay.resp_q_idx), _take(k, ki), _take(v, ki), scaling=scaling, mask=lay.resp_mask))
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+    else:
+        gi = lay.gather_idx
+        out = _sdpa(_take(q, gi), _take(k, gi), _take(v, gi), scaling=scaling, causal=True)  # (S*L, H, D)
+    return out.index_select(0, lay.out_idx).unsqueeze(0), None  # (1, N, H, D)
 
 
 def register_varlen_attention() -> None:

@@ -78,8 +78,15 @@ class ActorWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
-        """One PPO update on this rank's shard; metrics in ``meta_info['metrics']``."""
-        return _metrics(self.actor.update_policy(data))
+        """One PPO update on this rank's shard; metrics in ``meta_info['metrics']``.
+
+        When ``data`` has no ``old_log_probs`` (fused on-policy update) the output also carries
+        the ``old_log_probs`` the update computed, row-aligned with ``data``.
+        """
+        metrics = self.actor.update_policy(data)
+        if self.actor.fused_old_log_probs is None:
+            return _metrics(metrics)
+        return DataProto.from_dict({"old_log_probs": self.actor.fused_old_log_probs}, meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
     def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -19,7 +19,7 @@ from postrl.reward import RewardLoop, RewardRequest, RewardResult
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Roles", "TrainerRewards", "build_roles"]
+__all__ = ["Roles", "TrainerRewards", "build_roles", "resolve_fuse_old_log_prob"]
 
 
 class TrainerRewards:
@@ -88,7 +88,11 @@ class Roles:
     critic: Any = None
     dp_size: int = 1
     use_lora_ref: bool = False
+    fuse_old_log_prob: bool = False
+    """Old log-probs come from the actor update's own forward (``actor.fuse_old_log_prob`` resolved)."""
     extra_close: list[Any] = field(default_factory=list)
+    fused_old_log_probs: Any = None
+    """(B, R) old log-probs the last fused update computed (None when not fused)."""
 
     # --- stages ---------------------------------------------------------------------
     def balance(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
@@ -116,8 +120,16 @@ class Roles:
         return self.critic.compute_values(batch)
 
     def update_actor(self, batch: DataProto) -> dict[str, float]:
-        """Stage 7: one actor update; metrics of rank 0 (identical on every rank after all-reduce)."""
-        return _metrics_of(self.actor.update_actor(pad_masked_rows(batch, self.dp_size)))
+        """Stage 7: one actor update; metrics of rank 0 (identical on every rank after all-reduce).
+
+        A fused update (batch without ``old_log_probs``) leaves the old log-probs it computed in
+        :attr:`fused_old_log_probs`, row-aligned with ``batch``.
+        """
+        out = self.actor.update_actor(pad_masked_rows(batch, self.dp_size))
+        self.fused_old_log_probs = None
+        if isinstance(out, DataProto) and "old_log_probs" in out.batch:
+            self.fused_old_log_probs = out.batch["old_log_probs"][: len(batch)]
+        return _metrics_of(out)
 
     def update_critic(self, batch: DataProto) -> dict[str, float]:
         """Stage 7: one critic update (padding rows masked, as for the actor)."""
@@ -207,7 +219,16 @@ def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_criti
         max_failure_ratio=rw.max_failure_ratio,
         isolate_builtin=rw.isolate_builtin,
     )
-    return Roles(cfg, actor, fleet, manager, TrainerRewards(reward), ref=ref, critic=critic, dp_size=dp, use_lora_ref=use_lora_ref)
+    return Roles(cfg, actor, fleet, manager, TrainerRewards(reward), ref=ref, critic=critic, dp_size=dp, use_lora_ref=use_lora_ref,
+                 fuse_old_log_prob=resolve_fuse_old_log_prob(cfg))
+
+
+def resolve_fuse_old_log_prob(cfg: PostRLConfig) -> bool:
+    """``actor.fuse_old_log_prob`` resolved: None = on exactly when nothing blocks it."""
+    from postrl.config.validate import old_log_prob_fusion_blockers
+
+    setting = cfg.actor.fuse_old_log_prob
+    return not old_log_prob_fusion_blockers(cfg) if setting is None else bool(setting)
 
 
 class RolloutFleet:

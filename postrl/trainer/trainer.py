@@ -141,8 +141,11 @@ class RLTrainer:
             batch, bm = self.roles.balance(batch)
             m.update(bm)
         batch.meta_info.update(temperature=cfg.rollout.temperature, global_step=step)
-        with timer("old_log_prob", t):  # 4. old / ref log-probs
-            batch = self.roles.old_log_probs(batch, m)
+        if self.roles.fuse_old_log_prob:  # 4. old / ref log-probs (fused: computed by the update's forward)
+            t["timing_s/old_log_prob"] = 0.0
+        else:
+            with timer("old_log_prob", t):
+                batch = self.roles.old_log_probs(batch, m)
         if self.use_ref:
             with timer("ref", t):
                 batch = batch.union(self.roles.ref_log_probs(batch))
@@ -161,6 +164,9 @@ class RLTrainer:
                 m.update(self.roles.update_critic(batch))
         with timer("update_actor", t):
             m.update(self.roles.update_actor(batch))
+        if self.roles.fused_old_log_probs is not None:  # rollout-vs-train mismatch metrics, after the fact
+            batch = batch.union(DataProto.from_dict({"old_log_probs": self.roles.fused_old_log_probs}))
+            m.update(stages.rollout_correction_stage(batch, cfg.algorithm.rollout_correction)[1])
         with timer("sync_weights", t):  # 8. weight sync
             m.update(self.mode.sync_weights())
         m.update(compute_data_metrics(batch, cfg.rollout.response_length))  # 9. bookkeeping

@@ -51,3 +51,21 @@ def test_every_field_documented_and_docs_current():
             assert not missing, f"{name} fields without a docstring: {missing}"
     committed = Path(__file__).resolve().parents[2] / "docs" / "config.md"
     assert committed.read_text().strip() == render_markdown().strip(), "run python -m postrl.config.docs"
+
+
+def test_fuse_old_log_prob_resolution_and_errors():
+    """auto = on exactly when the update is on-policy and nothing reads old log-probs before it."""
+    from postrl.config.validate import old_log_prob_fusion_blockers
+    from postrl.trainer.roles import resolve_fuse_old_log_prob
+
+    on = load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"])
+    assert old_log_prob_fusion_blockers(on) == [] and resolve_fuse_old_log_prob(on)
+    off = load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "algorithm.use_kl_in_reward=true"])
+    reasons = old_log_prob_fusion_blockers(off)
+    assert len(reasons) == 2 and not resolve_fuse_old_log_prob(off)
+    assert not resolve_fuse_old_log_prob(load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+                                                            "actor.fuse_old_log_prob=false"]))
+    forced = load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2",
+                                "actor.fuse_old_log_prob=true"])
+    with pytest.raises(ConfigError, match=r"actor.fuse_old_log_prob=True but actor.ppo_epochs=2"):
+        validate_config(forced, check_files=False, check_registries=False)

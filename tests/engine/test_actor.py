@@ -86,3 +86,33 @@ def test_empty_rows_contribute_nothing(tiny_model_dir, make_batch):
     w1, w2 = _weights(a1), _weights(a2)
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=2e-6, rtol=1e-5)
+
+
+def test_fused_old_log_prob_equals_separate_pass(tiny_model_dir, make_batch):
+    """On-policy update without old_log_probs (fused) == the update after a separate old-log-prob pass."""
+    batch = make_batch(num_prompts=2, n=4, seed=5)  # 8 rows = ppo_mini_batch_size 2 × n 4: one mini-batch
+    sep = _actor(tiny_model_dir)
+    b = _prep(sep, batch)
+    m_sep = sep.update_policy(b)
+    fused = _actor(tiny_model_dir)
+    m_fused = fused.update_policy(batch)
+    torch.testing.assert_close(fused.fused_old_log_probs, b.batch["old_log_probs"], atol=1e-5, rtol=0)
+    assert sep.fused_old_log_probs is None
+    w_sep, w_fused = _weights(sep), _weights(fused)
+    for k in w_sep:
+        torch.testing.assert_close(w_fused[k], w_sep[k], atol=1e-7, rtol=1e-5)
+    for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert m_fused[k] == pytest.approx(m_sep[k], rel=1e-4, abs=1e-6), k
+    assert m_fused["actor/ppo_kl"] == 0.0 and m_fused["actor/pg_clipfrac"] == 0.0  # ratio exactly 1
+
+
+@pytest.mark.parametrize(("kw", "rows", "match"), [
+    (dict(ppo_epochs=2), 8, "ppo_epochs=1"),
+    (dict(), 16, "one mini-batch"),
+])
+def test_fused_old_log_prob_refuses_off_policy(tiny_model_dir, make_batch, kw, rows, match):
+    """Without old_log_probs an off-policy update (2 epochs, 2 mini-batches) is an error, not a silent ratio of 1."""
+    actor = _actor(tiny_model_dir, **kw)
+    batch = make_batch(num_prompts=4, n=4, seed=5)[list(range(rows))]
+    with pytest.raises(ValueError, match=match):
+        actor.update_policy(batch)

@@ -55,3 +55,20 @@ def test_chunked_logprobs_and_entropy_by_hand():
         ln2, ln3 = torch.log(torch.tensor(2.0)), torch.log(torch.tensor(3.0))
         torch.testing.assert_close(lp, torch.stack([-ln3, -ln2]))
         torch.testing.assert_close(ent, torch.stack([ln3, 1.5 * ln2]))
+
+
+@pytest.mark.parametrize("empty", ["some", "all"])
+def test_shared_prefix_with_empty_responses(tiny_model_factory, make_batch, empty):
+    """Rows without response tokens (failed or masked samples), even a micro-batch of only those."""
+    d = tiny_model_factory(arch="qwen3")
+    batch = make_batch(num_prompts=3, n=3, seed=2)
+    am = batch.batch["attention_mask"].clone()
+    rows = [0, 4, 5] if empty == "some" else list(range(len(batch)))
+    am[rows, -6:] = 0
+    batch.batch["attention_mask"] = am
+    pol = load_policy(ModelConfig(path=str(d)))
+    ref_lp, _ = _padded_reference(d, batch, 1.0)
+    with torch.no_grad():
+        lp, _ = policy_logprobs(pol.decoder, pol.lm_head, batch.batch["input_ids"], am, 6, share_prefix=True)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    assert bool((lp[rows] == 0).all())

@@ -29,9 +29,12 @@ def _actor_params(trainer: RLTrainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.roles.actor.get_per_tensor_param()}
 
 
-def test_grpo_local_runs_updates_and_reports(small_overrides, digits_reward):
-    cfg = load_config(None, [*small_overrides, f"reward.custom_function.path={digits_reward}"])
+@pytest.mark.parametrize("mini", [2, 4], ids=["two-minibatches", "on-policy-fused"])
+def test_grpo_local_runs_updates_and_reports(small_overrides, digits_reward, mini):
+    """mini=4 (= train_batch_size): one on-policy mini-batch, old log-probs fused into the update."""
+    cfg = load_config(None, [*small_overrides, f"reward.custom_function.path={digits_reward}", f"actor.ppo_mini_batch_size={mini}"])
     trainer = RLTrainer(cfg)
+    assert trainer.roles.fuse_old_log_prob == (mini == 4)
     try:
         before = _actor_params(trainer)
         last = trainer.fit()
@@ -42,6 +45,9 @@ def test_grpo_local_runs_updates_and_reports(small_overrides, digits_reward):
     assert all(math.isfinite(v) for k, v in last.items()), {k: v for k, v in last.items() if not math.isfinite(v)}
     assert last["reward/generated"] == 16 == last["reward/scored"] + last["reward/failed/total"]
     assert any(not torch.equal(before[k], after[k]) for k in before), "the update changed no parameter"
+    if mini == 4:  # no separate pass; ratio exactly 1; mismatch metrics still reported from the fused log-probs
+        assert last["timing_s/old_log_prob"] == 0.0 and last["actor/ppo_kl"] == 0.0
+        assert last["rollout_corr/kl_k3"] < 1e-3
     run = Path(cfg.trainer.run_dir)
     rows = _rows(run)
     assert [r["step"] for r in rows] == [0, 1, 2]  # validation before training, then one row per step
