@@ -115,6 +115,10 @@ class ActorConfig:
     """On-policy steps (one mini-batch, ppo_epochs=1) take old log-probs from the update's own
     forward (ratio exactly 1) instead of a separate pass. None = on when allowed: one mini-batch
     per step, no KL-in-reward, no rollout IS/rejection. True where not allowed is an error."""
+    strategy: str = "fsdp2"
+    """Data parallelism when dp > 1 (Ray backend): ``fsdp2`` shards parameters, gradients and
+    optimizer state over the ranks (``fully_shard`` per decoder layer); ``ddp`` keeps a full
+    replica per rank and sums gradients. Also used by the reference model. No effect at dp = 1."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer of the policy."""
 
@@ -135,6 +139,8 @@ class CriticConfig:
     """Value clipping range."""
     loss_agg_mode: str = "token-mean"
     """Aggregation of the value loss."""
+    strategy: str = "fsdp2"
+    """Data parallelism when dp > 1: ``fsdp2`` (sharded) or ``ddp`` (replicas); see ``actor.strategy``."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer of the critic."""
 

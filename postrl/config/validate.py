@@ -95,6 +95,9 @@ def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_regist
         e.append(f"trainer.device={t.device!r} must be 'cpu' or 'cuda'")
     if not (0 < a.clip_ratio_low < 1 and 0 < a.clip_ratio_high):
         e.append(f"actor.clip_ratio_low={a.clip_ratio_low}/clip_ratio_high={a.clip_ratio_high}: need 0 < low < 1 and high > 0")
+    for key, value in (("actor.strategy", a.strategy), ("critic.strategy", cfg.critic.strategy)):
+        if value not in ("fsdp2", "ddp"):
+            e.append(f"{key}={value!r} must be 'fsdp2' (shard the model over dp ranks) or 'ddp' (full replica per rank)")
     if a.clip_ratio_c <= 1:
         e.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip lower bound)")
     if r.temperature < 0:

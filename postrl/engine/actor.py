@@ -28,7 +28,6 @@ import torch.distributed as dist
 from postrl.algos.aggregation import agg_loss
 from postrl.algos.kl import kl_penalty
 from postrl.algos.policy_losses import get_policy_loss
-from postrl.engine.logprob import policy_logprobs
 from postrl.engine.microbatch import make_micro_batches, restore_order
 from postrl.engine.minibatch import split_mini_batches
 from postrl.engine.model import PolicyModel
@@ -101,13 +100,14 @@ class Actor:
         units = extra = None
         if self.share_prefix():
             units, extra = prompt_groups(data.batch["input_ids"], am, r)
-        return make_micro_batches(am.sum(1), use_dynamic_bsz=self.cfg.use_dynamic_bsz, max_tokens=max_tokens,
-                                  micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu, unit_ids=units, unit_extra=extra)
+        micro = make_micro_batches(am.sum(1), use_dynamic_bsz=self.cfg.use_dynamic_bsz, max_tokens=max_tokens,
+                                   micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu, unit_ids=units, unit_extra=extra)
+        return self.policy.align_micro_batches(micro, am.sum(1), units)  # FSDP2: same count on every rank
 
     def _forward(self, mb: dict[str, torch.Tensor], temperature: float, entropy: bool):
         r = mb["responses"].shape[1]
-        return policy_logprobs(self.policy.decoder, self.policy.lm_head, mb["input_ids"], mb["attention_mask"], r,
-                               temperature=temperature, calculate_entropy=entropy, share_prefix=self.share_prefix())
+        return self.policy.logprobs(mb["input_ids"], mb["attention_mask"], r,  # the FSDP2 root's forward
+                                    temperature=temperature, calculate_entropy=entropy, share_prefix=self.share_prefix())
 
     def _to_dev(self, data: DataProto, idx: list[int], keys: list[str]) -> dict[str, torch.Tensor]:
         ix = torch.tensor(idx, dtype=torch.long)

@@ -3,13 +3,23 @@
 Layout of a checkpoint directory (written to ``<dir>.tmp-<pid>`` then renamed, so a crash never
 leaves a half-written checkpoint under the final name)::
 
-    model.safetensors      every tensor of the trained module (LoRA: base + adapters)
-    optim.safetensors      optimizer state tensors, keyed ``<param index>.<name>``
+    model.safetensors      every tensor of the trained module (LoRA: base + adapters), full
+                           (unsharded), one name per tied tensor
+    optim.safetensors      optimizer state tensors, full, keyed ``<param index>.<name>``
     rng.safetensors        torch CPU (and CUDA) generator states
     state.json             optimizer param groups, scheduler state, python/numpy RNG, counters,
                            and the ``ModelConfig`` needed to rebuild the module (export)
 
 Nothing is unpickled on load: tensors come from safetensors, the rest from JSON.
+
+FSDP2-sharded modules (``strategy=fsdp2``, :mod:`postrl.engine.fsdp`) are saved in the same
+format: every rank calls :func:`save_engine_checkpoint`, each parameter and optimizer moment is
+all-gathered one tensor at a time (``DTensor.full_tensor()``), and only rank 0 (``write=True``)
+keeps the CPU copies and writes. Loading reads the full files on every rank and cuts each rank's
+shard locally (no communication). One format for every strategy and dp size therefore: a
+checkpoint written with dp=2/fsdp2 resumes with dp=1 or ddp, and ``postrl export`` reads it as
+is. The cost is that rank 0 holds one full copy of model + optimizer state in CPU memory while
+writing (per-rank shard files would avoid that at the price of a merge step for export).
 """
 
 from __future__ import annotations
@@ -25,10 +35,24 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, load_model, save_file
 from torch import nn
 
+from postrl.engine.fsdp import full_tensor, is_sharded, shard_like
+
 __all__ = ["iter_hf_params", "save_engine_checkpoint", "load_engine_checkpoint", "export_hf", "save_hf"]
+
+
+def _lora_delta(mod: nn.Module, adapter: str, weight: torch.Tensor) -> torch.Tensor:
+    """``ΔW = (α/r)·B·A`` of one adapter of a peft ``Linear`` LoRA layer, from full tensors."""
+    if getattr(mod, "use_dora", {}).get(adapter, False):
+        raise NotImplementedError("DoRA adapters cannot be merged by postrl's weight stream")
+    a = full_tensor(mod.lora_A[adapter].weight.detach())
+    b = full_tensor(mod.lora_B[adapter].weight.detach())
+    delta = b @ a
+    if getattr(mod, "fan_in_fan_out", False):
+        delta = delta.t()
+    return (delta * mod.scaling[adapter]).to(weight.dtype)
 
 
 def iter_hf_params(policy) -> Iterator[tuple[str, torch.Tensor]]:
@@ -38,6 +62,11 @@ def iter_hf_params(policy) -> Iterator[tuple[str, torch.Tensor]]:
     weights are yielded once (under the first name, as ``named_parameters`` dedups them). With
     LoRA each adapted linear yields its merged weight ``W + (α/r)·B·A`` under the base name;
     adapter tensors themselves are not yielded. Tensors are detached views (merged ones fresh).
+
+    FSDP2-sharded parameters are all-gathered one at a time (``DTensor.full_tensor()``), so at
+    most one full parameter (plus a LoRA pair) is materialised per step. That is a collective:
+    every rank of the dp group must drain the generator in lockstep (the worker's weight
+    methods run on all ranks; ranks other than 0 discard the tensors).
     """
     lm = policy.causal_lm
     lora_mods: dict[str, nn.Module] = {}
@@ -47,49 +76,96 @@ def iter_hf_params(policy) -> Iterator[tuple[str, torch.Tensor]]:
         lora_mods = {n: m for n, m in lm.named_modules() if isinstance(m, LoraLayer)}
     for name, p in lm.named_parameters():
         if not lora_mods:
-            yield name, p.detach()
+            yield name, full_tensor(p.detach())
             continue
         if ".lora_" in name:
             continue
         if ".base_layer." in name:
             mod_name, _, leaf = name.rpartition(".base_layer.")
             mod = lora_mods[mod_name]
-            t = p.detach()
+            t = full_tensor(p.detach())
             if leaf == "weight":
                 with torch.no_grad():
                     for a in mod.active_adapters:
                         if a in mod.lora_A:
-                            t = t + mod.get_delta_weight(a).to(t.dtype)
+                            t = t + _lora_delta(mod, a, t)
             yield f"{mod_name}.{leaf}", t
         else:
-            yield name, p.detach()
+            yield name, full_tensor(p.detach())
     persistent = set(lm.state_dict(keep_vars=True))
     for name, b in lm.named_buffers():
         if name in persistent:
             yield name, b.detach()
 
 
-def _optim_split(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _optim_split(opt: torch.optim.Optimizer, keep: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Full optimizer state tensors keyed ``<pid>.<name>`` (gathered from shards) + JSON meta."""
     sd = opt.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for pid, st in sd["state"].items():
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
-                tensors[f"{pid}.{k}"] = v.detach().contiguous().cpu()
+                full = full_tensor(v.detach())  # a collective for a sharded moment: every rank, same order
+                if keep:
+                    tensors[f"{pid}.{k}"] = full.contiguous().cpu()
             else:
                 scalars.setdefault(str(pid), {})[k] = v
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def _optim_join(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+def _optim_join(tensors: dict[str, torch.Tensor], meta: dict[str, Any], opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Inverse of :func:`_optim_split`; moments of sharded parameters become this rank's shard."""
+    params = [p for g in opt.param_groups for p in g["params"]]  # index = pid of state_dict()
     state: dict[int, dict[str, Any]] = {}
     for key, v in tensors.items():
         pid, _, k = key.partition(".")
-        state.setdefault(int(pid), {})[k] = v
+        p = params[int(pid)]
+        state.setdefault(int(pid), {})[k] = shard_like(v, p) if v.shape == p.shape else v
     for pid, d in meta["scalars"].items():
         state.setdefault(int(pid), {}).update(d)
     return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _aliases(module: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    """``state_dict(keep_vars=True)`` and its names grouped by tensor identity (tied weights)."""
+    sd = module.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for k, v in sd.items():
+        groups.setdefault(id(v), []).append(k)
+    return sd, list(groups.values())
+
+
+def _full_model_state(module: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Full CPU tensors of ``module``'s state dict, one (sorted-first) name per tied tensor as
+    ``safetensors.save_model`` writes them; sharded parameters gathered one at a time."""
+    sd, groups = _aliases(module)
+    out: dict[str, torch.Tensor] = {}
+    for names in groups:
+        full = full_tensor(sd[names[0]].detach())
+        if keep:
+            out[sorted(names)[0]] = full.contiguous().cpu()
+    return out
+
+
+def _load_model_state(module: nn.Module, path: Path) -> None:
+    """Load a full ``model.safetensors`` into ``module`` (sharded parameters get this rank's shard)."""
+    on_disk = load_file(str(path))
+    sd, groups = _aliases(module)
+    new: dict[str, torch.Tensor] = {}
+    missing = []
+    for names in groups:
+        src = next((on_disk[n] for n in names if n in on_disk), None)
+        if src is None:
+            missing.extend(names)
+            continue
+        value = shard_like(src, sd[names[0]])
+        new.update(dict.fromkeys(names, value))
+    unexpected = sorted(set(on_disk) - set(sd))
+    if missing or unexpected:
+        raise KeyError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+                       "was it written for another model.path or LoRA setting?")
+    module.load_state_dict(new, strict=True)
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -117,14 +193,24 @@ def _sched_state(sched) -> dict[str, Any]:
 
 
 def save_engine_checkpoint(path: str | Path, module: nn.Module, optimizer, scheduler, *, model_cfg=None,
-                           extra: dict[str, Any] | None = None) -> Path:
-    """Atomically write ``module`` + optimizer + scheduler + RNG (+ ``extra`` JSON) to ``path``."""
+                           extra: dict[str, Any] | None = None, write: bool = True) -> Path:
+    """Atomically write ``module`` + optimizer + scheduler + RNG (+ ``extra`` JSON) to ``path``.
+
+    With an FSDP2-sharded ``module`` every rank of its dp group must call this (the full tensors
+    are gathered collectively); pass ``write=True`` on exactly one rank (rank 0). Without
+    sharding a call with ``write=False`` does nothing.
+    """
     final = Path(path)
+    if not write:
+        if is_sharded(module):  # take part in the gathers, keep nothing
+            _full_model_state(module, keep=False)
+            _optim_split(optimizer, keep=False)
+        return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(module, str(tmp / "model.safetensors"))
+    save_file(_full_model_state(module), str(tmp / "model.safetensors"))
     otensors, ometa = _optim_split(optimizer)
     save_file(otensors, str(tmp / "optim.safetensors"))
     rtensors, rmeta = _rng_state()
@@ -148,13 +234,17 @@ def save_engine_checkpoint(path: str | Path, module: nn.Module, optimizer, sched
 
 
 def load_engine_checkpoint(path: str | Path, module: nn.Module, optimizer, scheduler) -> dict[str, Any]:
-    """Restore what :func:`save_engine_checkpoint` wrote; returns the ``extra`` dict."""
+    """Restore what :func:`save_engine_checkpoint` wrote; returns the ``extra`` dict.
+
+    Works for any strategy/dp size: sharded parameters and optimizer moments are cut from the
+    full tensors locally on each rank.
+    """
     p = Path(path)
     if not (p / "state.json").exists():
         raise FileNotFoundError(f"{p} is not a postrl engine checkpoint (no state.json)")
     state = json.loads((p / "state.json").read_text())
-    missing, unexpected = load_model(module, str(p / "model.safetensors"), strict=True)
-    optimizer.load_state_dict(_optim_join(load_file(str(p / "optim.safetensors")), state["optimizer"]))
+    _load_model_state(module, p / "model.safetensors")
+    optimizer.load_state_dict(_optim_join(load_file(str(p / "optim.safetensors")), state["optimizer"], optimizer))
     sched = dict(scheduler.state_dict())
     sched.update(state["scheduler"])
     scheduler.load_state_dict(sched)

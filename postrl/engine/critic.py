@@ -3,7 +3,8 @@
 ``V(s_t)`` is read at the hidden state that predicts response token ``t`` (verl's convention).
 Update: ``ppo_epochs`` × mini-batches × micro-batches with the clipped value loss of
 ``postrl.algos.value.compute_value_loss`` aggregated with the mini-batch's global denominators,
-gradients summed over dp ranks, clipped, and a non-finite norm skips the step.
+gradients summed over dp ranks (FSDP2 reduce-scatter or the ddp all-reduce, see
+:mod:`postrl.engine.optim`), clipped, and a non-finite norm skips the step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from postrl.algos.value import compute_value_loss
-from postrl.engine.logprob import critic_values
 from postrl.engine.microbatch import make_micro_batches, restore_order
 from postrl.engine.minibatch import split_mini_batches
 from postrl.engine.model import CriticModel
@@ -59,13 +59,15 @@ class Critic:
         self.nonfinite_skips = 0
 
     def _micro(self, data: DataProto) -> list[list[int]]:
-        return make_micro_batches(data.batch["attention_mask"].sum(1), use_dynamic_bsz=self.cfg.use_dynamic_bsz,
-                                  max_tokens=self.cfg.ppo_max_token_len_per_gpu,
-                                  micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu)
+        seqlens = data.batch["attention_mask"].sum(1)
+        micro = make_micro_batches(seqlens, use_dynamic_bsz=self.cfg.use_dynamic_bsz,
+                                   max_tokens=self.cfg.ppo_max_token_len_per_gpu,
+                                   micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu)
+        return self.model.align_micro_batches(micro, seqlens)  # FSDP2: same count on every rank
 
     def _values(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        return critic_values(self.model.decoder, self.model.value_head, mb["input_ids"], mb["attention_mask"],
-                             mb["responses"].shape[1])
+        # through the module's forward: with FSDP2 it is the root that unshards the value head
+        return self.model(mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1])
 
     def _to_dev(self, data: DataProto, idx: list[int], keys: list[str]) -> dict[str, torch.Tensor]:
         ix = torch.tensor(idx, dtype=torch.long)

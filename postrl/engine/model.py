@@ -15,6 +15,11 @@ dtype ``auto`` means fp32 on CPU and bf16 on GPU (``ModelConfig.dtype``).
 
 With LoRA the reference policy is the same module with adapters disabled
 (:meth:`PolicyModel.reference`), so no second copy of the weights exists.
+
+Engines run the padding-free forward through one module call — :meth:`PolicyModel.logprobs`
+(the :class:`PolicyLogProbs` root) and ``CriticModel.__call__`` — so that with dp > 1 those
+modules can be the FSDP2 root (:meth:`PolicyModel.shard` / :meth:`CriticModel.shard`, see
+:mod:`postrl.engine.fsdp`).
 """
 
 from __future__ import annotations
@@ -22,17 +27,19 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from postrl.engine.logprob import critic_values, policy_logprobs
 from postrl.engine.varlen import ATTN_NAME, register_varlen_attention
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PolicyModel", "CriticModel", "resolve_dtype", "load_policy", "load_critic"]
+__all__ = ["PolicyModel", "PolicyLogProbs", "CriticModel", "resolve_dtype", "load_policy", "load_critic"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,6 +63,52 @@ def _check_path(path: str) -> Path:
     return p
 
 
+def _causal_lm(module: nn.Module, is_lora: bool) -> nn.Module:
+    return module.get_base_model() if is_lora else module
+
+
+def _lm_head(causal_lm: nn.Module) -> nn.Linear:
+    head = causal_lm.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"lm head of {type(causal_lm).__name__} is {type(head).__name__}, need nn.Linear")
+    return head
+
+
+def _zero_pass(module: nn.Module, run) -> None:
+    """One forward (+ backward under grad mode) of ``run`` on a 2-token row, contributing 0."""
+    dev = next(module.parameters()).device
+    ids = torch.zeros(1, 2, dtype=torch.long, device=dev)
+    out = run(ids, torch.ones_like(ids), 1)
+    out = out[0] if isinstance(out, tuple) else out
+    if torch.is_grad_enabled() and out.requires_grad:
+        (out.sum() * 0.0).backward()
+
+
+class PolicyLogProbs(nn.Module):
+    """The whole padding-free log-prob computation as one module call (the FSDP2 root).
+
+    ``forward`` runs the decoder and the chunked LM head
+    (:func:`postrl.engine.logprob.policy_logprobs`), so every use of the embeddings, the final
+    norm and the head happens inside it (see :mod:`postrl.engine.fsdp` for why that matters).
+
+    Args:
+        module: the trainable module (``PolicyModel.module``), registered as a child.
+        is_lora: whether ``module`` is a ``PeftModel``.
+    """
+
+    def __init__(self, module: nn.Module, is_lora: bool) -> None:
+        super().__init__()
+        self.module = module
+        self.is_lora = is_lora
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *,
+                temperature: float = 1.0, calculate_entropy: bool = False, share_prefix: bool = False):
+        """``(log_probs (B, R), entropy (B, R) or None)``; see :func:`postrl.engine.logprob.policy_logprobs`."""
+        lm = _causal_lm(self.module, self.is_lora)
+        return policy_logprobs(lm.base_model, _lm_head(lm), input_ids, attention_mask, response_length,
+                               temperature=temperature, calculate_entropy=calculate_entropy, share_prefix=share_prefix)
+
+
 @dataclass
 class PolicyModel:
     """A causal LM ready for padding-free training.
@@ -63,15 +116,18 @@ class PolicyModel:
     Attributes:
         module: the trainable module (a ``PeftModel`` with LoRA, else the HF causal LM).
         is_lora: whether LoRA adapters are attached.
+        dp_group: the process group the parameters are FSDP2-sharded over (None: not sharded).
     """
 
     module: nn.Module
     is_lora: bool
+    dp_group: dist.ProcessGroup | None = None
+    _runner: PolicyLogProbs | None = field(default=None, repr=False)
 
     @property
     def causal_lm(self) -> nn.Module:
         """The HF ``*ForCausalLM`` (LoRA layers injected in place when ``is_lora``)."""
-        return self.module.get_base_model() if self.is_lora else self.module
+        return _causal_lm(self.module, self.is_lora)
 
     @property
     def decoder(self) -> nn.Module:
@@ -81,10 +137,42 @@ class PolicyModel:
     @property
     def lm_head(self) -> nn.Module:
         """The output projection (a ``nn.Linear`` over the vocabulary)."""
-        head = self.causal_lm.get_output_embeddings()
-        if not isinstance(head, nn.Linear):
-            raise TypeError(f"lm head of {type(self.causal_lm).__name__} is {type(head).__name__}, need nn.Linear")
-        return head
+        return _lm_head(self.causal_lm)
+
+    @property
+    def runner(self) -> PolicyLogProbs:
+        """The :class:`PolicyLogProbs` module over :attr:`module` (created on first use)."""
+        if self._runner is None:
+            self._runner = PolicyLogProbs(self.module, self.is_lora)
+        return self._runner
+
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *,
+                 temperature: float = 1.0, calculate_entropy: bool = False, share_prefix: bool = False):
+        """Padding-free ``(log_probs (B, R), entropy (B, R) or None)`` of one micro-batch.
+
+        Always call the model through this (not ``decoder`` + ``lm_head``) in engines that may run
+        sharded: it is the FSDP2 root's forward.
+        """
+        return self.runner(input_ids, attention_mask, response_length, temperature=temperature,
+                           calculate_entropy=calculate_entropy, share_prefix=share_prefix)
+
+    def shard(self, group: dist.ProcessGroup, device: torch.device | str) -> None:
+        """FSDP2-shard the parameters over ``group`` (build optimizers afterwards)."""
+        from postrl.engine.fsdp import shard_model
+
+        shard_model(self.runner, group, device)
+        self.dp_group = group
+
+    def align_micro_batches(self, micro: list[list[int]], seqlens: torch.Tensor,
+                            unit_ids: torch.Tensor | None = None) -> list[list[int]]:
+        """Same micro-batch count on every rank when sharded (:func:`postrl.engine.fsdp.align_micro_batches`);
+        unchanged otherwise."""
+        if self.dp_group is None:
+            return micro
+        from postrl.engine.fsdp import align_micro_batches
+
+        return align_micro_batches(micro, seqlens, self.dp_group, lambda: _zero_pass(self.module, self.logprobs),
+                                   unit_ids)
 
     def reference(self) -> contextlib.AbstractContextManager:
         """Context in which the module computes the reference policy (LoRA: adapters disabled)."""
@@ -112,10 +200,33 @@ class CriticModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
+        self.dp_group: dist.ProcessGroup | None = None
+
     @property
     def decoder(self) -> nn.Module:
         """The backbone (same role as :attr:`PolicyModel.decoder`)."""
         return self.backbone
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *,
+                share_prefix: bool = False) -> torch.Tensor:
+        """Values (B, R) fp32 of the response tokens (:func:`postrl.engine.logprob.critic_values`)."""
+        return critic_values(self.backbone, self.value_head, input_ids, attention_mask, response_length,
+                             share_prefix=share_prefix)
+
+    def shard(self, group: dist.ProcessGroup, device: torch.device | str) -> None:
+        """FSDP2-shard backbone layers + this module (the root) over ``group``."""
+        from postrl.engine.fsdp import shard_model
+
+        shard_model(self, group, device)
+        self.dp_group = group
+
+    def align_micro_batches(self, micro: list[list[int]], seqlens: torch.Tensor) -> list[list[int]]:
+        """Same micro-batch count on every rank when sharded; unchanged otherwise."""
+        if self.dp_group is None:
+            return micro
+        from postrl.engine.fsdp import align_micro_batches
+
+        return align_micro_batches(micro, seqlens, self.dp_group, lambda: _zero_pass(self, self))
 
 
 def _common_kwargs(model_cfg, device) -> dict:

@@ -4,13 +4,22 @@ Schedule (``OptimConfig``): linear warmup ``lr · (s+1)/W`` for the first ``W`` 
 then ``constant`` or ``cosine``: ``lr · (m + (1 − m) · ½(1 + cos(π · p)))`` with ``m`` =
 ``min_lr_ratio`` and ``p`` the post-warmup progress in [0, 1] over ``total_steps − W`` steps.
 
-Data parallelism: every rank holds the full model; after gradient accumulation
-:func:`allreduce_grads` SUMS the gradients over the process group in one flat bucket. Because
-every micro-batch loss is already an additive share of the global loss (global denominators, see
-``postrl.algos.aggregation``), the summed gradient is exactly the gradient of the whole
-mini-batch — no ``× dp_size`` correction is needed (DDP's mean all-reduce would need one). This is
-DDP semantics without compute/communication overlap; FSDP2 sharding is not used (see
-docs/engine.md).
+Data parallelism (``actor.strategy`` / ``critic.strategy``, see docs/engine.md):
+
+* ``fsdp2`` — parameters, gradients and AdamW state are dim-0 shards (``DTensor``) of an FSDP2
+  module (:mod:`postrl.engine.fsdp`); FSDP2 reduce-scatters each gradient with a SUM during
+  backward, so :func:`allreduce_grads` leaves those parameters alone. ``clip_grad_norm_`` computes
+  the global norm over the shards (one all-reduce) and returns it as a ``DTensor``;
+  :func:`guarded_step` materialises it so every rank sees the same value and skips a non-finite
+  step together. AdamW updates each rank's shard.
+* ``ddp`` — every rank holds the full model; after gradient accumulation :func:`allreduce_grads`
+  SUMS the gradients over the process group in one flat bucket (DDP semantics without
+  compute/communication overlap).
+
+Either way the reduction is a SUM: every micro-batch loss is already an additive share of the
+global loss (global denominators, see ``postrl.algos.aggregation``), so the summed gradient is
+exactly the gradient of the whole mini-batch — no ``× dp_size`` correction is needed (a mean
+reduction, DDP's and FSDP2's default, would need one).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["build_optimizer", "build_scheduler", "allreduce_grads", "allreduce_sum", "guarded_step"]
 
@@ -61,8 +71,13 @@ def build_scheduler(opt: torch.optim.Optimizer, optim_cfg, total_steps: int = 0)
 
 
 def allreduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
-    """Sum gradients over ``group`` in one flat bucket (no-op without a group)."""
-    if group is None or dist.get_world_size(group) == 1:
+    """Sum gradients over ``group`` in one flat bucket (no-op without a group).
+
+    FSDP2-sharded parameters (``DTensor``) are skipped: their gradients were already
+    reduce-scattered (summed) by FSDP2 during backward.
+    """
+    params = [p for p in params if not isinstance(p, DTensor)]
+    if group is None or dist.get_world_size(group) == 1 or not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -91,12 +106,17 @@ def guarded_step(
 ) -> tuple[torch.Tensor, bool]:
     """Clip the global grad norm and step, unless the norm is non-finite (then skip).
 
+    With FSDP2 the norm is computed over the gradient shards of all ranks, so every rank takes
+    (or skips) the step alike.
+
     Returns:
         (grad norm before clipping, whether the step was taken). A skipped step zeroes the
         gradients and advances neither optimizer nor scheduler.
     """
     clip = grad_clip if grad_clip and grad_clip > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(params, clip, error_if_nonfinite=False)
+    if isinstance(norm, DTensor):  # sharded grads: the global norm, identical on every rank
+        norm = norm.full_tensor()
     ok = bool(torch.isfinite(norm))
     if ok:
         opt.step()

@@ -1,8 +1,14 @@
 """Worker roles on the single controller: ``ActorWorker``, ``RefWorker``, ``CriticWorker``.
 
 Each is constructed from the full ``PostRLConfig`` (``cfg=``, ``total_steps=`` optimizer-step
-count for cosine schedules). Data-parallel ranks (Ray backend, ``init_dist``) train replicas and
-sum gradients over the default process group (see :mod:`postrl.engine.optim`).
+count for cosine schedules). Data-parallel ranks (Ray backend, ``init_dist``) share the model
+over the default process group as ``actor.strategy`` / ``critic.strategy`` says: ``fsdp2``
+(default) shards it with FSDP2 (:mod:`postrl.engine.fsdp`; the reference model follows
+``actor.strategy``), ``ddp`` trains replicas and sums gradients (:mod:`postrl.engine.optim`).
+
+With ``fsdp2`` every method that gathers weights is a collective, so ``get_weight_frames`` and
+``save_checkpoint`` run on every rank (rank 0's result is returned / rank 0 writes), and the
+in-process iterator ``get_per_tensor_param`` refuses to run on a sharded group.
 
 =========================  ======================  =========================================
 method                     dispatch                returns
@@ -11,7 +17,8 @@ compute_log_prob           DP_COMPUTE_PROTO        DataProto ``old_log_probs`` (
 compute_ref_log_prob       DP_COMPUTE_PROTO        DataProto ``ref_log_prob``
 update_actor               DP_COMPUTE_PROTO        DataProto with ``meta_info['metrics']``
 get_per_tensor_param       RANK_ZERO               iterator of (HF name, tensor)
-save/load_checkpoint       ONE_TO_ALL              rank 0 writes; every rank loads
+get_weight_frames          ALL_RANKS_RANK0_OUT     rank 0's raw-byte bucket frames
+save/load_checkpoint       ONE_TO_ALL              every rank gathers, rank 0 writes; all load
 compute_values             DP_COMPUTE_PROTO        DataProto ``values``
 update_critic              DP_COMPUTE_PROTO        DataProto with ``meta_info['metrics']``
 =========================  ======================  =========================================
@@ -27,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from postrl.controller import Dispatch, Execute, Worker, register
+from postrl.controller.dispatch import DispatchMode
 from postrl.engine.actor import Actor
 from postrl.engine.checkpoint import iter_hf_params, load_engine_checkpoint, save_engine_checkpoint
 from postrl.engine.critic import Critic
@@ -36,6 +44,20 @@ from postrl.protocol import DataProto
 logger = logging.getLogger(__name__)
 
 __all__ = ["ActorWorker", "RefWorker", "CriticWorker"]
+
+
+ALL_RANKS_RANK0_OUT = DispatchMode(
+    "all_ranks_rank0_out",
+    dispatch_fn=lambda ctx, args, kwargs: [(args, kwargs)] * ctx.world_size,
+    collect_fn=lambda ctx, outputs: outputs[0],
+)
+"""Same call on every rank (a collective inside, e.g. gathering FSDP2 shards); rank 0's output."""
+
+
+def _shard_if(strategy: str, model, group, dev) -> None:
+    """FSDP2-shard ``model`` (a ``PolicyModel`` or ``CriticModel``) when dp > 1 and strategy says so."""
+    if group is not None and strategy == "fsdp2":
+        model.shard(group, dev)
 
 
 def _setup(cfg) -> tuple[torch.device, dist.ProcessGroup | None]:
@@ -62,6 +84,7 @@ class ActorWorker(Worker):
         self.cfg = cfg
         self.dev, self.group = _setup(cfg)
         self.policy = load_policy(cfg.model, self.dev)
+        _shard_if(cfg.actor.strategy, self.policy, self.group, self.dev)
         self.actor = Actor(self.policy, cfg.actor, rollout_n=cfg.rollout.n, device=self.dev, group=self.group,
                            total_steps=total_steps, seed=cfg.trainer.seed)
         self.register_dp_info("actor", dp_rank=self.rank, dp_size=self.world_size)
@@ -91,24 +114,37 @@ class ActorWorker(Worker):
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
     def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) one at a time (an iterator: in-process backends only)."""
+        if self.policy.dp_group is not None:
+            raise RuntimeError("get_per_tensor_param runs on rank 0 only, but the model is FSDP2-sharded over "
+                               f"{self.world_size} ranks (gathering needs all of them): use get_weight_frames")
         return iter_hf_params(self.policy)
 
-    @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
+    @register(dispatch_mode=ALL_RANKS_RANK0_OUT)
     def get_weight_frames(self, bucket_bytes: int = 64 << 20) -> list[bytes]:
         """The weights as raw-byte bucket frames (JSON header + tensor bytes, never pickled),
-        for rollout engines in another process (Ray backend)."""
+        for rollout engines in another process (Ray backend).
+
+        Runs on every rank: with FSDP2 each parameter is all-gathered in turn (all ranks take
+        part); only rank 0 packs frames, the others return ``[]``.
+        """
         from postrl.weights import encode_frame, pack_buckets
 
-        return [encode_frame(b) for b in pack_buckets(iter_hf_params(self.policy), bucket_bytes)]
+        params = iter_hf_params(self.policy)
+        if self.rank != 0:
+            if self.policy.dp_group is not None:
+                for _ in params:  # take part in each gather, keep nothing
+                    pass
+            return []
+        return [encode_frame(b) for b in pack_buckets(params, bucket_bytes)]
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        """Rank 0 writes the checkpoint atomically (replicas hold identical state)."""
-        if self.rank == 0:
-            save_engine_checkpoint(path, self.policy.module, self.actor.optimizer, self.actor.scheduler,
-                                   model_cfg=self.cfg.model,
-                                   extra={"update_count": self.actor.update_count,
-                                          "nonfinite_skips": self.actor.nonfinite_skips})
+        """Rank 0 writes the checkpoint atomically (full tensors: every rank takes part in the
+        gathers of a sharded model; replicas hold identical state)."""
+        save_engine_checkpoint(path, self.policy.module, self.actor.optimizer, self.actor.scheduler,
+                               model_cfg=self.cfg.model, write=self.rank == 0,
+                               extra={"update_count": self.actor.update_count,
+                                      "nonfinite_skips": self.actor.nonfinite_skips})
         _barrier(self.group)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -126,6 +162,7 @@ class RefWorker(Worker):
         self.cfg = cfg
         self.dev, self.group = _setup(cfg)
         self.policy = load_policy(cfg.model, self.dev, trainable=False)
+        _shard_if(cfg.actor.strategy, self.policy, self.group, self.dev)
         self.engine = Actor.__new__(Actor)  # log-prob path only: no optimizer for a frozen model
         self.engine.policy, self.engine.cfg, self.engine.rollout_n = self.policy, cfg.actor, cfg.rollout.n
         self.engine.device = self.dev
@@ -145,6 +182,7 @@ class CriticWorker(Worker):
         self.cfg = cfg
         self.dev, self.group = _setup(cfg)
         self.model = load_critic(cfg.model, self.dev)
+        _shard_if(cfg.critic.strategy, self.model, self.group, self.dev)
         self.critic = Critic(self.model, cfg.critic, rollout_n=cfg.rollout.n, device=self.dev, group=self.group,
                              total_steps=total_steps)
         self.register_dp_info("critic", dp_rank=self.rank, dp_size=self.world_size)
@@ -161,10 +199,10 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        """Rank 0 writes the critic checkpoint atomically."""
+        """Rank 0 writes the critic checkpoint atomically (every rank gathers when sharded)."""
+        save_engine_checkpoint(path, self.model, self.critic.optimizer, self.critic.scheduler, write=self.rank == 0,
+                               extra={"nonfinite_skips": self.critic.nonfinite_skips})
         if self.rank == 0:
-            save_engine_checkpoint(path, self.model, self.critic.optimizer, self.critic.scheduler,
-                                   extra={"nonfinite_skips": self.critic.nonfinite_skips})
             Path(path).mkdir(parents=True, exist_ok=True)
         _barrier(self.group)
 
