@@ -73,6 +73,7 @@ __all__ = [
     "is_sharded",
     "full_tensor",
     "shard_like",
+    "param_numel",
     "align_micro_batches",
 ]
 
@@ -147,6 +148,16 @@ def shard_like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"cannot shard a tensor of shape {tuple(full.shape)} like one of shape {tuple(ref.shape)}")
     local = full.to(device=ref.to_local().device, dtype=ref.dtype)
     return distribute_tensor(local, ref.device_mesh, ref.placements, src_data_rank=None)
+
+
+def param_numel(module: nn.Module) -> dict[str, int]:
+    """``{"local": elements stored on this rank, "full": elements of the unsharded model}``
+    over ``module``'s parameters (equal without sharding)."""
+    local = full = 0
+    for p in module.parameters():
+        full += p.numel()
+        local += p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+    return {"local": local, "full": full}
 
 
 def _split_in_two(rows: list[int], seqlens: list[int], unit_of: list[int] | None) -> tuple[list[int], list[int]]:

@@ -117,11 +117,14 @@ class PolicyModel:
         module: the trainable module (a ``PeftModel`` with LoRA, else the HF causal LM).
         is_lora: whether LoRA adapters are attached.
         dp_group: the process group the parameters are FSDP2-sharded over (None: not sharded).
+        dummy_passes: zero-contribution passes run so far to keep sharded ranks in step.
     """
 
     module: nn.Module
     is_lora: bool
     dp_group: dist.ProcessGroup | None = None
+    dummy_passes: int = 0
+    """Zero-contribution passes run to keep FSDP2 ranks in step (:meth:`align_micro_batches`)."""
     _runner: PolicyLogProbs | None = field(default=None, repr=False)
 
     @property
@@ -171,8 +174,11 @@ class PolicyModel:
             return micro
         from postrl.engine.fsdp import align_micro_batches
 
-        return align_micro_batches(micro, seqlens, self.dp_group, lambda: _zero_pass(self.module, self.logprobs),
-                                   unit_ids)
+        def dummy() -> None:
+            self.dummy_passes += 1
+            _zero_pass(self.module, self.logprobs)
+
+        return align_micro_batches(micro, seqlens, self.dp_group, dummy, unit_ids)
 
     def reference(self) -> contextlib.AbstractContextManager:
         """Context in which the module computes the reference policy (LoRA: adapters disabled)."""
@@ -201,6 +207,7 @@ class CriticModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
         self.dp_group: dist.ProcessGroup | None = None
+        self.dummy_passes = 0
 
     @property
     def decoder(self) -> nn.Module:
@@ -226,7 +233,11 @@ class CriticModel(nn.Module):
             return micro
         from postrl.engine.fsdp import align_micro_batches
 
-        return align_micro_batches(micro, seqlens, self.dp_group, lambda: _zero_pass(self, self))
+        def dummy() -> None:
+            self.dummy_passes += 1
+            _zero_pass(self, self)
+
+        return align_micro_batches(micro, seqlens, self.dp_group, dummy)
 
 
 def _common_kwargs(model_cfg, device) -> dict:

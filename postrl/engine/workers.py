@@ -19,6 +19,7 @@ update_actor               DP_COMPUTE_PROTO        DataProto with ``meta_info['m
 get_per_tensor_param       RANK_ZERO               iterator of (HF name, tensor)
 get_weight_frames          ALL_RANKS_RANK0_OUT     rank 0's raw-byte bucket frames
 save/load_checkpoint       ONE_TO_ALL              every rank gathers, rank 0 writes; all load
+shard_stats                ONE_TO_ALL              per rank parameter counts, dummy passes
 compute_values             DP_COMPUTE_PROTO        DataProto ``values``
 update_critic              DP_COMPUTE_PROTO        DataProto with ``meta_info['metrics']``
 =========================  ======================  =========================================
@@ -38,6 +39,7 @@ from postrl.controller.dispatch import DispatchMode
 from postrl.engine.actor import Actor
 from postrl.engine.checkpoint import iter_hf_params, load_engine_checkpoint, save_engine_checkpoint
 from postrl.engine.critic import Critic
+from postrl.engine.fsdp import param_numel
 from postrl.engine.model import load_critic, load_policy
 from postrl.protocol import DataProto
 
@@ -138,6 +140,12 @@ class ActorWorker(Worker):
         return [encode_frame(b) for b in pack_buckets(params, bucket_bytes)]
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def shard_stats(self) -> dict[str, int]:
+        """This rank's parameter elements (``local``; FSDP2: about ``full / dp``), the full
+        model's (``full``) and the FSDP2 dummy passes run so far (``dummy_passes``)."""
+        return {**param_numel(self.policy.module), "dummy_passes": self.policy.dummy_passes}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """Rank 0 writes the checkpoint atomically (full tensors: every rank takes part in the
         gathers of a sharded model; replicas hold identical state)."""
@@ -196,6 +204,11 @@ class CriticWorker(Worker):
     def update_critic(self, data: DataProto) -> DataProto:
         """One critic update; metrics in ``meta_info['metrics']``."""
         return _metrics(self.critic.update_critic(data))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def shard_stats(self) -> dict[str, int]:
+        """Parameter elements on this rank / in the full model, FSDP2 dummy passes (see ActorWorker)."""
+        return {**param_numel(self.model), "dummy_passes": self.model.dummy_passes}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

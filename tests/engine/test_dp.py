@@ -5,6 +5,11 @@ so two ranks each holding half of a mini-batch must produce the weights one rank
 the whole mini-batch — up to float reduction order. The groups live for the whole module and
 see the same sequence of updates, so optimizer state is compared too, not just one step.
 
+Both strategies are run: ``ddp`` (replicas + summed all-reduce) and ``fsdp2`` (FSDP2 shards,
+SUM reduce-scatter). The token budget (32) gives several micro-batches per rank, so under FSDP2
+the ranks' micro-batch counts must be aligned (split, and dummy passes where a rank has a single
+placeholder row).
+
 Adam's first steps are ≈ lr·sign(g): float noise on a ~0 gradient becomes a ±lr step. The test
 sets ``optim.eps`` ≫ |g| so AdamW behaves like SGD with lr/eps (update ≈ lr·g/eps) and
 "same update" is testable tightly (the engine tests swap in SGD for the same reason).
@@ -28,25 +33,31 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def groups(tiny_model_dir):
-    """(local dp=1 actor group, ray dp=2 actor group) built from one config."""
+def ray_cluster():
+    """A 2-CPU local Ray cluster for the module."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+def groups(request, ray_cluster, tiny_model_dir):
+    """(local dp=1 actor group, ray dp=2 actor group with ``actor.strategy=<param>``) from one config."""
     cfg = load_config(None, [
         f"model.path={tiny_model_dir}", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2",
         "actor.optim.lr=10.0", "actor.optim.eps=1000.0", "actor.optim.grad_clip=1e6", "actor.entropy_coeff=0.01",
-        "trainer.num_threads=1",
+        "actor.ppo_max_token_len_per_gpu=32", f"actor.strategy={request.param}", "trainer.num_threads=1",
     ])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     local = ray_wg = None
     try:
         local = create_worker_group("local", ActorWorker, kwargs={"cfg": cfg, "total_steps": 1}, world_size=1, name="actor_dp1")
         ray_wg = create_worker_group("ray", ActorWorker, kwargs={"cfg": cfg, "total_steps": 1}, world_size=2,
-                                     name="actor_dp2", init_dist=True)
-        yield local, ray_wg
+                                     name=f"actor_dp2_{request.param}", init_dist=True)
+        yield local, ray_wg, request.param
     finally:
         for g in (local, ray_wg):
             if g is not None:
                 g.shutdown()
-        ray.shutdown()
 
 
 def _weights_local(wg) -> dict[str, torch.Tensor]:
@@ -82,7 +93,7 @@ CASES = [
 
 @pytest.mark.parametrize(("rows", "masked"), CASES)
 def test_dp2_update_equals_dp1(groups, make_batch, rows, masked):
-    local, ray_wg = groups
+    local, ray_wg, _ = groups
     batch = _prepared(local, make_batch, rows, masked)
     before = _weights_local(local)
     torch.testing.assert_close(_weights_ray(ray_wg), before, atol=1e-6, rtol=1e-5)  # same start
@@ -103,7 +114,7 @@ def test_dp2_update_equals_dp1(groups, make_batch, rows, masked):
 
 def test_unmasked_dispatch_padding_would_train_a_row_twice(groups, make_batch):
     """Why Roles pads with masked rows: the dispatch's own padding repeats a real row."""
-    local, _ = groups
+    local, _, _ = groups
     batch = _prepared(local, make_batch, 15, None)
     padded, pad = batch.pad_to_divisor(2)
     assert pad == 1 and bool(padded.batch["response_mask"][-1].any())  # a live duplicate of row 0
@@ -111,3 +122,17 @@ def test_unmasked_dispatch_padding_would_train_a_row_twice(groups, make_batch):
     assert len(ours) == 16 and not bool(ours.batch["response_mask"][-1].any())
     assert not bool(ours.batch["advantages"][-1].any())
     assert torch.equal(ours.batch["input_ids"][:15], batch.batch["input_ids"])
+
+
+def test_ranks_stayed_in_step(groups):
+    """After the cases above: fsdp2 ranks hold half the model each and had to pad passes."""
+    _, ray_wg, strategy = groups
+    stats = ray_wg.shard_stats()
+    full = stats[0]["full"]
+    if strategy == "ddp":
+        assert all(s["local"] == full and s["dummy_passes"] == 0 for s in stats)
+        return
+    assert all(abs(s["local"] - full / 2) <= 0.01 * full for s in stats), stats
+    # rank 1 gets one placeholder row when its half has no valid row ("rank1-has-no-valid-row"),
+    # while rank 0's 8 rows need 2 micro-batches of <= 32 tokens: rank 1 padded with a dummy pass.
+    assert stats[1]["dummy_passes"] >= 1 and stats[0]["dummy_passes"] == 0, stats
