@@ -1,0 +1,201 @@
+"""FSDP2 data parallelism (``strategy=fsdp2``) on dp=2 Ray/gloo workers against dp=1 local ones.
+
+One local dp=1 actor group and one Ray dp=2 FSDP2 actor group live for the module and see the
+same sequence of calls, in file order. Each mini-batch is 2 prompts × 4 responses = 8 rows, so a
+16-row batch is two optimizer steps. The dp dispatch gives rank r rows ``8r … 8r+7`` and each
+rank splits its half into mini-batches of 4: global mini-batch k = rows ``4k…4k+3`` of both
+halves. The dp=1 group gets the rows permuted so that its mini-batch k holds exactly those rows
+(:data:`DP1_ORDER`); then both must take the same two steps (float tolerance).
+
+As in ``test_dp.py``, ``optim.eps`` ≫ |g| makes AdamW ≈ SGD with lr/eps (here lr/eps = 1 for
+the actor: one step moves a weight by about its gradient) so equal updates are testable tightly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from postrl.config import load_config  # noqa: E402
+from postrl.controller import create_worker_group  # noqa: E402
+from postrl.engine.checkpoint import export_hf  # noqa: E402
+from postrl.engine.workers import ActorWorker, CriticWorker  # noqa: E402
+from postrl.protocol import DataProto  # noqa: E402
+from postrl.weights import decode_frame, unpack_bucket  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+DP1_ORDER = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+"""Row order for dp=1 whose two mini-batches equal the dp=2 ones (see the module docstring)."""
+
+
+def _cfg(model_dir):
+    return load_config(None, [
+        f"model.path={model_dir}", "rollout.n=4", "actor.ppo_mini_batch_size=2", "actor.ppo_epochs=1",
+        "actor.optim.lr=1000.0", "actor.optim.eps=1000.0", "actor.optim.grad_clip=1e6", "actor.entropy_coeff=0.01",
+        "actor.ppo_max_token_len_per_gpu=32", "actor.strategy=fsdp2",
+        "critic.ppo_mini_batch_size=2", "critic.ppo_epochs=2", "critic.optim.lr=10.0", "critic.optim.eps=1000.0",
+        "critic.optim.grad_clip=1e6", "critic.ppo_max_token_len_per_gpu=32", "critic.strategy=fsdp2",
+        "trainer.num_threads=1",
+    ])
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_model_dir):
+    """(local dp=1 actor group, ray dp=2 fsdp2 actor group, config)."""
+    cfg = _cfg(tiny_model_dir)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    local = ray_wg = None
+    try:
+        local = create_worker_group("local", ActorWorker, kwargs={"cfg": cfg, "total_steps": 8}, name="fsdp_dp1")
+        ray_wg = create_worker_group("ray", ActorWorker, kwargs={"cfg": cfg, "total_steps": 8}, world_size=2,
+                                     name="fsdp_dp2", init_dist=True, shutdown_on_error=False)
+        yield local, ray_wg, cfg
+    finally:
+        for g in (local, ray_wg):
+            if g is not None:
+                g.shutdown()
+        ray.shutdown()
+
+
+def _frames(wg) -> list[tuple[str, torch.Tensor]]:
+    return [(k, v.clone()) for frame in wg.get_weight_frames() for k, v in unpack_bucket(decode_frame(frame))]
+
+
+def _local(wg) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in wg.get_per_tensor_param()}
+
+
+def _batch(make_batch, seed: int) -> DataProto:
+    b = make_batch(num_prompts=4, n=4, seed=seed)
+    b.batch["old_log_probs"] = 0.05 * b.batch["response_mask"]  # ratios ≠ 1
+    return b
+
+
+def _assert_same_update(m1: dict, m2: dict, w1: dict, w2: dict, before: dict) -> None:
+    assert set(m1) == set(m2)
+    for k in m1:
+        assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
+    moved = max(float((w1[k] - before[k]).abs().max()) for k in w1)
+    assert moved > 1e-4, f"the update barely moved the weights ({moved}); the comparison would be vacuous"
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=1e-6, rtol=1e-5, msg=lambda s, k=k: f"{k}: {s}")
+
+
+def test_params_are_sharded(groups):
+    local, ray_wg, _ = groups
+    full = local.shard_stats()[0]["full"]
+    stats = ray_wg.shard_stats()
+    for s in stats:
+        assert s["full"] == full
+        # dim-0 halves (odd dims padded by FSDP2): each rank stores about half of every parameter
+        assert abs(s["local"] - full / 2) <= 0.01 * full, stats
+    assert local.shard_stats()[0]["local"] == full
+
+
+def test_weight_frames_are_full_hf_tensors(groups):
+    local, ray_wg, _ = groups
+    got = _frames(ray_wg)
+    names = [n for n, _ in got]
+    assert len(names) == len(set(names)), "a tensor was yielded twice"
+    ref = _local(local)
+    assert set(names) == set(ref)
+    for n, t in got:
+        assert t.shape == ref[n].shape, n
+        assert torch.equal(t, ref[n]), n  # same init, gathered exactly
+
+
+def test_get_per_tensor_param_refuses_sharded_group(groups):
+    _, ray_wg, _ = groups
+    with pytest.raises(Exception, match="get_weight_frames"):
+        ray_wg.get_per_tensor_param()
+
+
+def test_log_probs_and_two_minibatch_update_match_dp1(groups, make_batch):
+    local, ray_wg, _ = groups
+    batch = _batch(make_batch, seed=21)
+    lp1 = local.compute_log_prob(batch).batch["old_log_probs"]
+    lp2 = ray_wg.compute_log_prob(batch).batch["old_log_probs"]
+    torch.testing.assert_close(lp2, lp1, atol=1e-5, rtol=1e-5)
+
+    before = _local(local)
+    m1 = local.update_actor(batch[DP1_ORDER]).meta_info["metrics"]
+    m2 = ray_wg.update_actor(batch).meta_info["metrics"]
+    _assert_same_update(m1, m2, _local(local), dict(_frames(ray_wg)), before)
+
+
+def test_nonfinite_grad_skips_on_every_rank(groups, make_batch):
+    local, ray_wg, _ = groups
+    bad = _batch(make_batch, seed=22)
+    adv = bad.batch["advantages"].clone()
+    adv[12] = float("nan")  # a row of rank 1's half only: rank 0's local gradient is finite
+    bad.batch["advantages"] = adv
+    before = dict(_frames(ray_wg))
+    m1 = local.update_actor(bad[DP1_ORDER]).meta_info["metrics"]
+    m2 = ray_wg.update_actor(bad).meta_info["metrics"]
+    assert m1["actor/grad_norm_nonfinite_skips"] == m2["actor/grad_norm_nonfinite_skips"] == 1.0
+    after = dict(_frames(ray_wg))
+    for k in before:  # the step with the NaN row was skipped; the other mini-batch still stepped
+        assert torch.isfinite(after[k]).all(), k
+    # every rank skipped the same step: the next update still equals dp=1
+    good = _batch(make_batch, seed=23)
+    ref_before = _local(local)
+    m1 = local.update_actor(good[DP1_ORDER]).meta_info["metrics"]
+    m2 = ray_wg.update_actor(good).meta_info["metrics"]
+    _assert_same_update(m1, m2, _local(local), dict(_frames(ray_wg)), ref_before)
+
+
+def test_checkpoint_resume_identical_next_step(groups, make_batch, tmp_path):
+    """save (sharded) → next step A → load → next step B: A == B bit for bit; the checkpoint is
+    full-tensor, so dp=1 loads it too and ``export_hf`` reads it."""
+    local, ray_wg, cfg = groups
+    ck = tmp_path / "ck"
+    ray_wg.save_checkpoint(str(ck))
+    saved = dict(_frames(ray_wg))
+    b = _batch(make_batch, seed=24)
+    m_a = ray_wg.update_actor(b).meta_info["metrics"]
+    w_a = dict(_frames(ray_wg))
+    ray_wg.load_checkpoint(str(ck))
+    for k, t in _frames(ray_wg):
+        assert torch.equal(t, saved[k]), k
+    m_b = ray_wg.update_actor(b).meta_info["metrics"]
+    w_b = dict(_frames(ray_wg))
+    assert m_a == m_b
+    for k in w_a:
+        assert torch.equal(w_a[k], w_b[k]), k
+
+    local.load_checkpoint(str(ck))  # fsdp2 dp=2 checkpoint → dp=1: same next step
+    m_1 = local.update_actor(b[DP1_ORDER]).meta_info["metrics"]
+    _assert_same_update(m_1, m_a, w_a, _local(local), saved)
+
+    out = export_hf(ck, tmp_path / "hf")
+    from safetensors.torch import load_file
+
+    exported = load_file(str(out / "model.safetensors"))
+    for k, t in saved.items():
+        assert torch.equal(exported[k], t), k
+
+
+def test_critic_fsdp2_matches_dp1(groups, make_batch):
+    _, _, cfg = groups
+    c1 = create_worker_group("local", CriticWorker, kwargs={"cfg": cfg}, name="critic_dp1")
+    c2 = create_worker_group("ray", CriticWorker, kwargs={"cfg": cfg}, world_size=2, name="critic_dp2", init_dist=True)
+    try:
+        assert all(abs(s["local"] - s["full"] / 2) <= 0.01 * s["full"] for s in c2.shard_stats())
+        batch = make_batch(num_prompts=4, n=4, seed=25)
+        batch = batch.union(c1.compute_values(batch))
+        batch.batch["returns"] = torch.linspace(-1, 1, batch.batch["values"].numel()).view_as(batch.batch["values"])
+        batch.batch["returns"] = batch.batch["returns"] * batch.batch["response_mask"]
+        m1 = c1.update_critic(batch[DP1_ORDER]).meta_info["metrics"]
+        m2 = c2.update_critic(batch).meta_info["metrics"]
+        for k in m1:
+            assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
+        v1 = c1.compute_values(batch).batch["values"]
+        v2 = c2.compute_values(batch).batch["values"]
+        assert float(v1.abs().max()) > 1e-3  # the updates moved the values (comparison not vacuous)
+        torch.testing.assert_close(v2, v1, atol=1e-5, rtol=1e-4)
+    finally:
+        c1.shutdown()
+        c2.shutdown()
