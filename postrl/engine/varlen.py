@@ -10,10 +10,11 @@ a prefix of each row, so causal masking is exact and no mask tensor is built), a
 outputs back to the ``N`` packed slots. Cost: ``S · L²`` attention (that of the padded forward),
 ``N`` for everything else.
 
-The same mechanism gives **prefix sharing**: a virtual sequence is an *index list* into the
-packed tokens, so the ``n`` responses of a prompt can each be ``[prompt tokens, response_i]``
-while the prompt is stored (and its MLP/projections computed) once. Gradients of shared keys and
-values are summed over the virtual sequences by autograd (gather's backward is scatter-add).
+**Prefix sharing** (:class:`PrefixLayout`): the ``n`` responses of a prompt share one stored
+copy of the prompt tokens, and attention runs in two passes — each prompt causally over itself
+once, then each response's queries over [its prompt's keys, its own keys] with a boolean mask —
+so no prompt query is computed per response. Gradients of shared keys and values are summed
+over the responses by autograd (``index_select``'s backward is ``index_add_``).
 
 The layout travels as the ``postrl_layout`` keyword argument of the model's forward, which
 transformers passes down to every attention call (this also survives activation checkpointing,
