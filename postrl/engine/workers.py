@@ -176,6 +176,11 @@ class RefWorker(Worker):
         self.engine.device = self.dev
         self.register_dp_info("ref", dp_rank=self.rank, dp_size=self.world_size)
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def shard_stats(self) -> dict[str, int]:
+        """Parameter elements on this rank / in the full model, FSDP2 dummy passes (see ActorWorker)."""
+        return {**param_numel(self.policy.module), "dummy_passes": self.policy.dummy_passes}
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, R) under the reference policy."""

@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 from postrl.config import load_config  # noqa: E402
 from postrl.controller import create_worker_group  # noqa: E402
 from postrl.engine.checkpoint import export_hf  # noqa: E402
-from postrl.engine.workers import ActorWorker, CriticWorker  # noqa: E402
+from postrl.engine.workers import ActorWorker, CriticWorker, RefWorker  # noqa: E402
 from postrl.protocol import DataProto  # noqa: E402
 from postrl.weights import decode_frame, unpack_bucket  # noqa: E402
 
@@ -176,6 +176,23 @@ def test_checkpoint_resume_identical_next_step(groups, make_batch, tmp_path):
     exported = load_file(str(out / "model.safetensors"))
     for k, t in saved.items():
         assert torch.equal(exported[k], t), k
+
+
+def test_ref_worker_fsdp2_matches_dp1(groups, make_batch):
+    """The frozen reference model is sharded too (``actor.strategy``) and gives dp=1's log-probs."""
+    _, _, cfg = groups
+    r1 = create_worker_group("local", RefWorker, kwargs={"cfg": cfg}, name="ref_dp1")
+    r2 = create_worker_group("ray", RefWorker, kwargs={"cfg": cfg}, world_size=2, name="ref_dp2", init_dist=True)
+    try:
+        assert all(abs(s["local"] - s["full"] / 2) <= 0.01 * s["full"] for s in r2.shard_stats())
+        batch = make_batch(num_prompts=4, n=4, seed=26)
+        lp1 = r1.compute_ref_log_prob(batch).batch["ref_log_prob"]
+        lp2 = r2.compute_ref_log_prob(batch).batch["ref_log_prob"]
+        assert float(lp1.abs().max()) > 0
+        torch.testing.assert_close(lp2, lp1, atol=1e-5, rtol=1e-5)
+    finally:
+        r1.shutdown()
+        r2.shutdown()
 
 
 def test_critic_fsdp2_matches_dp1(groups, make_batch):
