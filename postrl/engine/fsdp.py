@@ -117,7 +117,7 @@ def shard_model(root: nn.Module, group: dist.ProcessGroup, device: torch.device 
     if isinstance(root, FSDPModule):
         raise RuntimeError(f"{type(root).__name__} is already sharded with FSDP2")
     mesh = dp_mesh(group, device)
-    for layer in transformer_layers(root):
+    for layer in reversed(transformer_layers(root)):  # innermost first, should such layers ever nest
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(root, mesh=mesh, reshard_after_forward=True)
     units = [m for m in root.modules() if isinstance(m, FSDPModule)]

@@ -216,3 +216,16 @@ def test_critic_fsdp2_matches_dp1(groups, make_batch):
     finally:
         c1.shutdown()
         c2.shutdown()
+
+
+def test_strategy_is_validated():
+    from postrl.config import ConfigError
+    from postrl.config.schema import PostRLConfig
+    from postrl.config.validate import validate_config
+
+    cfg = PostRLConfig()
+    cfg.actor.strategy, cfg.critic.strategy = "fsdp", "zero3"
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg, check_files=False, check_registries=False)
+    assert "actor.strategy='fsdp' must be 'fsdp2'" in str(e.value)
+    assert "critic.strategy='zero3' must be 'fsdp2'" in str(e.value)
