@@ -126,6 +126,21 @@ def test_log_probs_and_two_minibatch_update_match_dp1(groups, make_batch):
     _assert_same_update(m1, m2, _local(local), dict(_frames(ray_wg)), before)
 
 
+def test_fused_on_policy_update_matches_dp1(groups, make_batch):
+    """Without old_log_probs and with one mini-batch (8 rows), dp=2 FSDP2 fuses the old log-probs
+    into the update like dp=1, takes the same step, and returns them row-aligned with the batch."""
+    local, ray_wg, _ = groups
+    batch = make_batch(num_prompts=2, n=4, seed=23)
+    lp = local.compute_log_prob(batch).batch["old_log_probs"]
+    before = _local(local)
+    out1, out2 = local.update_actor(batch), ray_wg.update_actor(batch)
+    torch.testing.assert_close(out1.batch["old_log_probs"], lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out2.batch["old_log_probs"], lp, atol=1e-5, rtol=1e-5)
+    m1, m2 = out1.meta_info["metrics"], out2.meta_info["metrics"]
+    assert m1["actor/ppo_kl"] == 0.0 == m2["actor/ppo_kl"]
+    _assert_same_update(m1, m2, _local(local), dict(_frames(ray_wg)), before)
+
+
 def test_nonfinite_grad_skips_on_every_rank(groups, make_batch):
     local, ray_wg, _ = groups
     bad = _batch(make_batch, seed=22)
