@@ -212,6 +212,19 @@ def chunked_token_logprobs(
     return torch.cat(lps), torch.cat(ents)
 
 
+def _padded_pred_hidden(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        response_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The padded fallback: ``(hidden states predicting the valid response tokens (M, H), their
+    targets (M,), resp_valid (B, R))`` from one ordinary masked forward over (B, P+R)."""
+    pos = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+    t = input_ids.shape[1]
+    p = t - response_length
+    resp_valid = attention_mask[:, p:].bool()
+    hidden = out.last_hidden_state[:, p - 1 : t - 1]  # state t-1 predicts token t
+    return hidden[resp_valid], input_ids[:, p:][resp_valid], resp_valid
+
+
 def _decoder_hidden(decoder: nn.Module, pk: Packed) -> torch.Tensor:
     out = decoder(input_ids=pk.input_ids, position_ids=pk.position_ids, postrl_layout=pk.layout, use_cache=False)
     return out.last_hidden_state[0]  # (N, H)
@@ -233,19 +246,29 @@ def policy_logprobs(
     calculate_entropy: bool = False,
     share_prefix: bool = False,
     chunk_size: int = DEFAULT_CHUNK,
+    packed: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Padding-free log-probs (and entropy) of the response tokens of one micro-batch.
+
+    ``packed=False`` is the fallback for models whose attention layers do not dispatch through
+    transformers' ``AttentionInterface`` (so postrl's varlen attention cannot run): one ordinary
+    forward over the padded (B, P+R) batch with its 2-D mask; ``share_prefix`` is then ignored.
+    The head, temperature and chunking are the same.
 
     Returns:
         (log_probs (B, R) fp32, entropy (B, R) fp32 or None); 0 on padding.
     """
-    pk = pack(input_ids, attention_mask, response_length, share_prefix=share_prefix)
-    if pk.num_tokens == 0:
-        z = torch.zeros(pk.resp_valid.shape, device=input_ids.device)
-        return z, (z if calculate_entropy else None)
-    hidden = _decoder_hidden(decoder, pk)
-    lp, ent = chunked_token_logprobs(hidden[pk.pred_idx], head, pk.targets, temperature=temperature, chunk_size=chunk_size)
-    return _scatter(lp, pk.resp_valid), (_scatter(ent, pk.resp_valid) if calculate_entropy else None)
+    if packed:
+        pk = pack(input_ids, attention_mask, response_length, share_prefix=share_prefix)
+        resp_valid = pk.resp_valid
+        if pk.num_tokens == 0:
+            z = torch.zeros(resp_valid.shape, device=input_ids.device)
+            return z, (z if calculate_entropy else None)
+        hidden, targets = _decoder_hidden(decoder, pk)[pk.pred_idx], pk.targets
+    else:
+        hidden, targets, resp_valid = _padded_pred_hidden(decoder, input_ids, attention_mask, response_length)
+    lp, ent = chunked_token_logprobs(hidden, head, targets, temperature=temperature, chunk_size=chunk_size)
+    return _scatter(lp, resp_valid), (_scatter(ent, resp_valid) if calculate_entropy else None)
 
 
 def critic_values(
@@ -256,11 +279,16 @@ def critic_values(
     response_length: int,
     *,
     share_prefix: bool = False,
+    packed: bool = True,
 ) -> torch.Tensor:
     """Values ``V(s_t)`` at the states that emit each response token, (B, R) fp32, 0 on padding.
 
     As in verl, the value of response token t is read at the hidden state that predicts it.
+    ``packed=False``: the padded fallback (see :func:`policy_logprobs`).
     """
+    if not packed:
+        hidden, _, resp_valid = _padded_pred_hidden(decoder, input_ids, attention_mask, response_length)
+        return _scatter(value_head(hidden).squeeze(-1).float(), resp_valid)
     pk = pack(input_ids, attention_mask, response_length, share_prefix=share_prefix)
     if pk.num_tokens == 0:
         return torch.zeros(pk.resp_valid.shape, device=input_ids.device)

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from postrl.engine.logprob import critic_values, policy_logprobs
-from postrl.engine.varlen import ATTN_NAME, register_varlen_attention
+from postrl.engine.logprob import critic_values, pack, policy_logprobs
+from postrl.engine.varlen import ATTN_NAME, register_varlen_attention, varlen_calls
 
 logger = logging.getLogger(__name__)
 
@@ -96,17 +96,19 @@ class PolicyLogProbs(nn.Module):
         is_lora: whether ``module`` is a ``PeftModel``.
     """
 
-    def __init__(self, module: nn.Module, is_lora: bool) -> None:
+    def __init__(self, module: nn.Module, is_lora: bool, packed: bool = True) -> None:
         super().__init__()
         self.module = module
         self.is_lora = is_lora
+        self.packed = packed
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *,
                 temperature: float = 1.0, calculate_entropy: bool = False, share_prefix: bool = False):
         """``(log_probs (B, R), entropy (B, R) or None)``; see :func:`postrl.engine.logprob.policy_logprobs`."""
         lm = _causal_lm(self.module, self.is_lora)
         return policy_logprobs(lm.base_model, _lm_head(lm), input_ids, attention_mask, response_length,
-                               temperature=temperature, calculate_entropy=calculate_entropy, share_prefix=share_prefix)
+                               temperature=temperature, calculate_entropy=calculate_entropy, share_prefix=share_prefix,
+                               packed=self.packed)
 
 
 @dataclass
@@ -125,6 +127,8 @@ class PolicyModel:
     dp_group: dist.ProcessGroup | None = None
     dummy_passes: int = 0
     """Zero-contribution passes run to keep FSDP2 ranks in step (:meth:`align_micro_batches`)."""
+    packed: bool = True
+    """Padding-free varlen forward (False: the model cannot use it; padded fallback)."""
     _runner: PolicyLogProbs | None = field(default=None, repr=False)
 
     @property
@@ -146,7 +150,7 @@ class PolicyModel:
     def runner(self) -> PolicyLogProbs:
         """The :class:`PolicyLogProbs` module over :attr:`module` (created on first use)."""
         if self._runner is None:
-            self._runner = PolicyLogProbs(self.module, self.is_lora)
+            self._runner = PolicyLogProbs(self.module, self.is_lora, self.packed)
         return self._runner
 
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *,
@@ -208,6 +212,7 @@ class CriticModel(nn.Module):
 
         self.dp_group: dist.ProcessGroup | None = None
         self.dummy_passes = 0
+        self.packed = True  # False: padded fallback (see load_critic)
 
     @property
     def decoder(self) -> nn.Module:
@@ -218,7 +223,7 @@ class CriticModel(nn.Module):
                 share_prefix: bool = False) -> torch.Tensor:
         """Values (B, R) fp32 of the response tokens (:func:`postrl.engine.logprob.critic_values`)."""
         return critic_values(self.backbone, self.value_head, input_ids, attention_mask, response_length,
-                             share_prefix=share_prefix)
+                             share_prefix=share_prefix, packed=self.packed)
 
     def shard(self, group: dist.ProcessGroup, device: torch.device | str) -> None:
         """FSDP2-shard backbone layers + this module (the root) over ``group``."""
@@ -248,6 +253,47 @@ def _common_kwargs(model_cfg, device) -> dict:
     )
 
 
+def _from_pretrained(auto_cls, path: Path, kw: dict) -> nn.Module:
+    """``auto_cls.from_pretrained`` with postrl's varlen attention; a model class that refuses a
+    custom attention implementation is loaded with its default one instead (padded fallback)."""
+    register_varlen_attention()
+    try:
+        return auto_cls.from_pretrained(str(path), **kw)
+    except ValueError as e:
+        if ATTN_NAME not in str(e) and "attn_implementation" not in str(e):
+            raise
+        logger.warning("%s: %s; loading with the default attention (padded training forward)", path, e)
+        return auto_cls.from_pretrained(str(path), **{k: v for k, v in kw.items() if k != "attn_implementation"})
+
+
+def _use_varlen(model: nn.Module, decoder: nn.Module) -> bool:
+    """Probe whether ``decoder``'s attention layers really run postrl's varlen attention.
+
+    A model whose attention does not dispatch through transformers' ``AttentionInterface``
+    (older remote code) would silently ignore the packed layout. One no-grad forward over a
+    4-token packed row counts the varlen calls; without any, the model is switched to ``sdpa``
+    and trains with the padded forward (``PolicyModel.packed = False``), with a warning.
+    """
+    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
+        return False
+    dev = next(model.parameters()).device
+    ids = torch.tensor([[1, 2, 1, 3]], device=dev) % max(int(getattr(model.config, "vocab_size", 4) or 4), 1)
+    pk = pack(ids, torch.ones_like(ids), 2)
+    before = varlen_calls()
+    with torch.no_grad():
+        try:
+            decoder(input_ids=pk.input_ids, position_ids=pk.position_ids, postrl_layout=pk.layout, use_cache=False)
+            ok = varlen_calls() > before
+        except Exception as e:  # a forward that rejects the layout kwarg cannot pack either
+            logger.warning("varlen probe failed for %s: %r", type(model).__name__, e)
+            ok = False
+    if not ok:
+        logger.warning("%s does not run postrl's varlen attention; training uses the padded forward "
+                       "(slower: no padding removal or prompt sharing)", type(model).__name__)
+        model.set_attn_implementation("sdpa")
+    return ok
+
+
 def load_policy(model_cfg, device: torch.device | str = "cpu", *, trainable: bool = True) -> PolicyModel:
     """Load ``model_cfg.path`` as a :class:`PolicyModel` on ``device``.
 
@@ -258,14 +304,14 @@ def load_policy(model_cfg, device: torch.device | str = "cpu", *, trainable: boo
     """
     from transformers import AutoModelForCausalLM
 
-    register_varlen_attention()
     path = _check_path(model_cfg.path)
-    model = AutoModelForCausalLM.from_pretrained(str(path), **_common_kwargs(model_cfg, device)).to(device)
+    model = _from_pretrained(AutoModelForCausalLM, path, _common_kwargs(model_cfg, device)).to(device)
     model.config.use_cache = False
+    packed = _use_varlen(model, model.base_model)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
-        return PolicyModel(model, is_lora=False)
+        return PolicyModel(model, is_lora=False, packed=packed)
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     is_lora = model_cfg.lora_rank > 0
@@ -289,7 +335,7 @@ def load_policy(model_cfg, device: torch.device | str = "cpu", *, trainable: boo
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
-    return PolicyModel(model, is_lora=is_lora)
+    return PolicyModel(model, is_lora=is_lora, packed=packed)
 
 
 def load_critic(model_cfg, device: torch.device | str = "cpu") -> CriticModel:
@@ -301,14 +347,15 @@ def load_critic(model_cfg, device: torch.device | str = "cpu") -> CriticModel:
     from safetensors.torch import load_file
     from transformers import AutoModel
 
-    register_varlen_attention()
     path = _check_path(model_cfg.path)
     kw = _common_kwargs(model_cfg, device)
-    backbone = AutoModel.from_pretrained(str(path), **kw)
+    backbone = _from_pretrained(AutoModel, path, kw).to(device)
     backbone.config.use_cache = False
+    packed = _use_varlen(backbone, backbone)
     if model_cfg.gradient_checkpointing:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     critic = CriticModel(backbone, backbone.config.hidden_size).to(device=device, dtype=kw["dtype"])
+    critic.packed = packed
     head = path / "value_head.safetensors"
     if head.exists():
         critic.value_head.load_state_dict(load_file(str(head)))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTN_NAME", "AttnLayout", "PrefixLayout", "register_varlen_attention", "varlen_attention"]
+__all__ = ["ATTN_NAME", "AttnLayout", "PrefixLayout", "register_varlen_attention", "varlen_attention", "varlen_calls"]
 
 ATTN_NAME = "postrl_varlen"
 
@@ -121,6 +121,7 @@ def varlen_attention(
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}")
+    _CALLS[0] += 1
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, h, D), token-major
     lay = postrl_layout
     if isinstance(lay, PrefixLayout):
@@ -134,6 +135,15 @@ def varlen_attention(
         gi = lay.gather_idx
         out = _sdpa(_take(q, gi), _take(k, gi), _take(v, gi), scaling=scaling, causal=True)  # (S*L, H, D)
     return out.index_select(0, lay.out_idx).unsqueeze(0), None  # (1, N, H, D)
+
+
+_CALLS = [0]
+
+
+def varlen_calls() -> int:
+    """How many times :func:`varlen_attention` has run in this process (a model whose attention
+    layers do not dispatch through transformers' ``AttentionInterface`` never calls it)."""
+    return _CALLS[0]
 
 
 def register_varlen_attention() -> None:

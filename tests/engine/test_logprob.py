@@ -72,3 +72,43 @@ def test_shared_prefix_with_empty_responses(tiny_model_factory, make_batch, empt
         lp, _ = policy_logprobs(pol.decoder, pol.lm_head, batch.batch["input_ids"], am, 6, share_prefix=True)
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
     assert bool((lp[rows] == 0).all())
+
+
+def test_padded_fallback_when_model_cannot_run_varlen(tiny_model_factory, make_batch, monkeypatch):
+    """A model whose attention never reaches postrl's varlen function is detected at load time and
+    trains with the padded forward — same log-probs, entropy and values; never silently wrong."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import postrl.engine.model as model_mod
+    from postrl.engine.model import load_critic
+    from postrl.engine.varlen import ATTN_NAME, register_varlen_attention
+
+    d = tiny_model_factory(arch="llama")
+    batch = make_batch(num_prompts=2, n=3, seed=4)
+    ids, am = batch.batch["input_ids"], batch.batch["attention_mask"]
+    ref_lp, ref_ent = _padded_reference(d, batch, 0.9)
+    good_critic = load_critic(ModelConfig(path=str(d)))
+    assert good_critic.packed
+    head = torch.nn.Linear(good_critic.value_head.in_features, 1)  # a non-zero head: values worth comparing
+    good_critic.value_head.load_state_dict(head.state_dict())
+    with torch.no_grad():
+        ref_v = good_critic(ids, am, 6)
+    assert bool((ref_v != 0).any())
+    # the "model" routes attention_implementation='postrl_varlen' to plain sdpa: our function never runs
+    monkeypatch.setattr(model_mod, "register_varlen_attention",
+                        lambda: AttentionInterface.register(ATTN_NAME, sdpa_attention_forward))
+    try:
+        pol = load_policy(ModelConfig(path=str(d)))
+        critic = load_critic(ModelConfig(path=str(d)))
+        critic.value_head.load_state_dict(head.state_dict())
+        assert not pol.packed and not critic.packed
+        assert pol.causal_lm.config._attn_implementation == "sdpa"
+        with torch.no_grad():
+            lp, ent = pol.logprobs(ids, am, 6, temperature=0.9, calculate_entropy=True, share_prefix=True)
+            v = critic(ids, am, 6)
+    finally:
+        register_varlen_attention()
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    torch.testing.assert_close(v, ref_v, atol=1e-5, rtol=0)
