@@ -17,11 +17,30 @@ group's ``n·G`` queries against it) instead of once per sample. A prompt equal 
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KVStore", "DecodeLayout"]
+__all__ = ["KVStore", "DecodeLayout", "lazy_zeros"]
+
+_LAZY_MIN_BYTES = 1 << 20
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor whose CPU pages are materialised only when first written.
+
+    ``torch.zeros`` writes every byte (the KV store is re-created on every ``wake_up``: ~6 ms per
+    10 MB, 32 ms of a 120 ms W1 rollout). On CPU, large stores are instead backed by an anonymous
+    ``mmap``: the kernel hands out zero pages on first touch, so only the positions the engine
+    writes cost anything, and the mapping is released with the tensor. Other devices and small
+    tensors use ``torch.zeros``.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes < _LAZY_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 @dataclass
@@ -48,12 +67,12 @@ class KVStore:
     def __init__(self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, vocab: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_layers, slots, kv_heads, max_len, head_dim)
-        # torch.zeros maps lazily on CPU: pages are touched only where K/V are written.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.pk = torch.zeros(shape, dtype=dtype, device=device)
-        self.pv = torch.zeros(shape, dtype=dtype, device=device)
-        self.logits = torch.zeros(slots, vocab, dtype=dtype, device=device)  # last-prompt-position logits
+        # zero pages on first touch (CPU): only the positions written cost memory and time
+        self.k = lazy_zeros(shape, dtype, device)
+        self.v = lazy_zeros(shape, dtype, device)
+        self.pk = lazy_zeros(shape, dtype, device)
+        self.pv = lazy_zeros(shape, dtype, device)
+        self.logits = lazy_zeros((slots, vocab), dtype, device)  # last-prompt-position logits
         self.keys: list[tuple[int, ...]] = []  # row -> prompt
         self.refs: list[int] = []  # row -> number of running sequences using it
         self.index: dict[tuple[int, ...], int] = {}
