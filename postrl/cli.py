@@ -133,8 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--min-digits", type=int, default=6, help="tool-arith: fewest digits per operand")
     d.add_argument("--max-digits", type=int, default=9, help="tool-arith: most digits per operand")
     d.add_argument("--kinds", default="mul,sum3,mulsub", help="tool-arith: comma-separated problem kinds")
-    d.add_argument("--prompt-style", default="full", choices=["full", "short"],
-                   help="tool-arith: full (system message describing the tool) or short (question only)")
+    d.add_argument("--prompt-style", default="full", choices=["full", "short", "bound"],
+                   help="tool-arith: full (system message), short (question only) or bound (argument-free calls, bare answers)")
     d.add_argument("--tool-fraction", type=float, default=1.0,
                    help="tool-arith --sft: fraction of demonstrations that call the tool (others answer directly)")
     d.set_defaults(fn=_cmd_data)

@@ -20,12 +20,16 @@ Train and test splits are disjoint by construction (problems are partitioned by 
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import re
 from typing import Any
 
-__all__ = ["KINDS", "PROMPT_STYLES", "SYSTEM_PROMPT", "compute_tool_arith_score", "final_answer_text",
+from postrl.tools.base import ToolResponse
+from postrl.tools.calculator import CalculatorTool
+
+__all__ = ["KINDS", "PROMPT_STYLES", "ProblemCalculatorTool", "SYSTEM_PROMPT", "compute_tool_arith_score", "final_answer_text",
            "generate_tool_arith", "tool_arith_demonstrations"]
 
 SYSTEM_PROMPT = (
@@ -41,10 +45,20 @@ SYSTEM_PROMPT = (
 #: problem kinds: ``a * b``, ``a + b + c``, ``a * b - c``.
 KINDS: tuple[str, ...] = ("mul", "sum3", "mulsub")
 
-#: ``full``: the system message above + "What is E? Use the calculator."; ``short``: no system
-#: message and "What is E?" — the tool format is learned from the SFT demonstrations only, which
-#: keeps the prompt ~20 tokens instead of ~450 for a byte-level model.
-PROMPT_STYLES: tuple[str, ...] = ("full", "short")
+#: Conversation styles:
+#:
+#: * ``full``: the system message above + "What is E? Use the calculator."; the call carries the
+#:   expression; the final answer is "The answer is V.".
+#: * ``short``: no system message, "What is E?" (the tool format is learned from the SFT
+#:   demonstrations only: ~20 prompt tokens instead of ~450 for a byte-level model); otherwise
+#:   as ``full``.
+#: * ``bound``: as ``short``, but the call has no arguments
+#:   (``{"name": "calculator", "arguments": {}}``) — the :class:`ProblemCalculatorTool` evaluates
+#:   the episode's own problem, handed to it through the row's ``tools_kwargs`` — and the final
+#:   answer is the bare number. For models too small to copy operands ~60 tokens back (see
+#:   ``examples/grpo_tool_arith.yaml``): the policy still has to decide to call the tool and copy
+#:   its result into the answer.
+PROMPT_STYLES: tuple[str, ...] = ("full", "short", "bound")
 
 
 def _split_seed(seed: int, split: str) -> int:
@@ -101,7 +115,7 @@ def hash_split(expr: str) -> str:
 
 
 def _prompt(expr: str, prompt_style: str) -> list[dict[str, str]]:
-    if prompt_style == "short":
+    if prompt_style != "full":
         return [{"role": "user", "content": f"What is {expr}?"}]
     return [{"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": f"What is {expr}? Use the calculator."}]
@@ -124,7 +138,7 @@ def generate_tool_arith(n: int, seed: int = 0, split: str = "train", min_digits:
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": str(value)},
             "extra_info": {"split": split, "index": i, "expression": expr, "answer": str(value),
-                           "tools_kwargs": {"calculator": {"create_kwargs": {}}}},
+                           "tools_kwargs": {"calculator": {"create_kwargs": {"expression": expr}}}},
             "agent_name": "tool_agent",
         })
     return rows
@@ -155,11 +169,12 @@ def tool_arith_demonstrations(n: int, seed: int = 0, min_digits: int = 6, max_di
         random.Random(seed + 31).shuffle(use_tool)
     rows = []
     for (expr, value), tool in zip(problems, use_tool):
-        answer = {"role": "assistant", "content": f"The answer is {value}."}
+        bound = prompt_style == "bound"
+        answer = {"role": "assistant", "content": str(value) if bound else f"The answer is {value}."}
         if not tool:
             rows.append({"messages": [*_prompt(expr, prompt_style), answer]})
             continue
-        call = json.dumps({"name": "calculator", "arguments": {"expression": expr}})
+        call = json.dumps({"name": "calculator", "arguments": {} if bound else {"expression": expr}})
         rows.append({"messages": [
             *_prompt(expr, prompt_style),
             {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
@@ -205,6 +220,37 @@ def _register() -> None:
         return
     if "tool_arith" not in REWARD_FNS:
         REWARD_FNS.add("tool_arith", compute_tool_arith_score, batch=False, inline=True)
+
+
+class ProblemCalculatorTool(CalculatorTool):
+    """``calculator`` whose ``expression`` defaults to the episode's problem.
+
+    A call without an ``expression`` evaluates the one the row handed to :meth:`create`
+    (``extra_info.tools_kwargs.calculator.create_kwargs.expression``, written by
+    :func:`generate_tool_arith`); a call with one behaves like :class:`CalculatorTool`. Used by
+    the ``bound`` style. Tool config: ``class_name: postrl.data.tool_arith:ProblemCalculatorTool``.
+    """
+
+    @classmethod
+    def default_schema(cls) -> dict[str, Any]:
+        """``calculator(expression: str = <this problem>)``."""
+        schema = copy.deepcopy(CalculatorTool.default_schema())
+        fn = schema["function"]
+        fn["description"] = ("Evaluate an arithmetic expression exactly; without an expression, "
+                             "evaluate the current problem.")
+        fn["parameters"]["required"] = []
+        return schema
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolResponse:
+        """Evaluate ``parameters['expression']``, or the episode's problem when it is absent."""
+        if "expression" not in parameters:
+            expr = self._instances.get(instance_id, {}).get("expression")
+            if not isinstance(expr, str):
+                return ToolResponse("Error: no expression given and this episode has no problem "
+                                    "(tools_kwargs.calculator.create_kwargs.expression)",
+                                    metrics={"tool/errors/bad_arguments": 1.0}, error="bad_arguments")
+            parameters = {**parameters, "expression": expr}
+        return await super().execute(instance_id, parameters)
 
 
 _register()

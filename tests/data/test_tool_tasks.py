@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -107,6 +108,43 @@ def test_demonstrations_mix_tool_use_and_direct_answers():
                                          prompt_style="short")
     assert [d["messages"][0] for d in all_tool] == [d["messages"][0] for d in demos]
     assert all(len(d["messages"]) == 4 for d in all_tool)
+
+
+def test_bound_style_calls_the_problem_calculator():
+    from postrl.data.tool_arith import ProblemCalculatorTool
+    from postrl.tools.config import load_tool_config
+
+    rows = generate_tool_arith(8, seed=0, min_digits=2, max_digits=2, kinds=["mul"], prompt_style="bound")
+    demos = tool_arith_demonstrations(8, seed=0, min_digits=2, max_digits=2, kinds=["mul"],
+                                      prompt_style="bound", tool_fraction=0.5)
+    parser = get_tool_parser("hermes")
+    root = Path(__file__).resolve().parents[2]
+    tools = load_tool_config(root / "examples" / "tools" / "problem_calculator.yaml")
+    tool = tools["calculator"]
+    assert isinstance(tool, ProblemCalculatorTool) and tool.name == "calculator"
+
+    async def run(instance: str, create_kwargs: dict, args: dict) -> str:
+        await tool.create(instance, **create_kwargs)
+        try:
+            return (await tool.execute(instance, args)).text
+        finally:
+            await tool.release(instance)
+
+    for row in rows:
+        kw = row["extra_info"]["tools_kwargs"]["calculator"]["create_kwargs"]
+        assert kw == {"expression": row["extra_info"]["expression"]}
+        # no expression: the episode's problem; an explicit one still wins
+        assert asyncio.run(run("a", kw, {})) == row["reward_model"]["ground_truth"]
+        assert asyncio.run(run("b", kw, {"expression": "2 + 2"})) == "4"
+    assert asyncio.run(run("c", {}, {})).startswith("Error: no expression")
+    for d in demos:
+        msgs = d["messages"]
+        value = safe_eval(msgs[0]["content"].removeprefix("What is ").removesuffix("?"))
+        assert msgs[-1] == {"role": "assistant", "content": str(value)}  # bare number
+        if len(msgs) == 4:
+            (call,) = parser.parse(msgs[1]["content"]).calls
+            assert call == ("calculator", {}) and msgs[2]["content"] == str(value)
+        assert compute_tool_arith_score("tool_arith", msgs[-1]["content"], value)["score"] == 1.0
 
 
 @pytest.mark.parametrize("kwargs, field", [

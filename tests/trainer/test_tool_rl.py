@@ -183,6 +183,30 @@ def test_grpo_with_tool_loop_end_to_end(tiny_model_dir, tool_arith_files, tmp_pa
                 assert inner == str(eval(expr)), (expr, inner)  # noqa: S307 - our own expression
 
 
+def test_example_config_fits_the_bound_style_conversation(tiny_model_dir):
+    """The shipped recipe's sizes hold its own conversations: prompt, call turn, observation."""
+    from transformers import AutoTokenizer
+
+    from postrl.data.tool_arith import ProblemCalculatorTool
+    from postrl.tools.config import load_tool_config
+
+    cfg = load_config(EXAMPLE, [])
+    a = cfg.rollout.agent
+    tools = load_tool_config(ROOT / a.tool_config_path)
+    assert isinstance(tools["calculator"], ProblemCalculatorTool)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    kw = dict(min_digits=2, max_digits=2, kinds=["mul"], prompt_style="bound")
+    (demo,) = tool_arith_demonstrations(1, tool_fraction=1.0, **kw)
+    user, call, obs, answer = demo["messages"]
+    text = tok.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    assert 20 < len(prompt) <= cfg.data.max_prompt_length
+    # the call turn must end by end-of-turn, not by length: > its tokens
+    assert cfg.rollout.response_length > len(tok.encode(call["content"], add_special_tokens=False))
+    assert len(obs["content"]) <= a.max_tool_response_length
+    assert a.max_assistant_turns == 2 and a.max_user_turns == 1 and a.check_token_faithfulness
+
+
 @pytest.mark.slow
 def test_sft_on_demonstrations_teaches_tool_calls(tiny_model_dir, tmp_path):
     """200 demonstrations, a short SFT, then a real rollout: parseable calls at a non-zero rate."""
@@ -195,7 +219,7 @@ def test_sft_on_demonstrations_teaches_tool_calls(tiny_model_dir, tmp_path):
                 batch_tokens=2048, warmup_steps=2)  # small steps learn the format faster
     assert m["sft/final_loss"] < m["sft/first_loss"]
     ov = [
-        f"model.path={tmp_path / 'sft'}", f"data.train_files=[{train}]", "data.val_files=[]",
+        f"model.path={tmp_path / 'sft'}", f"data.train_files=[{train}]", "data.val_files=[]", "data.max_prompt_length=512",
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "rollout.response_length=96", "rollout.temperature=0.7",
         f"trainer.run_dir={tmp_path / 'run'}", "trainer.loggers=[jsonl]",
     ]
