@@ -30,6 +30,7 @@ import torch
 from postrl.engine.checkpoint import save_hf
 from postrl.engine.logprob import policy_logprobs
 from postrl.engine.model import load_policy
+from postrl.engine.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
     """
     from transformers import AutoTokenizer
 
-    from postrl.config.schema import ModelConfig
+    from postrl.config.schema import ModelConfig, OptimConfig
     from postrl.data.tasks import read_rows
 
     cfg = SFTConfig(model_path=model_path, train_file=train_file, out_dir=out_dir, **options)
@@ -158,7 +159,7 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
         raise ValueError(f"{cfg.train_file}: no row with assistant tokens within max_length={cfg.max_length}")
     policy = load_policy(ModelConfig(path=cfg.model_path, lora_rank=cfg.lora_rank))
     params = list(policy.trainable_parameters())
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = build_optimizer(params, OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay))  # fused AdamW on CPU
     rng = random.Random(cfg.seed)
     epochs = [_batches([len(x) for x, _ in data], cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
     total = sum(len(e) for e in epochs) if not cfg.max_steps else min(cfg.max_steps, sum(len(e) for e in epochs))
