@@ -202,14 +202,24 @@ def final_answer_text(solution_str: str) -> str:
 
 
 def compute_tool_arith_score(data_source: str, solution_str: str, ground_truth: Any,
-                             extra_info: dict[str, Any] | None = None, **kwargs: Any
-                             ) -> dict[str, float]:
-    """verl-signature reward: ``score`` = 1.0 iff the final turn's last integer is the answer."""
+                             extra_info: dict[str, Any] | None = None, partial_credit: float = 0.0,
+                             **kwargs: Any) -> dict[str, float]:
+    """verl-signature reward: ``score`` = 1.0 iff the final turn's last integer is the answer.
+
+    ``partial_credit`` (a reward kwarg, default 0): a wrong answer scores ``partial_credit ×``
+    the fraction of the answer's digit positions (left-aligned, over the longer of the two) that
+    match — a denser signal for models that copy only part of a number. ``acc`` (what
+    validation reports) stays exact."""
     ints = _INT.findall(final_answer_text(solution_str))
     target = int(str(ground_truth).strip().replace(",", ""))
-    acc = float(bool(ints) and int(ints[-1].replace(",", "")) == target)
+    got = ints[-1].replace(",", "") if ints else ""
+    acc = float(bool(got) and int(got) == target)
+    score = acc
+    if not acc and partial_credit and got:
+        want = str(target)
+        score = partial_credit * sum(a == b for a, b in zip(got, want)) / max(len(got), len(want))
     used_tool = float("<tool_call>" in solution_str)
-    return {"score": acc, "acc": acc, "used_tool": used_tool}
+    return {"score": score, "acc": acc, "used_tool": used_tool}
 
 
 def _register() -> None:

@@ -177,6 +177,17 @@ def test_tool_arith_reward_reads_only_the_final_turn(response, score):
     assert out["score"] == score
 
 
+def test_tool_arith_partial_credit_is_opt_in_and_below_exact():
+    exact = compute_tool_arith_score("tool_arith", "6992", "6992", partial_credit=0.5)
+    assert exact["score"] == 1.0 and exact["acc"] == 1.0
+    half = compute_tool_arith_score("tool_arith", "6950", "6992", partial_credit=0.5)
+    assert half["score"] == pytest.approx(0.5 * 2 / 4) and half["acc"] == 0.0
+    assert compute_tool_arith_score("tool_arith", "6950", "6992")["score"] == 0.0  # default: exact only
+    assert compute_tool_arith_score("tool_arith", "no number", "6992", partial_credit=0.5)["score"] == 0.0
+    # a longer wrong answer is not rewarded for its extra digits
+    assert compute_tool_arith_score("tool_arith", "69920", "6992", partial_credit=0.5)["score"] == pytest.approx(0.4)
+
+
 def test_rewards_registered_by_data_source():
     from postrl.reward.registry import REWARD_FNS
 
