@@ -77,7 +77,8 @@ def _shrunk(name: str, tiny_model_dir, addition_files, countdown_files, digits_r
     if countdown:  # the real rule reward and a tiny validation pass
         ov += [f"data.val_files=[{test}]", "data.max_val_samples=2", "trainer.val_before_train=false"]
     else:
-        ov += ["data.val_files=[]", f"reward.custom_function.path={digits_reward}"]
+        # the stand-in reward takes no recipe-specific kwargs (e.g. tool-arith's partial_credit)
+        ov += ["data.val_files=[]", f"reward.custom_function.path={digits_reward}", "reward.reward_kwargs={}"]
     return ov
 
 
