@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -118,24 +119,26 @@ class AgentLoopManager:
     def assemble(self, outputs: list[AgentLoopOutput], rows: list[dict[str, Any]]) -> DataProto:
         """Pad trajectories into the batch layout described in the module docstring."""
         B = len(outputs)
-        P = max(len(o.prompt_ids) for o in outputs)
-        R = max(1, max(len(o.response_ids) for o in outputs))
+        plen = torch.tensor([len(o.prompt_ids) for o in outputs], dtype=torch.long)
+        rlen = torch.tensor([len(o.response_ids) for o in outputs], dtype=torch.long)
+        for i, o in enumerate(outputs):
+            if len(o.response_mask) != len(o.response_ids) or len(o.response_logprobs) != len(o.response_ids):
+                raise ValueError(f"trajectory {rows[i].get('request_id')}: response_ids ({len(o.response_ids)}), "
+                                 f"response_mask ({len(o.response_mask)}) and response_logprobs "
+                                 f"({len(o.response_logprobs)}) must have the same length")
+        P, R = int(plen.max()), max(1, int(rlen.max()))
+        # One masked write per field (row-major order = concatenation order): no per-row tensor ops.
+        prompt_am = (torch.arange(P).unsqueeze(0) >= (P - plen).unsqueeze(1)).long()  # left-padded
+        resp_am = (torch.arange(R).unsqueeze(0) < rlen.unsqueeze(1)).long()  # right-padded
+        pm, rm = prompt_am.bool(), resp_am.bool()
         prompts = torch.full((B, P), self.pad_id, dtype=torch.long)
         responses = torch.full((B, R), self.pad_id, dtype=torch.long)
-        prompt_am = torch.zeros(B, P, dtype=torch.long)
-        resp_am = torch.zeros(B, R, dtype=torch.long)
         response_mask = torch.zeros(B, R, dtype=torch.long)
         logprobs = torch.zeros(B, R, dtype=torch.float32)
-        for i, o in enumerate(outputs):
-            lp, lr = len(o.prompt_ids), len(o.response_ids)
-            if lp:
-                prompts[i, P - lp :] = torch.as_tensor(o.prompt_ids)
-                prompt_am[i, P - lp :] = 1
-            if lr:
-                responses[i, :lr] = torch.as_tensor(o.response_ids)
-                resp_am[i, :lr] = 1
-                response_mask[i, :lr] = torch.as_tensor(o.response_mask)
-                logprobs[i, :lr] = torch.as_tensor(o.response_logprobs, dtype=torch.float32)
+        prompts[pm] = torch.tensor(list(chain.from_iterable(o.prompt_ids for o in outputs)), dtype=torch.long)
+        responses[rm] = torch.tensor(list(chain.from_iterable(o.response_ids for o in outputs)), dtype=torch.long)
+        response_mask[rm] = torch.tensor(list(chain.from_iterable(o.response_mask for o in outputs)), dtype=torch.long)
+        logprobs[rm] = torch.tensor(list(chain.from_iterable(o.response_logprobs for o in outputs)), dtype=torch.float32)
         attention_mask = torch.cat([prompt_am, resp_am], dim=1)
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0) * attention_mask
         keep = ("uid", "sample_index", "data_source", "ground_truth", "extra_info", "messages", "index")
