@@ -28,8 +28,11 @@ __all__ = ["counter_uniform", "sample_tokens"]
 _M32 = 0xFFFFFFFF
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 finaliser on int64 tensors holding 32-bit values (exact, no overflow)."""
+def _mix32(x):
+    """lowbias32 finaliser on int64 values holding 32 bits (exact, no overflow).
+
+    Only ``& ^ >> *`` are used, so the same code runs on torch tensors and numpy arrays.
+    """
     x = x & _M32
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M32
@@ -38,14 +41,11 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _mix32_np(x: np.ndarray) -> np.ndarray:
-    """``_mix32`` on int64 numpy arrays (identical results)."""
-    x = x & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
+def _hash(seeds, counters):
+    """32-bit hash of ``(seed, counter)`` (both seed halves enter), torch or numpy int64."""
+    h = _mix32(seeds ^ 0x9E3779B9)
+    h = _mix32(h ^ (seeds >> 32) * 0x85EBCA6B)
+    return _mix32(h ^ (counters * 0xC2B2AE35))
 
 
 def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
@@ -55,15 +55,8 @@ def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor
     needed; 32 bits are used).
     """
     if seeds.device.type == "cpu":  # same integer math in numpy: ~20 tiny ops cost µs, not 20 kernel launches
-        sn, cn = seeds.numpy(), counters.numpy()
-        h = _mix32_np(sn ^ 0x9E3779B9)
-        h = _mix32_np(h ^ (sn >> 32) * 0x85EBCA6B)
-        h = _mix32_np(h ^ (cn * 0xC2B2AE35))
-        return torch.from_numpy(h.astype(np.float64) / 4294967296.0)
-    h = _mix32(seeds ^ 0x9E3779B9)
-    h = _mix32(h ^ (seeds >> 32) * 0x85EBCA6B)
-    h = _mix32(h ^ (counters * 0xC2B2AE35))
-    return h.double() / 4294967296.0
+        return torch.from_numpy(_hash(seeds.numpy(), counters.numpy()).astype(np.float64) / 4294967296.0)
+    return _hash(seeds, counters).double() / 4294967296.0
 
 
 def sample_tokens(
