@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_helpers import fit_with_snapshots
 
 from postrl.config import load_config
 from postrl.trainer.trainer import RLTrainer
@@ -25,10 +26,6 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _actor_params(trainer: RLTrainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.roles.actor.get_per_tensor_param()}
-
-
 @pytest.mark.parametrize("mini", [2, 4], ids=["two-minibatches", "on-policy-fused"])
 def test_grpo_local_runs_updates_and_reports(small_overrides, digits_reward, mini):
     """mini=4 (= train_batch_size): one on-policy mini-batch, old log-probs fused into the update."""
@@ -36,9 +33,7 @@ def test_grpo_local_runs_updates_and_reports(small_overrides, digits_reward, min
     trainer = RLTrainer(cfg)
     assert trainer.roles.fuse_old_log_prob == (mini == 4)
     try:
-        before = _actor_params(trainer)
-        last = trainer.fit()
-        after = _actor_params(trainer)
+        before, last, after = fit_with_snapshots(trainer)
     finally:
         trainer.close()
     assert EXPECTED_KEYS <= set(last), sorted(EXPECTED_KEYS - set(last))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_helpers import fit_with_snapshots
 
 from postrl.config import load_config
 from postrl.data import generate_countdown, write_parquet
@@ -88,9 +89,7 @@ def test_example_runs(path: Path, tiny_model_dir, addition_files, countdown_file
     cfg = load_config(path, _shrunk(path.stem, tiny_model_dir, addition_files, countdown_files, digits_reward, run_dir))
     trainer = RLTrainer(cfg)
     try:
-        before = {k: v.detach().clone() for k, v in trainer.roles.actor.get_per_tensor_param()}
-        last = trainer.fit()
-        after = {k: v.detach().clone() for k, v in trainer.roles.actor.get_per_tensor_param()}
+        before, last, after = fit_with_snapshots(trainer)
     finally:
         trainer.close()
     want = COMMON_KEYS | EXPECTED_KEYS.get(path.stem, set())
@@ -153,9 +152,7 @@ def test_dapo_dynamic_sampling_shrinks_the_batch(small_overrides, tmp_path, rewa
           "reward.overlong.enable=false"]  # the length penalty would make constant rewards differ
     trainer = RLTrainer(load_config(EXAMPLES / "dapo_addition.yaml", ov))
     try:
-        before = {k: v.detach().clone() for k, v in trainer.roles.actor.get_per_tensor_param()}
-        last = trainer.fit()
-        after = {k: v.detach().clone() for k, v in trainer.roles.actor.get_per_tensor_param()}
+        before, last, after = fit_with_snapshots(trainer)
     finally:
         trainer.close()
     moved = any(not torch.equal(before[k], after[k]) for k in before)

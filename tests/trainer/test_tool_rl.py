@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from trainer_helpers import fit_with_snapshots
 
 from postrl.config import load_config
 from postrl.data import write_parquet
@@ -134,9 +135,7 @@ def test_grpo_with_tool_loop_end_to_end(tiny_model_dir, tool_arith_files, tmp_pa
     assert cfg.rollout.agent.check_token_faithfulness and cfg.rollout.agent.max_assistant_turns == 2
     trainer = RLTrainer(cfg)
     try:
-        before = {k: v.detach().clone() for k, v in trainer.roles.actor.get_per_tensor_param()}
-        last = trainer.fit()
-        after = {k: v.detach().clone() for k, v in trainer.roles.actor.get_per_tensor_param()}
+        before, last, after = fit_with_snapshots(trainer)
         mode, tok = trainer.mode, trainer.tokenizer
     finally:
         trainer.close()
