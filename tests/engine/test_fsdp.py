@@ -13,6 +13,8 @@ the actor: one step moves a weight by about its gradient) so equal updates are t
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -193,29 +195,35 @@ def test_checkpoint_resume_identical_next_step(groups, make_batch, tmp_path):
         assert torch.equal(exported[k], t), k
 
 
+@contextlib.contextmanager
+def _dp1_and_sharded_dp2(worker_cls, cfg, name: str):
+    """A local dp=1 group and a Ray dp=2 FSDP2 group of ``worker_cls`` (checked sharded); shut down after."""
+    g1 = create_worker_group("local", worker_cls, kwargs={"cfg": cfg}, name=f"{name}_dp1")
+    g2 = None
+    try:
+        g2 = create_worker_group("ray", worker_cls, kwargs={"cfg": cfg}, world_size=2, name=f"{name}_dp2", init_dist=True)
+        assert all(abs(s["local"] - s["full"] / 2) <= 0.01 * s["full"] for s in g2.shard_stats())
+        yield g1, g2
+    finally:
+        for g in (g1, g2):
+            if g is not None:
+                g.shutdown()
+
+
 def test_ref_worker_fsdp2_matches_dp1(groups, make_batch):
     """The frozen reference model is sharded too (``actor.strategy``) and gives dp=1's log-probs."""
     _, _, cfg = groups
-    r1 = create_worker_group("local", RefWorker, kwargs={"cfg": cfg}, name="ref_dp1")
-    r2 = create_worker_group("ray", RefWorker, kwargs={"cfg": cfg}, world_size=2, name="ref_dp2", init_dist=True)
-    try:
-        assert all(abs(s["local"] - s["full"] / 2) <= 0.01 * s["full"] for s in r2.shard_stats())
+    with _dp1_and_sharded_dp2(RefWorker, cfg, "ref") as (r1, r2):
         batch = make_batch(num_prompts=4, n=4, seed=26)
         lp1 = r1.compute_ref_log_prob(batch).batch["ref_log_prob"]
         lp2 = r2.compute_ref_log_prob(batch).batch["ref_log_prob"]
         assert float(lp1.abs().max()) > 0
         torch.testing.assert_close(lp2, lp1, atol=1e-5, rtol=1e-5)
-    finally:
-        r1.shutdown()
-        r2.shutdown()
 
 
 def test_critic_fsdp2_matches_dp1(groups, make_batch):
     _, _, cfg = groups
-    c1 = create_worker_group("local", CriticWorker, kwargs={"cfg": cfg}, name="critic_dp1")
-    c2 = create_worker_group("ray", CriticWorker, kwargs={"cfg": cfg}, world_size=2, name="critic_dp2", init_dist=True)
-    try:
-        assert all(abs(s["local"] - s["full"] / 2) <= 0.01 * s["full"] for s in c2.shard_stats())
+    with _dp1_and_sharded_dp2(CriticWorker, cfg, "critic") as (c1, c2):
         batch = make_batch(num_prompts=4, n=4, seed=25)
         batch = batch.union(c1.compute_values(batch))
         batch.batch["returns"] = torch.linspace(-1, 1, batch.batch["values"].numel()).view_as(batch.batch["values"])
@@ -228,9 +236,6 @@ def test_critic_fsdp2_matches_dp1(groups, make_batch):
         v2 = c2.compute_values(batch).batch["values"]
         assert float(v1.abs().max()) > 1e-3  # the updates moved the values (comparison not vacuous)
         torch.testing.assert_close(v2, v1, atol=1e-5, rtol=1e-4)
-    finally:
-        c1.shutdown()
-        c2.shutdown()
 
 
 def test_strategy_is_validated():
