@@ -74,14 +74,46 @@ def _lm_head(causal_lm: nn.Module) -> nn.Linear:
     return head
 
 
-def _zero_pass(module: nn.Module, run) -> None:
-    """One forward (+ backward under grad mode) of ``run`` on a 2-token row, contributing 0."""
-    dev = next(module.parameters()).device
+def _zero_pass(root: nn.Module) -> None:
+    """One forward (+ backward under grad mode) of ``root`` on a 2-token row, contributing 0."""
+    dev = next(root.parameters()).device
     ids = torch.zeros(1, 2, dtype=torch.long, device=dev)
-    out = run(ids, torch.ones_like(ids), 1)
+    out = root(ids, torch.ones_like(ids), 1)
     out = out[0] if isinstance(out, tuple) else out
     if torch.is_grad_enabled() and out.requires_grad:
         (out.sum() * 0.0).backward()
+
+
+class _DataParallelRoot:
+    """FSDP2 sharding and micro-batch alignment shared by :class:`PolicyModel` and
+    :class:`CriticModel`; each names its FSDP2 root module in ``_fsdp_root``."""
+
+    dp_group: dist.ProcessGroup | None
+    dummy_passes: int
+
+    def _fsdp_root(self) -> nn.Module:
+        raise NotImplementedError
+
+    def shard(self, group: dist.ProcessGroup, device: torch.device | str) -> None:
+        """FSDP2-shard the decoder layers and the root module over ``group`` (build optimizers afterwards)."""
+        from postrl.engine.fsdp import shard_model
+
+        shard_model(self._fsdp_root(), group, device)
+        self.dp_group = group
+
+    def align_micro_batches(self, micro: list[list[int]], seqlens: torch.Tensor,
+                            unit_ids: torch.Tensor | None = None) -> list[list[int]]:
+        """Same micro-batch count on every rank when sharded (:func:`postrl.engine.fsdp.align_micro_batches`);
+        unchanged otherwise."""
+        if self.dp_group is None:
+            return micro
+        from postrl.engine.fsdp import align_micro_batches
+
+        def dummy() -> None:
+            self.dummy_passes += 1
+            _zero_pass(self._fsdp_root())
+
+        return align_micro_batches(micro, seqlens, self.dp_group, dummy, unit_ids)
 
 
 class PolicyLogProbs(nn.Module):
@@ -112,7 +144,7 @@ class PolicyLogProbs(nn.Module):
 
 
 @dataclass
-class PolicyModel:
+class PolicyModel(_DataParallelRoot):
     """A causal LM ready for padding-free training.
 
     Attributes:
@@ -163,26 +195,8 @@ class PolicyModel:
         return self.runner(input_ids, attention_mask, response_length, temperature=temperature,
                            calculate_entropy=calculate_entropy, share_prefix=share_prefix)
 
-    def shard(self, group: dist.ProcessGroup, device: torch.device | str) -> None:
-        """FSDP2-shard the parameters over ``group`` (build optimizers afterwards)."""
-        from postrl.engine.fsdp import shard_model
-
-        shard_model(self.runner, group, device)
-        self.dp_group = group
-
-    def align_micro_batches(self, micro: list[list[int]], seqlens: torch.Tensor,
-                            unit_ids: torch.Tensor | None = None) -> list[list[int]]:
-        """Same micro-batch count on every rank when sharded (:func:`postrl.engine.fsdp.align_micro_batches`);
-        unchanged otherwise."""
-        if self.dp_group is None:
-            return micro
-        from postrl.engine.fsdp import align_micro_batches
-
-        def dummy() -> None:
-            self.dummy_passes += 1
-            _zero_pass(self.module, self.logprobs)
-
-        return align_micro_batches(micro, seqlens, self.dp_group, dummy, unit_ids)
+    def _fsdp_root(self) -> nn.Module:
+        return self.runner
 
     def reference(self) -> contextlib.AbstractContextManager:
         """Context in which the module computes the reference policy (LoRA: adapters disabled)."""
@@ -195,7 +209,7 @@ class PolicyModel:
         return (p for p in self.module.parameters() if p.requires_grad)
 
 
-class CriticModel(nn.Module):
+class CriticModel(_DataParallelRoot, nn.Module):
     """Decoder backbone + scalar value head: ``V(s_t) = w · h_t + b`` per token.
 
     Args:
@@ -225,24 +239,8 @@ class CriticModel(nn.Module):
         return critic_values(self.backbone, self.value_head, input_ids, attention_mask, response_length,
                              share_prefix=share_prefix, packed=self.packed)
 
-    def shard(self, group: dist.ProcessGroup, device: torch.device | str) -> None:
-        """FSDP2-shard backbone layers + this module (the root) over ``group``."""
-        from postrl.engine.fsdp import shard_model
-
-        shard_model(self, group, device)
-        self.dp_group = group
-
-    def align_micro_batches(self, micro: list[list[int]], seqlens: torch.Tensor) -> list[list[int]]:
-        """Same micro-batch count on every rank when sharded; unchanged otherwise."""
-        if self.dp_group is None:
-            return micro
-        from postrl.engine.fsdp import align_micro_batches
-
-        def dummy() -> None:
-            self.dummy_passes += 1
-            _zero_pass(self, self)
-
-        return align_micro_batches(micro, seqlens, self.dp_group, dummy)
+    def _fsdp_root(self) -> nn.Module:
+        return self
 
 
 def _common_kwargs(model_cfg, device) -> dict:
