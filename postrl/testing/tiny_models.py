@@ -7,7 +7,11 @@ with a ChatML chat template, ``generation_config.json``) that ``AutoModelForCaus
 
 The tokenizer is byte-level BPE with an empty merge list: one token per byte (so any text is
 representable and token ids are easy to reason about in tests) plus the special tokens
-``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>``.
+``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>``, and — like Qwen2.5/Qwen3 — the tool tags
+``<tool_call>``, ``</tool_call>``, ``<tool_response>`` and ``</tool_response>`` as single
+**non-special** added tokens (``decode(..., skip_special_tokens=True)`` keeps them, so tool-call
+parsers see them in decoded text). The vocabulary is 263 tokens, padded to 264 in the model, the
+same embedding shape as before the tool tags were added; byte and special ids are unchanged.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PRESETS", "ARCHS", "CHATML_TEMPLATE", "make_tokenizer", "make_model"]
+__all__ = ["PRESETS", "ARCHS", "CHATML_TEMPLATE", "SPECIAL_TOKENS", "TOOL_TOKENS", "make_tokenizer", "make_model"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+#: Tool tags added as single, non-special tokens (ids 259-262), as in Qwen2.5/Qwen3 tokenizers.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 # ChatML, as used by Qwen. Tool messages are rendered as a user turn wrapped in
 # <tool_response> tags (Qwen2.5 convention); the generation prompt opens an assistant turn.
@@ -43,8 +49,9 @@ ARCHS = ("qwen2", "llama", "qwen3")
 
 
 def make_tokenizer():
-    """Byte-level BPE tokenizer (no merges: one token per byte) with ChatML special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """Byte-level BPE tokenizer (no merges: one token per byte) with ChatML special tokens and the
+    tool tags of :data:`TOOL_TOKENS` as single non-special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -53,6 +60,7 @@ def make_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
