@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from postrl.rollout.native.kernels import DecodeKernels
 from postrl.rollout.native.kvstore import DecodeLayout, KVStore
 from postrl.rollout.native.model import (
     DecoderConfig,
@@ -22,7 +23,7 @@ from postrl.rollout.native.model import (
     rms_norm,
 )
 
-__all__ = ["prefill", "decode"]
+__all__ = ["prefill", "decode", "decode_fused"]
 
 
 def _qkv(x: torch.Tensor, lw, cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,3 +171,36 @@ def decode(
         g, u = F.linear(rms_norm(x, lw.ln2, cfg.rms_norm_eps), lw.w_gu).chunk(2, dim=-1)
         x = torch.addmm(x, F.silu(g).mul_(u), lw.w_down.t())
     return F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head)
+
+
+def decode_fused(
+    w: DecoderWeights,
+    cfg: DecoderConfig,
+    kern: DecodeKernels,
+    tokens: torch.Tensor,
+    pos: torch.Tensor,
+    plen: torch.Tensor,
+    pid: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: KVStore,
+    threads: int,
+) -> torch.Tensor:
+    """``decode`` with the fused CPU kernels (``kernels.py``): same inputs, same logits up to float
+    rounding. Per layer: RMSNorm → qkv GEMM → ``rope_kv`` (q/k-norm, RoPE, cache write, in place)
+    → ``decode_attention`` (prefix + own completion, one softmax) → o GEMM (+residual) → RMSNorm
+    → gate/up GEMM → SiLU·up → down GEMM (+residual). ``sin`` is the *plain* table; ``pos``,
+    ``plen``, ``pid`` are contiguous (B,) int64 views of the engine's slot state.
+    """
+    H, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    scale = D**-0.5
+    x = F.embedding(tokens, w.embed)  # (B, hidden)
+    for li, lw in enumerate(w.layers):
+        kc, vc = kv.k[li], kv.v[li]
+        qkv = F.linear(kern.rms_norm(x, lw.ln1, eps), lw.w_qkv, lw.b_qkv)  # (B, (H + 2·Hkv)·D)
+        kern.rope_kv(qkv, H, Hkv, D, cos, sin, pos, plen, lw.q_norm, lw.k_norm, eps, kc, vc)
+        o = kern.decode_attention(qkv, H, Hkv, D, kv.pk[li], kv.pv[li], kc, vc, pid, plen, pos, scale, threads)
+        x = torch.addmm(x, o, lw.w_o.t()) if lw.b_o is None else x + F.linear(o, lw.w_o, lw.b_o)
+        g, u = F.linear(kern.rms_norm(x, lw.ln2, eps), lw.w_gu).chunk(2, dim=-1)
+        x = torch.addmm(x, F.silu(g).mul_(u), lw.w_down.t())
+    return F.linear(kern.rms_norm(x, w.norm, eps), w.lm_head)

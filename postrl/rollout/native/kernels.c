@@ -1,0 +1,272 @@
+/* Fused fp32 CPU kernels for the native engine's decode step (see kernels.py).
+ *
+ * Built at first use with the system C compiler (cc -O3 -march=native -fopenmp, see kernels.py)
+ * and called through ctypes on tensor data pointers.
+ *
+ * Arithmetic follows the HF reference formulas: RMSNorm is w * (x * (1 / sqrt(mean(x^2) + eps))),
+ * RoPE is x*cos + rotate_half(x)*sin. The softmax uses exp(s - max) with a polynomial exp (range
+ * reduction to [-ln2/2, ln2/2], degree-6 polynomial, ~1 ulp). Summation order and fused
+ * multiply-adds differ from torch's kernels, so results agree to float rounding (~1e-6), not
+ * bit for bit.
+ *
+ * Layouts (all contiguous, row-major):
+ *   qkv    (B, (H + 2*Hkv) * D)   q heads, then k heads, then v heads
+ *   cache  (S, Hkv, Tmax, D)      one layer of the prefix store or of the slot store
+ *   out    (B, H * D)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* exp(x) for x <= 0 (softmax arguments), vectorisable: 2^n * p(r), x = n ln2 + r. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float n = (x * 1.44269504088896341f + shifter) - shifter;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    union { int32_t i; float f; } u;
+    u.i = ((int32_t)n + 127) << 23;
+    return p * u.f;
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static inline void rms_row(const float *x, const float *w, float *o, int64_t n, float eps) {
+    float ss = dot(x, x, n);
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) o[i] = w[i] * (x[i] * inv);
+}
+
+/* out[r] = w * (x[r] / rms(x[r])) for r < rows. */
+void postrl_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) rms_row(x + r * dim, w, out + r * dim, dim, eps);
+}
+
+static inline void rope_head(float *x, const float *c, const float *s, int64_t D) {
+    int64_t half = D / 2;
+    float tmp[1024];
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) tmp[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+#pragma omp simd
+    for (int64_t i = half; i < D; i++) tmp[i] = x[i] * c[i] + x[i - half] * s[i];
+#pragma omp simd
+    for (int64_t i = 0; i < D; i++) x[i] = tmp[i];
+}
+
+/* In place on qkv: optional q/k RMSNorm over head_dim (Qwen3), RoPE on q and k heads at
+ * position pos[b]; then k and v of row b are written to slot b, offset pos[b] - plen[b], of
+ * kcache / vcache (S, Hkv, Tmax, D). cos/sin: (T_rope, D) tables, plain (not sign-folded). */
+void postrl_rope_kv(float *qkv, int64_t B, int64_t H, int64_t Hkv, int64_t D, const float *cos_t,
+                    const float *sin_t, const int64_t *pos, const int64_t *plen, const float *q_norm,
+                    const float *k_norm, float eps, float *kcache, float *vcache, int64_t Tmax) {
+    int64_t row = (H + 2 * Hkv) * D;
+    float nbuf[1024];
+    for (int64_t b = 0; b < B; b++) {
+        float *r = qkv + b * row;
+        const float *c = cos_t + pos[b] * D, *s = sin_t + pos[b] * D;
+        int64_t off = pos[b] - plen[b];
+        for (int64_t h = 0; h < H + Hkv; h++) {
+            float *x = r + h * D;
+            const float *nw = h < H ? q_norm : k_norm;
+            if (nw) {
+                rms_row(x, nw, nbuf, D, eps);
+                for (int64_t i = 0; i < D; i++) x[i] = nbuf[i];
+            }
+            rope_head(x, c, s, D);
+        }
+        for (int64_t j = 0; j < Hkv; j++) {
+            float *kd = kcache + ((b * Hkv + j) * Tmax + off) * D;
+            float *vd = vcache + ((b * Hkv + j) * Tmax + off) * D;
+            const float *ks = r + (H + j) * D, *vs = r + (H + Hkv + j) * D;
+            for (int64_t i = 0; i < D; i++) {
+                kd[i] = ks[i];
+                vd[i] = vs[i];
+            }
+        }
+    }
+}
+
+typedef struct {
+    const float *qkv, *pk, *pv, *kc, *vc;
+    const int64_t *pid, *plen, *pos;
+    float *out;
+    int64_t b0, b1, H, Hkv, D, Tmax;
+    float scale;
+    int status;
+} attn_job;
+
+/* 8-float vectors (GCC/Clang vector extension): AVX2/AVX-512 ymm on x86, 2 x NEON on arm64.
+ * Loads/stores go through memcpy, so no alignment is assumed. */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 ld8(const float *p) {
+    v8 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void st8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+static inline float hsum8(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+/* s[g*ld + t] = scale * q_g . K[t] for t < n, g < G; q: G heads of D floats (D % 8 == 0). Each K
+ * row pair is loaded once for all G heads (independent accumulators for ILP). */
+static void scores_g(const float *q, int64_t G, const float *K, int64_t n, int64_t D, float scale, float *s,
+                     int64_t ld) {
+    const int64_t nv = D / 8;
+    int64_t t = 0;
+    for (; t + 1 < n; t += 2) {
+        const float *k0 = K + t * D, *k1 = k0 + D;
+        int64_t g = 0;
+        for (; g + 1 < G; g += 2) {
+            const float *q0 = q + g * D, *q1 = q0 + D;
+            v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0};
+            for (int64_t c = 0; c < nv; c++) {
+                v8 x0 = ld8(k0 + 8 * c), x1 = ld8(k1 + 8 * c), y0 = ld8(q0 + 8 * c), y1 = ld8(q1 + 8 * c);
+                a00 += y0 * x0;
+                a01 += y0 * x1;
+                a10 += y1 * x0;
+                a11 += y1 * x1;
+            }
+            s[g * ld + t] = hsum8(a00) * scale;
+            s[g * ld + t + 1] = hsum8(a01) * scale;
+            s[(g + 1) * ld + t] = hsum8(a10) * scale;
+            s[(g + 1) * ld + t + 1] = hsum8(a11) * scale;
+        }
+        for (; g < G; g++) {
+            v8 a0 = {0}, a1 = {0};
+            for (int64_t c = 0; c < nv; c++) {
+                v8 y = ld8(q + g * D + 8 * c);
+                a0 += y * ld8(k0 + 8 * c);
+                a1 += y * ld8(k1 + 8 * c);
+            }
+            s[g * ld + t] = hsum8(a0) * scale;
+            s[g * ld + t + 1] = hsum8(a1) * scale;
+        }
+    }
+    for (; t < n; t++) {
+        const float *k0 = K + t * D;
+        for (int64_t g = 0; g < G; g++) {
+            v8 a0 = {0};
+            for (int64_t c = 0; c < nv; c++) a0 += ld8(q + g * D + 8 * c) * ld8(k0 + 8 * c);
+            s[g * ld + t] = hsum8(a0) * scale;
+        }
+    }
+}
+
+/* o[g] += sum_t p[g*ld + t] * V[t] for g < G (o: G x D floats). Blocks of 2 heads x 32 columns
+ * keep 8 accumulators in registers while t streams over the (L1-resident) V rows. */
+static void pv_g(const float *p, int64_t ld, int64_t G, const float *V, int64_t n, int64_t D, float *o) {
+    for (int64_t c = 0; c < D; c += 32) {
+        const int64_t w = D - c < 32 ? D - c : 32; /* 8, 16, 24 or 32 columns */
+        int64_t g = 0;
+        for (; g < G; g += 2) {
+            const int two = g + 1 < G;
+            const float *p0 = p + g * ld, *p1 = p + (g + two) * ld;
+            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+            if (w == 32) {
+                for (int64_t t = 0; t < n; t++) {
+                    const float *v = V + t * D + c;
+                    v8 v0 = ld8(v), v1 = ld8(v + 8), v2 = ld8(v + 16), v3 = ld8(v + 24);
+                    const float x = p0[t], y = p1[t];
+                    a0 += x * v0; a1 += x * v1; a2 += x * v2; a3 += x * v3;
+                    b0 += y * v0; b1 += y * v1; b2 += y * v2; b3 += y * v3;
+                }
+            } else {
+                for (int64_t t = 0; t < n; t++) {
+                    const float *v = V + t * D + c;
+                    const float x = p0[t], y = p1[t];
+                    v8 v0 = ld8(v);
+                    a0 += x * v0; b0 += y * v0;
+                    if (w > 8) { v8 v1 = ld8(v + 8); a1 += x * v1; b1 += y * v1; }
+                    if (w > 16) { v8 v2 = ld8(v + 16); a2 += x * v2; b2 += y * v2; }
+                }
+            }
+            v8 acc[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
+            for (int h = 0; h <= two; h++)
+                for (int64_t k = 0; k < w / 8; k++) {
+                    float *dst = o + (g + h) * D + c + 8 * k;
+                    st8(dst, ld8(dst) + acc[h][k]);
+                }
+        }
+    }
+}
+
+/* Rows b0..b1-1: each query head attends its prompt (prefix row pid[b], positions < plen[b])
+ * and its own completion (slot b, offsets 0..pos[b]-plen[b]) under one softmax. */
+static void attn_rows(attn_job *j) {
+    const int64_t H = j->H, Hkv = j->Hkv, D = j->D, Tmax = j->Tmax, G = H / Hkv;
+    const int64_t row = (H + 2 * Hkv) * D;
+    int64_t nmax = 1;
+    for (int64_t b = j->b0; b < j->b1; b++)
+        if (j->pos[b] + 1 > nmax) nmax = j->pos[b] + 1; /* prompt + own tokens */
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(G * nmax));
+    if (!sc) {
+        j->status = 1;
+        return;
+    }
+    for (int64_t b = j->b0; b < j->b1; b++) {
+        const int64_t n1 = j->plen[b], n2 = j->pos[b] - j->plen[b] + 1, n = n1 + n2;
+        for (int64_t kh = 0; kh < Hkv; kh++) {
+            const int64_t pre = (j->pid[b] * Hkv + kh) * Tmax * D, own = (b * Hkv + kh) * Tmax * D;
+            const float *q = j->qkv + b * row + kh * G * D;
+            scores_g(q, G, j->pk + pre, n1, D, j->scale, sc, n);
+            scores_g(q, G, j->kc + own, n2, D, j->scale, sc + n1, n);
+            for (int64_t g = 0; g < G; g++) {
+                float *s = sc + g * n;
+                float m = s[0];
+                for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t t = 0; t < n; t++) {
+                    s[t] = exp_nonpos(s[t] - m);
+                    sum += s[t];
+                }
+                const float inv = 1.0f / sum;
+#pragma omp simd
+                for (int64_t t = 0; t < n; t++) s[t] *= inv;
+            }
+            float *o = j->out + b * H * D + kh * G * D;
+            for (int64_t c = 0; c < G * D; c++) o[c] = 0.0f;
+            pv_g(sc, n, G, j->pv + pre, n1, D, o);
+            pv_g(sc + n1, n, G, j->vc + own, n2, D, o);
+        }
+    }
+    free(sc);
+}
+
+/* Decode attention for rows 0..B-1, split over `threads` OpenMP threads. Built with -fopenmp the
+ * library shares torch's (already loaded) libgomp, so its pool is torch's pool: no second team
+ * of spinning threads. Returns 0 on success, nonzero when a score buffer could not be allocated. */
+int postrl_decode_attention(const float *qkv, const float *pk, const float *pv, const float *kc,
+                            const float *vc, const int64_t *pid, const int64_t *plen,
+                            const int64_t *pos, float *out, int64_t B, int64_t H, int64_t Hkv,
+                            int64_t D, int64_t Tmax, float scale, int64_t threads) {
+    if (threads < 1) threads = 1;
+    if (threads > B) threads = B > 0 ? B : 1;
+    int status = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(| : status) if (threads > 1)
+#endif
+    for (int64_t t = 0; t < threads; t++) {
+        attn_job j = {qkv, pk, pv, kc, vc, pid, plen, pos, out, B * t / threads, B * (t + 1) / threads,
+                      H, Hkv, D, Tmax, scale, 0};
+        attn_rows(&j);
+        status |= j.status;
+    }
+    return status;
+}

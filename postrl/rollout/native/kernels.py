@@ -1,0 +1,193 @@
+"""Fused fp32 CPU decode kernels (``kernels.c``), compiled at first use and called via ctypes.
+
+Why: on CPU the decode step of a small model is dominated not by its matmuls but by the ~25
+small ops per layer around them (RMSNorm, RoPE, cache writes, the grouped attention's copies,
+mask, softmax) — each a dispatch, an allocation and a pass over memory. Three kernels replace
+them: ``rms_norm``, ``rope_kv`` (q/k-norm + RoPE in place + K/V cache write) and
+``decode_attention`` (prompt prefix + own completion under one softmax, rows split over the
+OpenMP threads). The matmuls stay with torch (MKL/oneDNN).
+
+Build: ``cc -O3 -march=native -fopenmp -shared -fPIC`` (``-fopenmp`` links libgomp by its soname,
+which resolves to the copy torch already loaded, so the attention kernel's threads are torch's
+OpenMP pool; without OpenMP support: ``-fopenmp-simd``, single-threaded) into
+``$POSTRL_CACHE_DIR`` (default ``~/.cache/postrl``)``/kernels/<hash>.so``, keyed by the source,
+the flags and the CPU's feature flags (so a shared home directory never hands a machine code it
+cannot run). The compile takes ~1 s once per machine, under a 120 s deadline; the write is atomic
+(concurrent processes race harmlessly). No compiler, a failed build or ``POSTRL_KERNELS=0`` →
+``load()`` returns None and the engine uses its torch path (logged once, never silent).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["DecodeKernels", "load", "build_error", "supports"]
+
+logger = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("kernels.c")
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
+# -fopenmp: libgomp's soname is torch's, so the loader hands the kernels torch's (already loaded)
+# runtime and thread pool. Without an OpenMP toolchain: -fopenmp-simd, single-threaded kernels.
+_OMP_VARIANTS = (["-fopenmp"], ["-fopenmp-simd"])
+_MAX_HEAD_DIM = 1024  # stack buffers in kernels.c
+_BUILD_TIMEOUT_S = 120.0
+_lock = threading.Lock()
+_cached: DecodeKernels | None = None
+_error: str | None = None
+_tried = False
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() + platform.machine()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("POSTRL_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "postrl")
+    return Path(root) / "kernels"
+
+
+def _compile(cc: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".so.tmp", dir=out.parent)
+    os.close(fd)
+    errors = []
+    try:
+        for omp in _OMP_VARIANTS:
+            res = subprocess.run([cc, *_FLAGS, *omp, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                 timeout=_BUILD_TIMEOUT_S)
+            if res.returncode == 0:
+                os.replace(tmp, out)  # atomic: a concurrent builder's identical file is simply replaced
+                return
+            errors.append(f"{cc} {' '.join(omp)} failed (exit {res.returncode}): {res.stderr.strip()[-600:]}")
+        raise RuntimeError("; ".join(errors))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class DecodeKernels:
+    """The loaded library, with tensor-level wrappers that check dtypes, devices and layout."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        lib.postrl_rms_norm.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _f32]
+        lib.postrl_rms_norm.restype = None
+        lib.postrl_rope_kv.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr,
+                                       _i64]
+        lib.postrl_rope_kv.restype = None
+        lib.postrl_decode_attention.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
+                                                _i64, _i64, _f32, _i64]
+        lib.postrl_decode_attention.restype = ctypes.c_int
+        self._lib = lib
+
+    @staticmethod
+    def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> int:
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name}: needs a contiguous CPU {dtype} tensor, got {t.dtype} on {t.device} "
+                             f"(contiguous={t.is_contiguous()})")
+        return t.data_ptr()
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """``w * x / sqrt(mean(x²) + eps)`` over the last dim of ``x`` (rows, dim)."""
+        out = torch.empty_like(x)
+        dim = x.shape[-1]
+        self._lib.postrl_rms_norm(self._check("x", x, torch.float32), self._check("w", w, torch.float32),
+                                  out.data_ptr(), x.numel() // dim, dim, eps)
+        return out
+
+    def rope_kv(self, qkv: torch.Tensor, H: int, Hkv: int, D: int, cos: torch.Tensor, sin: torch.Tensor,
+                pos: torch.Tensor, plen: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                eps: float, kcache: torch.Tensor, vcache: torch.Tensor) -> None:
+        """In place on ``qkv`` (B, (H+2·Hkv)·D): q/k-norm (when given) and RoPE at ``pos``; K and V
+        written to slot ``b`` at offset ``pos_b - plen_b`` of ``kcache``/``vcache`` (S, Hkv, Tmax, D)."""
+        B = qkv.shape[0]
+        self._lib.postrl_rope_kv(
+            self._check("qkv", qkv, torch.float32), B, H, Hkv, D, self._check("cos", cos, torch.float32),
+            self._check("sin", sin, torch.float32), self._check("pos", pos, torch.int64),
+            self._check("plen", plen, torch.int64),
+            None if q_norm is None else self._check("q_norm", q_norm, torch.float32),
+            None if k_norm is None else self._check("k_norm", k_norm, torch.float32), eps,
+            self._check("kcache", kcache, torch.float32), self._check("vcache", vcache, torch.float32), kcache.shape[2])
+
+    def decode_attention(self, qkv: torch.Tensor, H: int, Hkv: int, D: int, pk: torch.Tensor, pv: torch.Tensor,
+                         kc: torch.Tensor, vc: torch.Tensor, pid: torch.Tensor, plen: torch.Tensor, pos: torch.Tensor,
+                         scale: float, threads: int) -> torch.Tensor:
+        """Attention output (B, H·D) of the q heads in ``qkv`` over each row's prompt prefix
+        (``pk``/``pv`` row ``pid_b``, ``plen_b`` positions) and own completion (``kc``/``vc``
+        slot ``b``, offsets ``0 .. pos_b - plen_b``)."""
+        B = qkv.shape[0]
+        out = torch.empty(B, H * D, dtype=qkv.dtype)
+        rc = self._lib.postrl_decode_attention(
+            self._check("qkv", qkv, torch.float32), self._check("pk", pk, torch.float32),
+            self._check("pv", pv, torch.float32), self._check("kc", kc, torch.float32),
+            self._check("vc", vc, torch.float32), self._check("pid", pid, torch.int64),
+            self._check("plen", plen, torch.int64), self._check("pos", pos, torch.int64), out.data_ptr(),
+            B, H, Hkv, D, kc.shape[2], scale, threads)
+        if rc != 0:
+            raise MemoryError("decode_attention: a worker thread could not allocate its score buffer")
+        return out
+
+
+def build_error() -> str | None:
+    """Why the kernels are unavailable (None when they loaded or were not tried yet)."""
+    return _error
+
+
+def load() -> DecodeKernels | None:
+    """Build (once per machine) and load the kernels; None when unavailable (reason logged once)."""
+    global _cached, _error, _tried
+    with _lock:
+        if _tried:
+            return _cached
+        _tried = True
+        if os.environ.get("POSTRL_KERNELS", "1") == "0":
+            _error = "disabled by POSTRL_KERNELS=0"
+            return None
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        if cc is None:
+            _error = "no C compiler found (cc, gcc or clang); install one or set CC"
+            logger.warning("native engine: fused CPU kernels unavailable (%s); using the torch path", _error)
+            return None
+        key = hashlib.sha256("\n".join([_SRC.read_text(), cc, " ".join(_FLAGS), repr(_OMP_VARIANTS), _cpu_flags()]).encode()).hexdigest()[:16]
+        path = _cache_dir() / f"decode-{key}.so"
+        try:
+            if not path.exists():
+                logger.info("native engine: compiling fused CPU kernels -> %s", path)
+                _compile(cc, path)
+            _cached = DecodeKernels(ctypes.CDLL(str(path)), path)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+            _error = f"{type(e).__name__}: {e}"
+            logger.warning("native engine: fused CPU kernels unavailable (%s); using the torch path", _error)
+            return None
+        return _cached
+
+
+def supports(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """None when the kernels can run this model, else the reason they cannot."""
+    if device.type != "cpu":
+        return f"device {device} (the kernels are CPU-only)"
+    if dtype != torch.float32:
+        return f"dtype {dtype} (the kernels are fp32-only)"
+    if head_dim > _MAX_HEAD_DIM or head_dim % 8:
+        return f"head_dim={head_dim} (needs a multiple of 8, at most {_MAX_HEAD_DIM})"
+    return None
