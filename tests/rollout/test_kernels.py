@@ -1,0 +1,159 @@
+"""The fused CPU decode kernels against plain torch formulas, and the engine's kernel switch."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from postrl.rollout import RolloutError, SamplingParams, create_rollout_backend
+from postrl.rollout.native import kernels
+from postrl.rollout.native.model import apply_rope
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                 reason="no C compiler: the engine runs its torch path (tested elsewhere)")
+
+
+@pytest.fixture(scope="module")
+def kern():
+    k = kernels.load()
+    assert k is not None, f"kernels failed to build/load: {kernels.build_error()}"
+    return k
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_rms_norm(kern):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(37, 96, generator=g) * 3, torch.rand(96, generator=g) + 0.5
+    torch.testing.assert_close(kern.rms_norm(x, w, 1e-6), _rms(x, w, 1e-6), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_kv_rotates_in_place_and_writes_the_cache(kern, qk_norm):
+    g = torch.Generator().manual_seed(1)
+    B, H, Hkv, D, S, Tmax, eps = 5, 6, 2, 16, 8, 12, 1e-6
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g)
+    pos = torch.tensor([3, 7, 5, 9, 4])
+    plen = torch.tensor([2, 6, 5, 1, 4])
+    ang = torch.rand(32, D // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    qn, kn = (torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5) if qk_norm else (None, None)
+    kc, vc = torch.zeros(S, Hkv, Tmax, D), torch.zeros(S, Hkv, Tmax, D)
+    q, k, v = qkv.clone().split([H * D, Hkv * D, Hkv * D], -1)
+    q, k, v = q.reshape(B, H, D), k.reshape(B, Hkv, D), v.reshape(B, Hkv, D)
+    if qk_norm:
+        q, k = _rms(q, qn, eps), _rms(k, kn, eps)
+    c, s = cos[pos][:, None], sin[pos][:, None]
+    q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+    kern.rope_kv(qkv, H, Hkv, D, cos, sin, pos, plen, qn, kn, eps, kc, vc)
+    torch.testing.assert_close(qkv[:, : H * D].reshape(B, H, D), q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qkv[:, H * D:(H + Hkv) * D].reshape(B, Hkv, D), k, rtol=1e-5, atol=1e-5)
+    for b in range(B):
+        off = int(pos[b] - plen[b])
+        torch.testing.assert_close(kc[b, :, off], k[b], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vc[b, :, off], v[b])
+        assert kc[b, :, :off].abs().sum() == 0 and kc[b, :, off + 1:].abs().sum() == 0  # nothing else written
+
+
+@pytest.mark.parametrize(("H", "Hkv", "D"), [(4, 2, 64), (6, 2, 24), (3, 3, 8), (8, 1, 40)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_equals_softmax_reference(kern, H, Hkv, D, threads):
+    """Each row: softmax over [its prompt's prefix keys, its own keys 0..off] — checked against
+    an explicit torch computation, with ragged prompt lengths, offsets and shared prefixes."""
+    g = torch.Generator().manual_seed(H * 100 + D)
+    B, S, Tmax = 9, 9, 20
+    G = H // Hkv
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g)
+    pk, pv, kc, vc = (torch.randn(S, Hkv, Tmax, D, generator=g) for _ in range(4))
+    pid = torch.tensor([0, 0, 1, 2, 2, 2, 3, 4, 0])
+    plen = torch.tensor([5, 5, 1, 12, 12, 12, 7, 19, 5])
+    pos = plen + torch.tensor([0, 3, 0, 6, 1, 0, 12, 0, 7])  # own offsets 0 .. 12
+    scale = D ** -0.5
+    out = kern.decode_attention(qkv, H, Hkv, D, pk, pv, kc, vc, pid, plen, pos, scale, threads)
+    for b in range(B):
+        n1, n2 = int(plen[b]), int(pos[b] - plen[b]) + 1
+        for h in range(H):
+            kh = h // G
+            q = qkv[b, h * D:(h + 1) * D]
+            K = torch.cat([pk[pid[b], kh, :n1], kc[b, kh, :n2]])
+            V = torch.cat([pv[pid[b], kh, :n1], vc[b, kh, :n2]])
+            ref = torch.softmax(K @ q * scale, 0) @ V
+            torch.testing.assert_close(out[b, h * D:(h + 1) * D], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_tensors_are_refused(kern):
+    with pytest.raises(ValueError, match="x: needs a contiguous CPU torch.float32"):
+        kern.rms_norm(torch.zeros(4, 8, dtype=torch.float64), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="x: needs a contiguous"):
+        kern.rms_norm(torch.zeros(8, 4).t(), torch.ones(8), 1e-6)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_kernels_share_torchs_openmp_runtime(kern):
+    """One libgomp in the process: the kernels' threads are torch's pool, not a second team."""
+    libs = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+            if "libgomp" in line.split()[-1]}
+    assert len(libs) <= 1, libs
+
+
+def _run(be, prompts, sp):
+    async def go():
+        return await asyncio.gather(*[be.generate(p, sp, f"r{i}") for i, p in enumerate(prompts)])
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_engine_fused_equals_torch_path(tiny_model_factory, arch):
+    """Same requests (shared and distinct prompts, sampled, ragged finishes through EOS) through
+    kernels='fused' and kernels='torch': same tokens, log-probs equal to float rounding."""
+    d = tiny_model_factory(arch)
+    g = torch.Generator().manual_seed(3)
+    base = [torch.randint(0, 256, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(6)]
+    prompts = [p for p in base[:3] for _ in range(4)] + base[3:]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=20, seed=11, logprobs=True)
+    outs = {}
+    for mode in ("fused", "torch"):
+        be = create_rollout_backend("native", d, max_num_seqs=8, max_model_len=64, kernels=mode)
+        assert (be.kernels is not None) == (mode == "fused")
+        outs[mode] = _run(be, prompts, sp)
+        be.close()
+    for a, b in zip(outs["fused"], outs["torch"]):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), rtol=0, atol=1e-5)
+
+
+def test_kernel_option_errors(tiny_model_dir):
+    with pytest.raises(ValueError, match="kernels='bogus' is not one of"):
+        create_rollout_backend("native", tiny_model_dir, max_num_seqs=2, max_model_len=32, kernels="bogus")
+    with pytest.raises(RolloutError, match="dtype torch.bfloat16"):
+        create_rollout_backend("native", tiny_model_dir, max_num_seqs=2, max_model_len=32, kernels="fused",
+                               dtype="bfloat16")
+    be = create_rollout_backend("native", tiny_model_dir, max_num_seqs=2, max_model_len=32, dtype="bfloat16")
+    assert be.kernels is None  # auto: the torch path, not an error
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "_cached", None)
+    monkeypatch.setattr(kernels, "_error", None)
+    monkeypatch.setenv("POSTRL_KERNELS", "0")
+    assert kernels.load() is None
+    assert "POSTRL_KERNELS=0" in kernels.build_error()
+
+
+def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "_cached", None)
+    monkeypatch.setattr(kernels, "_error", None)
+    monkeypatch.setenv("POSTRL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert kernels.load() is None
+    assert "no-such-compiler" in kernels.build_error()
