@@ -52,14 +52,16 @@ def test_rope_kv_rotates_in_place_and_writes_the_cache(kern, qk_norm):
         q, k = _rms(q, qn, eps), _rms(k, kn, eps)
     c, s = cos[pos][:, None], sin[pos][:, None]
     q, k = apply_rope(q, c, s), apply_rope(k, c, s)
-    kern.rope_kv(qkv, H, Hkv, D, cos, sin, pos, plen, qn, kn, eps, kc, vc)
+    slot = torch.tensor([4, 0, 7, 2, 5])  # any cache slot per row
+    kern.rope_kv(qkv, H, Hkv, D, cos, sin, pos, slot, pos - plen, qn, kn, eps, kc, vc)
     torch.testing.assert_close(qkv[:, : H * D].reshape(B, H, D), q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(qkv[:, H * D:(H + Hkv) * D].reshape(B, Hkv, D), k, rtol=1e-5, atol=1e-5)
     for b in range(B):
-        off = int(pos[b] - plen[b])
-        torch.testing.assert_close(kc[b, :, off], k[b], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(vc[b, :, off], v[b])
-        assert kc[b, :, :off].abs().sum() == 0 and kc[b, :, off + 1:].abs().sum() == 0  # nothing else written
+        off, sb = int(pos[b] - plen[b]), int(slot[b])
+        torch.testing.assert_close(kc[sb, :, off], k[b], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vc[sb, :, off], v[b])
+        kc[sb, :, off] = 0
+    assert kc.abs().sum() == 0  # nothing else written
 
 
 @pytest.mark.parametrize(("H", "Hkv", "D"), [(4, 2, 64), (6, 2, 24), (3, 3, 8), (8, 1, 40)])
@@ -86,6 +88,14 @@ def test_decode_attention_equals_softmax_reference(kern, H, Hkv, D, threads):
             V = torch.cat([pv[pid[b], kh, :n1], vc[b, kh, :n2]])
             ref = torch.softmax(K @ q * scale, 0) @ V
             torch.testing.assert_close(out[b, h * D:(h + 1) * D], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [3, 700])  # serial and OpenMP-parallel paths
+def test_silu_mul(kern, rows):
+    g = torch.Generator().manual_seed(2)
+    gu = torch.randn(rows, 2 * 384, generator=g) * 6
+    ref = torch.nn.functional.silu(gu[:, :384]) * gu[:, 384:]
+    torch.testing.assert_close(kern.silu_mul(gu), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_tensors_are_refused(kern):

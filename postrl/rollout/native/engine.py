@@ -30,7 +30,7 @@ import torch
 
 from postrl.rollout.base import register_rollout_backend
 from postrl.rollout.native import kernels as _kernels
-from postrl.rollout.native.forward import decode, decode_fused, prefill
+from postrl.rollout.native.forward import decode, decode_fused, prefill, prefill_fused
 from postrl.rollout.native.kvstore import DecodeLayout, KVStore
 from postrl.rollout.native.model import load_config, load_weights, rope_tables
 from postrl.rollout.native.sampler import sample_tokens
@@ -375,8 +375,12 @@ class NativeBackend:
                 toks[j, : len(kv.keys[r])] = torch.tensor(kv.keys[r])
             lens = torch.tensor([len(kv.keys[r]) for r in rows], device=dev)
             rows_t = torch.tensor(rows, device=dev)
-            kv.logits[rows_t] = prefill(self.weights, self.cfg, toks.to(dev), lens, self.cos, self.sin_signed,
-                                        kv.pk, kv.pv, rows_t)
+            if self.kernels is not None:
+                kv.logits[rows_t] = prefill_fused(self.weights, self.cfg, self.kernels, toks.to(dev), lens, self.cos,
+                                                  self.sin, kv.pk, kv.pv, rows_t)
+            else:
+                kv.logits[rows_t] = prefill(self.weights, self.cfg, toks.to(dev), lens, self.cos, self.sin_signed,
+                                            kv.pk, kv.pv, rows_t)
             start = end
         sp = [r.sampling for r in new]
         plen = torch.tensor([len(r.prompt) for r in new], device=dev)
@@ -403,7 +407,7 @@ class NativeBackend:
         B = len(self._slots)
         if self.kernels is not None:
             logits = decode_fused(self.weights, self.cfg, self.kernels, self.s_last[:B], self.s_pos[:B], self.s_plen[:B],
-                                  self.s_pid[:B], self.cos, self.sin, self.kv, torch.get_num_threads())
+                                  self.s_pid[:B], self.cos, self.sin, self.kv, self._ar_s, torch.get_num_threads())
             self._sample(slice(0, B), logits, advance_pos=True)
             return slice(0, B)
         pos = self.s_pos[:B]

@@ -23,7 +23,7 @@ from postrl.rollout.native.model import (
     rms_norm,
 )
 
-__all__ = ["prefill", "decode", "decode_fused"]
+__all__ = ["prefill", "prefill_fused", "decode", "decode_fused"]
 
 
 def _qkv(x: torch.Tensor, lw, cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,6 +184,7 @@ def decode_fused(
     cos: torch.Tensor,
     sin: torch.Tensor,
     kv: KVStore,
+    arange_b: torch.Tensor,
     threads: int,
 ) -> torch.Tensor:
     """``decode`` with the fused CPU kernels (``kernels.py``): same inputs, same logits up to float
@@ -195,12 +196,61 @@ def decode_fused(
     H, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
     scale = D**-0.5
     x = F.embedding(tokens, w.embed)  # (B, hidden)
+    slot, off = arange_b[: tokens.shape[0]], pos - plen
     for li, lw in enumerate(w.layers):
         kc, vc = kv.k[li], kv.v[li]
         qkv = F.linear(kern.rms_norm(x, lw.ln1, eps), lw.w_qkv, lw.b_qkv)  # (B, (H + 2·Hkv)·D)
-        kern.rope_kv(qkv, H, Hkv, D, cos, sin, pos, plen, lw.q_norm, lw.k_norm, eps, kc, vc)
+        kern.rope_kv(qkv, H, Hkv, D, cos, sin, pos, slot, off, lw.q_norm, lw.k_norm, eps, kc, vc)
         o = kern.decode_attention(qkv, H, Hkv, D, kv.pk[li], kv.pv[li], kc, vc, pid, plen, pos, scale, threads)
-        x = torch.addmm(x, o, lw.w_o.t()) if lw.b_o is None else x + F.linear(o, lw.w_o, lw.b_o)
-        g, u = F.linear(kern.rms_norm(x, lw.ln2, eps), lw.w_gu).chunk(2, dim=-1)
-        x = torch.addmm(x, F.silu(g).mul_(u), lw.w_down.t())
+        x = _out_proj(x, o, lw)
+        x = torch.addmm(x, kern.silu_mul(F.linear(kern.rms_norm(x, lw.ln2, eps), lw.w_gu)), lw.w_down.t())
+    return F.linear(kern.rms_norm(x, w.norm, eps), w.lm_head)
+
+
+def _out_proj(x: torch.Tensor, o: torch.Tensor, lw) -> torch.Tensor:
+    """``x + o·W_oᵀ (+ b_o)``, the residual add fused into the GEMM when there is no bias."""
+    return torch.addmm(x, o, lw.w_o.t()) if lw.b_o is None else x + F.linear(o, lw.w_o, lw.b_o)
+
+
+def prefill_fused(
+    w: DecoderWeights,
+    cfg: DecoderConfig,
+    kern: DecodeKernels,
+    tokens: torch.Tensor,
+    lens: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """``prefill`` with the fused kernels (same inputs, ``sin`` plain; same logits up to float
+    rounding). Tokens are flattened to ``U·P`` rows; RoPE and the prefix-cache writes are one
+    kernel call per layer. The last layer needs only its K/V at every position (for the cache)
+    and its output at each prompt's *last* position (for the logits), so its attention, o
+    projection and MLP run on ``U`` rows instead of ``U·P``.
+    """
+    U, P = tokens.shape
+    H, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    L = len(w.layers)
+    dev = tokens.device
+    pos = torch.arange(P, device=dev).repeat(U)  # (U·P,)
+    slot = rows.repeat_interleave(P)
+    last = torch.arange(U, device=dev) * P + lens - 1  # flat index of each prompt's last token
+    x = F.embedding(tokens.reshape(-1), w.embed)  # (U·P, hidden)
+    for li, lw in enumerate(w.layers):
+        qkv = F.linear(kern.rms_norm(x, lw.ln1, eps), lw.w_qkv, lw.b_qkv)  # (U·P, (H + 2·Hkv)·D)
+        kern.rope_kv(qkv, H, Hkv, D, cos, sin, pos, slot, pos, lw.q_norm, lw.k_norm, eps, k_cache[li], v_cache[li])
+        qkv4 = qkv.view(U, P, H + 2 * Hkv, D).transpose(1, 2)  # (U, H + 2·Hkv, P, D)
+        q, k, v = qkv4[:, :H], qkv4[:, H:H + Hkv], qkv4[:, H + Hkv:]
+        if li == L - 1:  # last layer: only the last position's output is needed
+            q = q[torch.arange(U, device=dev), :, lens - 1].unsqueeze(2)  # (U, H, 1, D)
+            mask = torch.zeros(U, 1, 1, P, dtype=x.dtype, device=dev)
+            mask.masked_fill_((torch.arange(P, device=dev)[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)  # (U, H, 1, D)
+            x = x[last]
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)  # (U, H, P, D)
+        x = _out_proj(x, o.transpose(1, 2).reshape(x.shape[0], H * D), lw)
+        x = torch.addmm(x, kern.silu_mul(F.linear(kern.rms_norm(x, lw.ln2, eps), lw.w_gu)), lw.w_down.t())
     return F.linear(kern.rms_norm(x, w.norm, eps), w.lm_head)

@@ -51,9 +51,34 @@ static inline void rms_row(const float *x, const float *w, float *o, int64_t n, 
     for (int64_t i = 0; i < n; i++) o[i] = w[i] * (x[i] * inv);
 }
 
+/* Row loops go parallel over torch's OpenMP threads only when there is enough work (a decode
+ * step's 128 x 256 rows are cheaper on one thread than the fork/join). */
+#define PAR_MIN_ELEMS 262144
+
 /* out[r] = w * (x[r] / rms(x[r])) for r < rows. */
 void postrl_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (rows * dim >= PAR_MIN_ELEMS)
+#endif
     for (int64_t r = 0; r < rows; r++) rms_row(x + r * dim, w, out + r * dim, dim, eps);
+}
+
+/* out[r, i] = silu(gu[r, i]) * gu[r, I + i]: SwiGLU on the fused gate/up projection (rows, 2I).
+ * silu(x) = x * sigmoid(x), sigmoid from exp(-|x|) so the exponent is never positive. */
+void postrl_silu_mul(const float *gu, float *out, int64_t rows, int64_t I) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * I, *u = g + I;
+        float *o = out + r * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) {
+            const float x = g[i], e = exp_nonpos(x < 0.0f ? x : -x);
+            const float sig = x < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+            o[i] = x * sig * u[i];
+        }
+    }
 }
 
 static inline void rope_head(float *x, const float *c, const float *s, int64_t D) {
@@ -67,18 +92,22 @@ static inline void rope_head(float *x, const float *c, const float *s, int64_t D
     for (int64_t i = 0; i < D; i++) x[i] = tmp[i];
 }
 
-/* In place on qkv: optional q/k RMSNorm over head_dim (Qwen3), RoPE on q and k heads at
- * position pos[b]; then k and v of row b are written to slot b, offset pos[b] - plen[b], of
- * kcache / vcache (S, Hkv, Tmax, D). cos/sin: (T_rope, D) tables, plain (not sign-folded). */
-void postrl_rope_kv(float *qkv, int64_t B, int64_t H, int64_t Hkv, int64_t D, const float *cos_t,
-                    const float *sin_t, const int64_t *pos, const int64_t *plen, const float *q_norm,
-                    const float *k_norm, float eps, float *kcache, float *vcache, int64_t Tmax) {
-    int64_t row = (H + 2 * Hkv) * D;
-    float nbuf[1024];
-    for (int64_t b = 0; b < B; b++) {
+/* In place on qkv (N rows): optional q/k RMSNorm over head_dim (Qwen3), RoPE on the q and k
+ * heads of row r at position pos[r]; then its k and v heads are written to kcache / vcache
+ * (S, Hkv, Tmax, D) at slot[r], offset off[r]. cos/sin: (T_rope, D) plain (not sign-folded)
+ * tables. Decode: one row per running sequence; prefill: one row per prompt token. */
+void postrl_rope_kv(float *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D, const float *cos_t,
+                    const float *sin_t, const int64_t *pos, const int64_t *slot, const int64_t *off,
+                    const float *q_norm, const float *k_norm, float eps, float *kcache, float *vcache,
+                    int64_t Tmax) {
+    const int64_t row = (H + 2 * Hkv) * D;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (N * row >= PAR_MIN_ELEMS)
+#endif
+    for (int64_t b = 0; b < N; b++) {
+        float nbuf[1024];
         float *r = qkv + b * row;
         const float *c = cos_t + pos[b] * D, *s = sin_t + pos[b] * D;
-        int64_t off = pos[b] - plen[b];
         for (int64_t h = 0; h < H + Hkv; h++) {
             float *x = r + h * D;
             const float *nw = h < H ? q_norm : k_norm;
@@ -89,8 +118,8 @@ void postrl_rope_kv(float *qkv, int64_t B, int64_t H, int64_t Hkv, int64_t D, co
             rope_head(x, c, s, D);
         }
         for (int64_t j = 0; j < Hkv; j++) {
-            float *kd = kcache + ((b * Hkv + j) * Tmax + off) * D;
-            float *vd = vcache + ((b * Hkv + j) * Tmax + off) * D;
+            float *kd = kcache + ((slot[b] * Hkv + j) * Tmax + off[b]) * D;
+            float *vd = vcache + ((slot[b] * Hkv + j) * Tmax + off[b]) * D;
             const float *ks = r + (H + j) * D, *vs = r + (H + Hkv + j) * D;
             for (int64_t i = 0; i < D; i++) {
                 kd[i] = ks[i];

@@ -92,8 +92,10 @@ class DecodeKernels:
         self.path = path
         lib.postrl_rms_norm.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _f32]
         lib.postrl_rms_norm.restype = None
-        lib.postrl_rope_kv.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr,
-                                       _i64]
+        lib.postrl_rope_kv.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _ptr,
+                                       _ptr, _i64]
+        lib.postrl_silu_mul.argtypes = [_ptr, _ptr, _i64, _i64]
+        lib.postrl_silu_mul.restype = None
         lib.postrl_rope_kv.restype = None
         lib.postrl_decode_attention.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
                                                 _i64, _i64, _f32, _i64]
@@ -115,16 +117,23 @@ class DecodeKernels:
                                   out.data_ptr(), x.numel() // dim, dim, eps)
         return out
 
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """SwiGLU activation on the fused gate/up output ``gu`` (rows, 2I): ``silu(g) · u`` (rows, I)."""
+        rows, two_i = gu.shape
+        out = torch.empty(rows, two_i // 2, dtype=gu.dtype)
+        self._lib.postrl_silu_mul(self._check("gu", gu, torch.float32), out.data_ptr(), rows, two_i // 2)
+        return out
+
     def rope_kv(self, qkv: torch.Tensor, H: int, Hkv: int, D: int, cos: torch.Tensor, sin: torch.Tensor,
-                pos: torch.Tensor, plen: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                eps: float, kcache: torch.Tensor, vcache: torch.Tensor) -> None:
-        """In place on ``qkv`` (B, (H+2·Hkv)·D): q/k-norm (when given) and RoPE at ``pos``; K and V
-        written to slot ``b`` at offset ``pos_b - plen_b`` of ``kcache``/``vcache`` (S, Hkv, Tmax, D)."""
-        B = qkv.shape[0]
+                pos: torch.Tensor, slot: torch.Tensor, off: torch.Tensor, q_norm: torch.Tensor | None,
+                k_norm: torch.Tensor | None, eps: float, kcache: torch.Tensor, vcache: torch.Tensor) -> None:
+        """In place on ``qkv`` (N, (H+2·Hkv)·D): q/k-norm (when given) and RoPE at ``pos`` (N,); row
+        ``r``'s K and V are written to ``kcache``/``vcache`` (S, Hkv, Tmax, D) at ``[slot_r, :, off_r]``."""
+        N = qkv.shape[0]
         self._lib.postrl_rope_kv(
-            self._check("qkv", qkv, torch.float32), B, H, Hkv, D, self._check("cos", cos, torch.float32),
+            self._check("qkv", qkv, torch.float32), N, H, Hkv, D, self._check("cos", cos, torch.float32),
             self._check("sin", sin, torch.float32), self._check("pos", pos, torch.int64),
-            self._check("plen", plen, torch.int64),
+            self._check("slot", slot, torch.int64), self._check("off", off, torch.int64),
             None if q_norm is None else self._check("q_norm", q_norm, torch.float32),
             None if k_norm is None else self._check("k_norm", k_norm, torch.float32), eps,
             self._check("kcache", kcache, torch.float32), self._check("vcache", vcache, torch.float32), kcache.shape[2])
