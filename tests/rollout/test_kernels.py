@@ -140,6 +140,40 @@ def test_engine_fused_equals_torch_path(tiny_model_factory, arch):
         torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_whole_step_equals_per_op_kernels(tiny_model_factory, arch):
+    """``DecodeStep`` (one C call, GEMMs via torch's BLAS) == ``decode_fused`` (per-op), bit for bit,
+    logits and cache writes — and it is what the engine runs."""
+    from postrl.rollout.native.forward import decode_fused
+
+    d = tiny_model_factory(arch)
+    be = create_rollout_backend("native", d, max_num_seqs=8, max_model_len=64)
+    _run(be, [[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=2))  # engine warm, store live
+    step = be.kernels.decode_step(be.weights, be.cfg, be.kv, 8)
+    assert step is not None, "torch's sgemm_ was not resolved"
+    g = torch.Generator().manual_seed(4)
+    B = 6
+    with torch.inference_mode():
+        be.kv.pk.normal_(generator=g)  # arbitrary prefix K/V
+        be.kv.pv.normal_(generator=g)
+        tok = torch.randint(0, 256, (B,), generator=g)
+        plen = torch.tensor([3, 3, 9, 9, 9, 20])
+        pos = plen + torch.tensor([0, 4, 1, 1, 7, 2])
+        pid = torch.tensor([0, 0, 1, 1, 1, 2])
+        slot = torch.arange(B)
+        ref = decode_fused(be.weights, be.cfg, be.kernels, tok, pos, plen, pid, be.cos, be.sin, be.kv, be._ar_s, 1)
+        k_ref = be.kv.k.clone()
+        out = step(tok, pos, plen, pid, slot, be.cos, be.sin, 1)
+    assert torch.equal(out, ref)
+    assert torch.equal(be.kv.k, k_ref)
+    assert be._decode_step() is not None
+    be.sleep()
+    assert be._step_fn is None  # does not keep the released store alive
+    be.wake_up()
+    assert be._decode_step().kv is be.kv
+    be.close()
+
+
 def test_kernel_option_errors(tiny_model_dir):
     with pytest.raises(ValueError, match="kernels='bogus' is not one of"):
         create_rollout_backend("native", tiny_model_dir, max_num_seqs=2, max_model_len=32, kernels="bogus")

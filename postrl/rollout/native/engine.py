@@ -101,6 +101,8 @@ class NativeBackend:
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.weights = load_weights(model_path, self.cfg, self.dtype, self.device)
         self.kernels = _load_kernels(kernels, self.cfg.head_dim, self.dtype, self.device)
+        self.kernels_step = self.kernels is not None  # whole-step C decode (per-op kernels if unavailable)
+        self._step_fn: _kernels.DecodeStep | None = None
         self.cos, self.sin = rope_tables(self.cfg, self.max_model_len, self.dtype, self.device)
         half = self.cfg.head_dim // 2
         self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)  # for apply_rope_fast
@@ -220,6 +222,7 @@ class NativeBackend:
                 for req, out in self._finish_and_compact(self._collect_aborts()):
                     _resolve(req, out)
             self.kv = None
+            self._step_fn = None  # it points into the released store
             if self.device.type != "cpu":
                 self._weights_backup = []
                 for t in self._base_weights():
@@ -314,6 +317,7 @@ class NativeBackend:
             if self.kv is not None:  # drop prefix refcounts held by the failed requests
                 with torch.inference_mode():
                     self.kv = self._new_kv()
+                self._step_fn = None
             self._membership_changed()
         for r in reqs:
             if not r.future.done():
@@ -405,6 +409,12 @@ class NativeBackend:
 
     def _decode(self) -> slice:
         B = len(self._slots)
+        step = self._decode_step()
+        if step is not None:
+            logits = step(self.s_last[:B], self.s_pos[:B], self.s_plen[:B], self.s_pid[:B], self._ar_s[:B], self.cos,
+                          self.sin, torch.get_num_threads())
+            self._sample(slice(0, B), logits, advance_pos=True)
+            return slice(0, B)
         if self.kernels is not None:
             logits = decode_fused(self.weights, self.cfg, self.kernels, self.s_last[:B], self.s_pos[:B], self.s_plen[:B],
                                   self.s_pid[:B], self.cos, self.sin, self.kv, self._ar_s, torch.get_num_threads())
@@ -421,6 +431,16 @@ class NativeBackend:
         rows = slice(0, B)
         self._sample(rows, logits, advance_pos=True)
         return rows
+
+    def _decode_step(self) -> _kernels.DecodeStep | None:
+        """The whole-step C decoder for the current KV store (rebuilt after ``wake_up``)."""
+        if self.kernels is None:
+            return None
+        if self._step_fn is None or self._step_fn.kv is not self.kv:
+            self._step_fn = self.kernels.decode_step(self.weights, self.cfg, self.kv, self.max_num_seqs)
+            if self._step_fn is None:
+                self.kernels_step = False
+        return self._step_fn if self.kernels_step else None
 
     def _sample(self, rows: slice, logits: torch.Tensor, advance_pos: bool) -> None:
         """Sample one token for the contiguous slot range ``rows`` and record it (views only)."""

@@ -299,3 +299,78 @@ int postrl_decode_attention(const float *qkv, const float *pk, const float *pv, 
     }
     return status;
 }
+
+/* ------------------------------------------------------------------------------------------
+ * The whole decode step in one call: no Python, no dispatcher, no allocation per op. The GEMMs
+ * go to the BLAS `sgemm_` that torch itself uses (resolved by kernels.py from torch's library
+ * and passed in), so they are the same MKL/OpenBLAS kernels on the same OpenMP pool.
+ */
+typedef void (*sgemm_fn)(const char *ta, const char *tb, const int *m, const int *n, const int *k,
+                         const float *alpha, const float *a, const int *lda, const float *b,
+                         const int *ldb, const float *beta, float *c, const int *ldc);
+
+/* C (M x N, row-major) = X (M x K, row-major) . W^T (W: N x K row-major) + beta * C */
+static void gemm_xwt(sgemm_fn gemm, const float *X, const float *W, float *C, int64_t M, int64_t N,
+                     int64_t K, float beta) {
+    const int m = (int)N, n = (int)M, k = (int)K, lda = (int)K, ldb = (int)K, ldc = (int)N;
+    const float one = 1.0f;
+    gemm("T", "N", &m, &n, &k, &one, W, &lda, X, &ldb, &beta, C, &ldc);
+}
+
+static void add_bias(float *C, const float *bias, int64_t M, int64_t N) {
+    for (int64_t r = 0; r < M; r++) {
+        float *c = C + r * N;
+#pragma omp simd
+        for (int64_t i = 0; i < N; i++) c[i] += bias[i];
+    }
+}
+
+/* Per-layer pointer table, in this order (0 = absent). */
+enum { L_LN1, L_WQKV, L_BQKV, L_WO, L_BO, L_QN, L_KN, L_LN2, L_WGU, L_WDOWN, L_K, L_V, L_PK, L_PV, L_N };
+
+/* One decode step for rows 0..B-1 (see forward.decode_fused for the math). `layers` holds
+ * L_N pointers per layer; `scratch` >= B * (2*hidden + QKV + H*D + 3*I) floats; `logits` (B, V).
+ * dims = {hidden, I, H, Hkv, D, Tmax, V, L}. Returns 0, or nonzero when attention scratch could
+ * not be allocated. */
+int postrl_decode_step(sgemm_fn gemm, const int64_t *dims, const int64_t *layers, const float *embed,
+                       const float *norm, const float *lm_head, const float *cos_t, const float *sin_t,
+                       const int64_t *tokens, const int64_t *pos, const int64_t *plen, const int64_t *pid,
+                       const int64_t *slot, int64_t *off, int64_t B, float eps, float scale,
+                       int64_t threads, float *scratch, float *logits) {
+    const int64_t hid = dims[0], I = dims[1], H = dims[2], Hkv = dims[3], D = dims[4], Tmax = dims[5],
+                  V = dims[6], L = dims[7], QKV = (H + 2 * Hkv) * D;
+    float *x = scratch, *h = x + B * hid, *qkv = h + B * hid, *att = qkv + B * QKV, *gu = att + B * H * D,
+          *act = gu + B * 2 * I;
+    int status = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const float *e = embed + tokens[b] * hid;
+        for (int64_t i = 0; i < hid; i++) x[b * hid + i] = e[i];
+        off[b] = pos[b] - plen[b];
+    }
+    for (int64_t li = 0; li < L; li++) {
+        const int64_t *p = layers + li * L_N;
+#define P(i) ((float *)(intptr_t)p[i])
+        postrl_rms_norm(x, P(L_LN1), h, B, hid, eps);
+        if (P(L_BQKV)) {
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t i = 0; i < QKV; i++) qkv[b * QKV + i] = P(L_BQKV)[i];
+            gemm_xwt(gemm, h, P(L_WQKV), qkv, B, QKV, hid, 1.0f);
+        } else {
+            gemm_xwt(gemm, h, P(L_WQKV), qkv, B, QKV, hid, 0.0f);
+        }
+        postrl_rope_kv(qkv, B, H, Hkv, D, cos_t, sin_t, pos, slot, off, P(L_QN), P(L_KN), eps, P(L_K), P(L_V),
+                       Tmax);
+        status |= postrl_decode_attention(qkv, P(L_PK), P(L_PV), P(L_K), P(L_V), pid, plen, pos, att, B, H, Hkv,
+                                          D, Tmax, scale, threads);
+        gemm_xwt(gemm, att, P(L_WO), x, B, hid, H * D, 1.0f); /* x += att . Wo^T */
+        if (P(L_BO)) add_bias(x, P(L_BO), B, hid);
+        postrl_rms_norm(x, P(L_LN2), h, B, hid, eps);
+        gemm_xwt(gemm, h, P(L_WGU), gu, B, 2 * I, hid, 0.0f);
+        postrl_silu_mul(gu, act, B, I);
+        gemm_xwt(gemm, act, P(L_WDOWN), x, B, hid, I, 1.0f); /* x += act . Wdown^T */
+#undef P
+    }
+    postrl_rms_norm(x, norm, h, B, hid, eps);
+    gemm_xwt(gemm, h, lm_head, logits, B, V, hid, 0.0f);
+    return status;
+}

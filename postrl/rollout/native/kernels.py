@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DecodeKernels", "load", "build_error", "supports"]
+__all__ = ["DecodeKernels", "DecodeStep", "load", "build_error", "supports"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,10 @@ class DecodeKernels:
         lib.postrl_decode_attention.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
                                                 _i64, _i64, _f32, _i64]
         lib.postrl_decode_attention.restype = ctypes.c_int
+        lib.postrl_decode_step.argtypes = [_ptr] * 14 + [_i64, _f32, _f32, _i64, _ptr, _ptr]
+        lib.postrl_decode_step.restype = ctypes.c_int
         self._lib = lib
+        self.sgemm = _torch_sgemm()
 
     @staticmethod
     def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> int:
@@ -155,6 +158,98 @@ class DecodeKernels:
         if rc != 0:
             raise MemoryError("decode_attention: a worker thread could not allocate its score buffer")
         return out
+
+
+    def decode_step(self, weights, cfg, kv, max_batch: int) -> DecodeStep | None:
+        """A whole-step decoder over ``weights`` and the store ``kv`` (None when torch's BLAS
+        ``sgemm_`` could not be resolved or a tensor is not a contiguous fp32 one)."""
+        if self.sgemm is None:
+            return None
+        try:
+            return DecodeStep(self, weights, cfg, kv, max_batch)
+        except ValueError as e:
+            logger.info("native engine: whole-step decode off (%s); using per-op kernels", e)
+            return None
+
+
+class DecodeStep:
+    """``forward.decode_fused`` as ONE C call (``postrl_decode_step``): embedding, every layer
+    (GEMMs through torch's own BLAS ``sgemm_``), final norm and LM head, with no Python, op
+    dispatch or allocation between ops. Built per (weights, KV store): it holds raw pointers to
+    both, so the engine rebuilds it when the store is re-created (``wake_up``); in-place weight
+    updates keep the pointers valid.
+    """
+
+    def __init__(self, kern: DecodeKernels, weights, cfg, kv, max_batch: int) -> None:
+        H, Hkv, D, inter, hid = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.hidden_size
+        rows = []
+        for li, lw in enumerate(weights.layers):
+            ts = [lw.ln1, lw.w_qkv, lw.b_qkv, lw.w_o, lw.b_o, lw.q_norm, lw.k_norm, lw.ln2, lw.w_gu, lw.w_down,
+                  kv.k[li], kv.v[li], kv.pk[li], kv.pv[li]]
+            rows.append([0 if t is None else kern._check(f"layer {li} tensor", t, torch.float32) for t in ts])
+        self._kern, self._kv, self._weights = kern, kv, weights  # keep the pointed-to tensors alive
+        self.layers = torch.tensor(rows, dtype=torch.int64)
+        self.dims = torch.tensor([hid, inter, H, Hkv, D, kv.k.shape[3], weights.lm_head.shape[0], len(rows)],
+                                 dtype=torch.int64)
+        self.ptrs = [kern._check(n, t, torch.float32) for n, t in
+                     (("embed", weights.embed), ("norm", weights.norm), ("lm_head", weights.lm_head))]
+        self.scratch = torch.empty(max_batch * (2 * hid + (H + 2 * Hkv) * D + H * D + 3 * inter))
+        self.off = torch.empty(max_batch, dtype=torch.int64)
+        self.eps, self.scale, self.vocab = cfg.rms_norm_eps, D**-0.5, weights.lm_head.shape[0]
+        self.kv = kv
+
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, plen: torch.Tensor, pid: torch.Tensor,
+                 slot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, threads: int) -> torch.Tensor:
+        """Logits (B, V) of one decode step; ``tokens``/``pos``/``plen``/``pid``/``slot`` (B,) int64."""
+        B = tokens.shape[0]
+        if B > self.off.numel():
+            raise ValueError(f"decode_step: batch {B} exceeds the {self.off.numel()} rows it was built for")
+        logits = torch.empty(B, self.vocab)
+        k = self._kern
+        rc = k._lib.postrl_decode_step(
+            self._kern.sgemm, self.dims.data_ptr(), self.layers.data_ptr(), *self.ptrs,
+            k._check("cos", cos, torch.float32), k._check("sin", sin, torch.float32),
+            k._check("tokens", tokens, torch.int64), k._check("pos", pos, torch.int64),
+            k._check("plen", plen, torch.int64), k._check("pid", pid, torch.int64),
+            k._check("slot", slot, torch.int64), self.off.data_ptr(), B, self.eps, self.scale, threads,
+            self.scratch.data_ptr(), logits.data_ptr())
+        if rc != 0:
+            raise MemoryError("decode_step: a worker thread could not allocate its attention score buffer")
+        return logits
+
+
+def _torch_sgemm() -> int | None:
+    """Address of the BLAS ``sgemm_`` inside torch's CPU library (MKL on x86 Linux wheels), checked
+    on a small product against ``torch.mm``; None when absent or wrong."""
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        path = lib_dir / name
+        if not path.exists():
+            continue
+        try:
+            fn = ctypes.CDLL(str(path)).sgemm_
+        except (OSError, AttributeError):
+            return None
+        addr = ctypes.cast(fn, ctypes.c_void_p).value
+        if addr and _sgemm_ok(addr):
+            return addr
+    return None
+
+
+def _sgemm_ok(addr: int) -> bool:
+    """C = X·Wᵀ through the column-major BLAS call the kernels use, compared with torch."""
+    ci = ctypes.c_int
+    proto = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, *[ctypes.POINTER(ci)] * 3, ctypes.POINTER(_f32),
+                             _ptr, ctypes.POINTER(ci), _ptr, ctypes.POINTER(ci), ctypes.POINTER(_f32), _ptr,
+                             ctypes.POINTER(ci))
+    g = torch.Generator().manual_seed(0)
+    M, N, K = 3, 5, 7
+    X, W, C = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.zeros(M, N)
+    m, n, k = ci(N), ci(M), ci(K)
+    proto(addr)(b"T", b"N", ctypes.byref(m), ctypes.byref(n), ctypes.byref(k), ctypes.byref(_f32(1.0)), W.data_ptr(),
+                ctypes.byref(ci(K)), X.data_ptr(), ctypes.byref(ci(K)), ctypes.byref(_f32(0.0)), C.data_ptr(),
+                ctypes.byref(ci(N)))
+    return bool(torch.allclose(C, X @ W.t(), atol=1e-5))
 
 
 def build_error() -> str | None:
