@@ -42,9 +42,10 @@ def _cmd_data(args: argparse.Namespace) -> int:
         from postrl.data.tool_arith import generate_tool_arith, tool_arith_demonstrations
 
         kw = dict(min_digits=args.min_digits, max_digits=args.max_digits, kinds=args.kinds.split(","),
-                  prompt_style=args.prompt_style)
+                  prompt_style=args.prompt_style, result_digits=args.result_digits)
         if args.sft:
-            rows = tool_arith_demonstrations(args.n, seed=args.seed, tool_fraction=args.tool_fraction, **kw)
+            rows = tool_arith_demonstrations(args.n, seed=args.seed, tool_fraction=args.tool_fraction,
+                                             copy_fraction=args.copy_fraction, **kw)
         else:
             rows = generate_tool_arith(args.n, seed=args.seed, split=args.split, **kw)
     elif args.task in data.TASKS:
@@ -135,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--kinds", default="mul,sum3,mulsub", help="tool-arith: comma-separated problem kinds")
     d.add_argument("--prompt-style", default="full", choices=["full", "short", "bound"],
                    help="tool-arith: full (system message), short (question only) or bound (argument-free calls, bare answers)")
+    d.add_argument("--result-digits", type=int, default=0,
+                   help="tool-arith: keep only problems whose result has this many characters (0 = any)")
+    d.add_argument("--copy-fraction", type=float, default=0.0,
+                   help="tool-arith --sft: fraction of tool-reading rows (tool result -> answer, no question)")
     d.add_argument("--tool-fraction", type=float, default=1.0,
                    help="tool-arith --sft: fraction of demonstrations that call the tool (others answer directly)")
     d.set_defaults(fn=_cmd_data)

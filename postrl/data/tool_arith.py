@@ -82,9 +82,12 @@ def _problem(rng: random.Random, min_digits: int, max_digits: int,
     return f"{a} * {b} - {c}", a * b - c
 
 
-def _check_options(min_digits: int, max_digits: int, kinds: tuple[str, ...], prompt_style: str) -> None:
+def _check_options(min_digits: int, max_digits: int, kinds: tuple[str, ...], prompt_style: str,
+                   result_digits: int = 0) -> None:
     if not 1 <= min_digits <= max_digits:
         raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+    if result_digits < 0:
+        raise ValueError(f"result_digits={result_digits!r}: must be >= 1 (or 0 for any length)")
     bad = [k for k in kinds if k not in KINDS]
     if not kinds or bad:
         raise ValueError(f"kinds={list(kinds)!r}: choose a non-empty subset of {list(KINDS)}")
@@ -93,7 +96,7 @@ def _check_options(min_digits: int, max_digits: int, kinds: tuple[str, ...], pro
 
 
 def _problems(n: int, seed: int, split: str, min_digits: int, max_digits: int,
-              kinds: tuple[str, ...] = KINDS) -> list[tuple[str, int]]:
+              kinds: tuple[str, ...] = KINDS, result_digits: int = 0) -> list[tuple[str, int]]:
     rng = random.Random(_split_seed(seed, split))
     want_test = split != "train"
     out: list[tuple[str, int]] = []
@@ -102,8 +105,11 @@ def _problems(n: int, seed: int, split: str, min_digits: int, max_digits: int,
         attempts += 1
         if attempts > 100 * n + 1000:
             raise ValueError(f"could not draw {n} {split}-split problems with {min_digits}-"
-                             f"{max_digits} digits and kinds {list(kinds)}; allow more digits")
+                             f"{max_digits} digits, kinds {list(kinds)} and result_digits="
+                             f"{result_digits}; allow more digits or set result_digits=0")
         expr, value = _problem(rng, min_digits, max_digits, kinds)
+        if result_digits and len(str(value)) != result_digits:
+            continue
         if (hash_split(expr) == "test") == want_test:
             out.append((expr, value))
     return out
@@ -123,15 +129,19 @@ def _prompt(expr: str, prompt_style: str) -> list[dict[str, str]]:
 
 def generate_tool_arith(n: int, seed: int = 0, split: str = "train", min_digits: int = 6,
                         max_digits: int = 9, kinds: tuple[str, ...] | list[str] = KINDS,
-                        prompt_style: str = "full") -> list[dict[str, Any]]:
+                        prompt_style: str = "full", result_digits: int = 0) -> list[dict[str, Any]]:
     """``n`` RL rows in verl's schema (see module docstring).
 
     ``min_digits``/``max_digits`` bound each operand, ``kinds`` picks the problem kinds (a subset
-    of :data:`KINDS`), ``prompt_style`` one of :data:`PROMPT_STYLES`."""
+    of :data:`KINDS`), ``prompt_style`` one of :data:`PROMPT_STYLES`; ``result_digits`` > 0 keeps
+    only problems whose exact result has that many characters (e.g. 4 for 2-digit products of
+    at least 1000): every conversation then has the same layout, so the result sits at a fixed
+    distance before the final answer — a fixed-offset copy a 4-layer model learns in ~150 SFT
+    steps, where a variable-offset one needs far longer (see ``docs/tools.md``)."""
     kinds = tuple(kinds)
-    _check_options(min_digits, max_digits, kinds, prompt_style)
+    _check_options(min_digits, max_digits, kinds, prompt_style, result_digits)
     rows = []
-    for i, (expr, value) in enumerate(_problems(n, seed, split, min_digits, max_digits, kinds)):
+    for i, (expr, value) in enumerate(_problems(n, seed, split, min_digits, max_digits, kinds, result_digits)):
         rows.append({
             "data_source": "tool_arith",
             "prompt": _prompt(expr, prompt_style),
@@ -146,32 +156,44 @@ def generate_tool_arith(n: int, seed: int = 0, split: str = "train", min_digits:
 
 def tool_arith_demonstrations(n: int, seed: int = 0, min_digits: int = 6, max_digits: int = 9,
                               kinds: tuple[str, ...] | list[str] = KINDS, prompt_style: str = "full",
-                              tool_fraction: float = 1.0) -> list[dict[str, Any]]:
+                              tool_fraction: float = 1.0, result_digits: int = 0,
+                              copy_fraction: float = 0.0) -> list[dict[str, Any]]:
     """``n`` SFT rows ``{"messages": [...]}``: one correct conversation each.
 
-    A ``tool_fraction`` of them (rounded, at random positions) call the calculator and copy its
-    result (user → assistant ``<tool_call>`` → tool → assistant "The answer is V."); the others
-    answer directly (user → assistant "The answer is V."). A fraction below 1 gives a warm-started
-    policy that calls the tool only sometimes, so RL has a tool-use rate to raise: the direct
-    answers are correct in the data, but a small model cannot compute them itself.
+    A ``copy_fraction`` of them (rounded) are *tool-reading* rows: a tool message holding a
+    problem's result, then the assistant's final answer with that result (tool → assistant
+    "The answer is V.") — no question, no call: they only teach reading the answer off a tool
+    response, at the same distance as in a full conversation (a tiny model learns that copy far
+    faster from these short rows than from the few answer tokens of full demonstrations). Of the
+    other rows, a ``tool_fraction`` (rounded, at random positions) call the calculator and copy
+    its result (user → assistant ``<tool_call>`` → tool → assistant "The answer is V."); the rest
+    answer directly (user → assistant "The answer is V."). A fraction below 1 gives a
+    warm-started policy that calls the tool only sometimes, so RL has a tool-use rate to raise:
+    the direct answers are correct in the data, but a small model cannot compute them itself.
     Drawn from the train split (a different stream than :func:`generate_tool_arith` with the
     same seed), so they never contain a test problem. Other options as in
     :func:`generate_tool_arith`.
     """
     kinds = tuple(kinds)
-    _check_options(min_digits, max_digits, kinds, prompt_style)
+    _check_options(min_digits, max_digits, kinds, prompt_style, result_digits)
     if not 0.0 <= tool_fraction <= 1.0:
         raise ValueError(f"tool_fraction={tool_fraction!r}: must be in [0, 1]")
-    problems = _problems(n, seed + 7_777_777, "train", min_digits, max_digits, kinds)
-    n_tool = round(tool_fraction * n)
-    use_tool = [True] * n_tool + [False] * (n - n_tool)
+    if not 0.0 <= copy_fraction <= 1.0:
+        raise ValueError(f"copy_fraction={copy_fraction!r}: must be in [0, 1]")
+    problems = _problems(n, seed + 7_777_777, "train", min_digits, max_digits, kinds, result_digits)
+    n_copy = round(copy_fraction * n)
+    n_tool = round(tool_fraction * (n - n_copy))
+    kind = ["tool"] * n_tool + ["direct"] * (n - n_copy - n_tool) + ["copy"] * n_copy
     if n_tool < n:
-        random.Random(seed + 31).shuffle(use_tool)
+        random.Random(seed + 31).shuffle(kind)
     rows = []
-    for (expr, value), tool in zip(problems, use_tool):
+    for (expr, value), row_kind in zip(problems, kind):
         bound = prompt_style == "bound"
         answer = {"role": "assistant", "content": str(value) if bound else f"The answer is {value}."}
-        if not tool:
+        if row_kind == "copy":
+            rows.append({"messages": [{"role": "tool", "name": "calculator", "content": str(value)}, answer]})
+            continue
+        if row_kind == "direct":
             rows.append({"messages": [*_prompt(expr, prompt_style), answer]})
             continue
         call = json.dumps({"name": "calculator", "arguments": {} if bound else {"expression": expr}})

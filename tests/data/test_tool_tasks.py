@@ -147,12 +147,53 @@ def test_bound_style_calls_the_problem_calculator():
         assert compute_tool_arith_score("tool_arith", msgs[-1]["content"], value)["score"] == 1.0
 
 
+def test_result_digits_fixes_the_answer_length_in_both_splits():
+    kw = dict(min_digits=2, max_digits=2, kinds=["mul"], prompt_style="bound", result_digits=4)
+    rows = generate_tool_arith(64, seed=0, **kw) + generate_tool_arith(16, seed=0, split="test", **kw)
+    assert all(len(r["reward_model"]["ground_truth"]) == 4 for r in rows)
+    assert len({r["extra_info"]["expression"] for r in rows}) == 80  # still varied, splits disjoint
+    demos = tool_arith_demonstrations(64, seed=0, tool_fraction=0.5, **kw)
+    assert all(len(d["messages"][-1]["content"]) == 4 for d in demos)
+    # without the filter, 2-digit products also have 3 digits
+    free = generate_tool_arith(64, seed=0, min_digits=2, max_digits=2, kinds=["mul"])
+    assert {len(r["reward_model"]["ground_truth"]) for r in free} == {3, 4}
+    with pytest.raises(ValueError, match="result_digits"):
+        generate_tool_arith(4, min_digits=2, max_digits=2, kinds=["mul"], result_digits=9)
+
+
+def test_copy_rows_read_the_answer_off_a_tool_response(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    demos = tool_arith_demonstrations(50, seed=0, min_digits=2, max_digits=2, kinds=["mul"], prompt_style="bound",
+                                      tool_fraction=0.3, result_digits=4, copy_fraction=0.6)
+    by_len = {n: [d for d in demos if len(d["messages"]) == n] for n in (2, 4)}
+    copy = [d for d in by_len[2] if d["messages"][0]["role"] == "tool"]
+    direct = [d for d in by_len[2] if d["messages"][0]["role"] == "user"]
+    assert (len(copy), len(by_len[4]), len(direct)) == (30, 6, 14)  # 60% copy, 30% of the rest call
+    for d in copy:
+        tool, answer = d["messages"]
+        assert answer == {"role": "assistant", "content": tool["content"]} and len(tool["content"]) == 4
+    # the answer sits at the same distance after the result as in a full tool conversation
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def gap(msgs: list[dict]) -> int:
+        ids = tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"]
+        digits = tok(msgs[-1]["content"], add_special_tokens=False)["input_ids"]
+        starts = [i for i in range(len(ids)) if ids[i:i + len(digits)] == digits]
+        return starts[-1] - starts[-2]
+
+    assert {gap(d["messages"]) for d in copy + by_len[4]} == {19}
+    assert gap(copy[0]["messages"]) == gap(by_len[4][0]["messages"])
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(kinds=["div"]), "kinds"),
     (dict(kinds=[]), "kinds"),
     (dict(prompt_style="long"), "prompt_style"),
     (dict(min_digits=4, max_digits=3), "min_digits"),
     (dict(tool_fraction=1.5), "tool_fraction"),
+    (dict(copy_fraction=-0.1), "copy_fraction"),
+    (dict(result_digits=-1), "result_digits"),
 ])
 def test_bad_generator_options_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
