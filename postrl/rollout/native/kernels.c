@@ -154,12 +154,26 @@ static inline float hsum8(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2
 
 /* s[g*ld + t] = scale * q_g . K[t] for t < n, g < G; q: G heads of D floats (D % 8 == 0). Each K
  * row pair is loaded once for all G heads (independent accumulators for ILP). */
+/* Software prefetch PF_AHEAD rows ahead within a K or V stream. The completion K/V come from
+ * memory, in short runs (one per head and sequence) split over 4 KB pages, which hardware
+ * prefetchers do not cross: measured 10 -> 22 GB/s at 2 threads (T = 100, 128 sequences). */
+#define PF_AHEAD 8
+
+static inline void prefetch_row(const float *row, int64_t D) {
+    const char *a = (const char *)row;
+    for (int64_t z = 0; z < D * (int64_t)sizeof(float); z += 64) __builtin_prefetch(a + z, 0, 3);
+}
+
 static void scores_g(const float *q, int64_t G, const float *K, int64_t n, int64_t D, float scale, float *s,
                      int64_t ld) {
     const int64_t nv = D / 8;
     int64_t t = 0;
     for (; t + 1 < n; t += 2) {
         const float *k0 = K + t * D, *k1 = k0 + D;
+        if (t + PF_AHEAD + 1 < n) {
+            prefetch_row(k0 + PF_AHEAD * D, D);
+            prefetch_row(k1 + PF_AHEAD * D, D);
+        }
         int64_t g = 0;
         for (; g + 1 < G; g += 2) {
             const float *q0 = q + g * D, *q1 = q0 + D;
@@ -210,6 +224,7 @@ static void pv_g(const float *p, int64_t ld, int64_t G, const float *V, int64_t 
             if (w == 32) {
                 for (int64_t t = 0; t < n; t++) {
                     const float *v = V + t * D + c;
+                    if (c == 0 && g == 0 && t + PF_AHEAD < n) prefetch_row(V + (t + PF_AHEAD) * D, D);
                     v8 v0 = ld8(v), v1 = ld8(v + 8), v2 = ld8(v + 16), v3 = ld8(v + 24);
                     const float x = p0[t], y = p1[t];
                     a0 += x * v0; a1 += x * v1; a2 += x * v2; a3 += x * v3;
@@ -218,6 +233,7 @@ static void pv_g(const float *p, int64_t ld, int64_t G, const float *V, int64_t 
             } else {
                 for (int64_t t = 0; t < n; t++) {
                     const float *v = V + t * D + c;
+                    if (c == 0 && g == 0 && t + PF_AHEAD < n) prefetch_row(V + (t + PF_AHEAD) * D, D);
                     const float x = p0[t], y = p1[t];
                     v8 v0 = ld8(v);
                     a0 += x * v0; b0 += y * v0;
