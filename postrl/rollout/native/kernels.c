@@ -53,7 +53,7 @@ static inline void rms_row(const float *x, const float *w, float *o, int64_t n, 
 
 /* Row loops go parallel over torch's OpenMP threads only when there is enough work (a decode
  * step's 128 x 256 rows are cheaper on one thread than the fork/join). */
-#define PAR_MIN_ELEMS 262144
+#define PAR_MIN_ELEMS 65536
 
 /* out[r] = w * (x[r] / rms(x[r])) for r < rows. */
 void postrl_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps) {
@@ -81,15 +81,15 @@ void postrl_silu_mul(const float *gu, float *out, int64_t rows, int64_t I) {
     }
 }
 
-static inline void rope_head(float *x, const float *c, const float *s, int64_t D) {
-    int64_t half = D / 2;
-    float tmp[1024];
+static inline void rope_head(float *restrict x, const float *restrict c, const float *restrict s, int64_t D) {
+    const int64_t half = D / 2;
+    float *restrict hi = x + half;
 #pragma omp simd
-    for (int64_t i = 0; i < half; i++) tmp[i] = x[i] * c[i] + (-x[i + half]) * s[i];
-#pragma omp simd
-    for (int64_t i = half; i < D; i++) tmp[i] = x[i] * c[i] + x[i - half] * s[i];
-#pragma omp simd
-    for (int64_t i = 0; i < D; i++) x[i] = tmp[i];
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = hi[i];
+        x[i] = a * c[i] + (-b) * s[i];
+        hi[i] = b * c[half + i] + a * s[half + i];
+    }
 }
 
 /* In place on qkv (N rows): optional q/k RMSNorm over head_dim (Qwen3), RoPE on the q and k
@@ -102,7 +102,7 @@ void postrl_rope_kv(float *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D, co
                     int64_t Tmax) {
     const int64_t row = (H + 2 * Hkv) * D;
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (N * row >= PAR_MIN_ELEMS)
+#pragma omp parallel for schedule(static) if (N * row >= PAR_MIN_ELEMS / 2) /* scattered cache writes: more misses in flight */
 #endif
     for (int64_t b = 0; b < N; b++) {
         float nbuf[1024];
