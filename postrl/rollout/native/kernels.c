@@ -269,6 +269,22 @@ static void attn_rows(attn_job *j) {
         for (int64_t kh = 0; kh < Hkv; kh++) {
             const int64_t pre = (j->pid[b] * Hkv + kh) * Tmax * D, own = (b * Hkv + kh) * Tmax * D;
             const float *q = j->qkv + b * row + kh * G * D;
+            /* stream heads: this head's first V rows (read after the scores) and the next head's
+             * first K rows, so no stream starts with a cold miss */
+            for (int64_t t = 0; t < PF_AHEAD; t++) {
+                if (t < n1) prefetch_row(j->pv + pre + t * D, D);
+                if (t < n2) prefetch_row(j->vc + own + t * D, D);
+            }
+            {
+                const int64_t nb = kh + 1 < Hkv ? b : b + 1, nkh = kh + 1 < Hkv ? kh + 1 : 0;
+                if (nb < j->b1) {
+                    const int64_t npre = (j->pid[nb] * Hkv + nkh) * Tmax * D, nown = (nb * Hkv + nkh) * Tmax * D;
+                    for (int64_t t = 0; t < PF_AHEAD; t++) {
+                        if (t < j->plen[nb]) prefetch_row(j->pk + npre + t * D, D);
+                        if (t <= j->pos[nb] - j->plen[nb]) prefetch_row(j->kc + nown + t * D, D);
+                    }
+                }
+            }
             scores_g(q, G, j->pk + pre, n1, D, j->scale, sc, n);
             scores_g(q, G, j->kc + own, n2, D, j->scale, sc + n1, n);
             for (int64_t g = 0; g < G; g++) {
