@@ -73,14 +73,26 @@ def _time_hf(model: Any, prompts: list[list[int]], new_tokens: int, repeats: int
     return len(prompts) * new_tokens / best
 
 
+def decode_path(backend: Any) -> str:
+    """Which decode implementation a native backend runs: ``c-step`` (one C call per step),
+    ``c-ops`` (per-op C kernels from Python) or ``torch``."""
+    if backend.kernels is None:
+        return "torch"
+    return "c-step" if backend._decode_step() is not None else "c-ops"
+
+
 def run_bench(model_dir: str, batch: int = 128, group: int = 8, new_tokens: tuple[int, ...] = (16, 128),
-              scenarios: tuple[str, ...] = ("w1", "distinct"), repeats: int = 1, seed: int = 0) -> list[dict]:
-    """Measure and return rows ``{scenario, new_tokens, native_tok_s, hf_tok_s, ratio}``."""
+              scenarios: tuple[str, ...] = ("w1", "distinct"), repeats: int = 1, seed: int = 0,
+              kernels: str = "auto", compare_torch: bool = False) -> list[dict]:
+    """Measure and return rows ``{scenario, new_tokens, native_tok_s, hf_tok_s, ratio, path}``
+    (+ ``torch_path_tok_s`` with ``compare_torch``: the native engine on torch ops, same run)."""
     from transformers import AutoModelForCausalLM
 
     from postrl.rollout.native.engine import NativeBackend
 
-    native = NativeBackend(model_dir, max_num_seqs=batch, max_model_len=64 + max(new_tokens))
+    native = NativeBackend(model_dir, max_num_seqs=batch, max_model_len=64 + max(new_tokens), kernels=kernels)
+    plain = (NativeBackend(model_dir, max_num_seqs=batch, max_model_len=64 + max(new_tokens), kernels="torch")
+             if compare_torch else None)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad = hf.generation_config.pad_token_id
     pad = pad if pad is not None else 0
@@ -90,8 +102,13 @@ def run_bench(model_dir: str, batch: int = 128, group: int = 8, new_tokens: tupl
         for n in new_tokens:
             a = _time_native(native, prompts, n, repeats)
             b = _time_hf(hf, prompts, n, repeats, pad)
-            rows.append(dict(scenario=kind, new_tokens=n, native_tok_s=a, hf_tok_s=b, ratio=a / b))
+            row = dict(scenario=kind, new_tokens=n, native_tok_s=a, hf_tok_s=b, ratio=a / b, path=decode_path(native))
+            if plain is not None:
+                row["torch_path_tok_s"] = _time_native(plain, prompts, n, repeats)
+            rows.append(row)
     native.close()
+    if plain is not None:
+        plain.close()
     return rows
 
 
@@ -105,16 +122,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default="w1,distinct", help="comma-separated: w1, distinct")
     p.add_argument("--repeats", type=int, default=1, help="timed repeats (best is reported)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "fused", "torch"],
+                   help="native decode implementation (see NativeBackend)")
+    p.add_argument("--compare-torch", action="store_true",
+                   help="also time the native engine on torch ops (kernels=torch) in the same run")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     rows = run_bench(a.model, a.batch, a.group, tuple(int(x) for x in a.new_tokens.split(",")),
-                     tuple(a.scenarios.split(",")), a.repeats)
+                     tuple(a.scenarios.split(",")), a.repeats, kernels=a.kernels, compare_torch=a.compare_torch)
     out = sys.stdout
-    out.write(f"rollout benchmark  model={a.model}  batch={a.batch}  threads={torch.get_num_threads()}\n")
-    out.write(f"{'scenario':<10}{'new_tok':>8}{'native tok/s':>14}{'hf tok/s':>12}{'ratio':>8}\n")
+    out.write(f"rollout benchmark  model={a.model}  batch={a.batch}  threads={torch.get_num_threads()}  "
+              f"decode={rows[0]['path'] if rows else '?'}\n")
+    extra = f"{'torch-path tok/s':>18}{'kernels gain':>14}" if a.compare_torch else ""
+    out.write(f"{'scenario':<10}{'new_tok':>8}{'native tok/s':>14}{'hf tok/s':>12}{'ratio':>8}{extra}\n")
     for r in rows:
-        out.write(f"{r['scenario']:<10}{r['new_tokens']:>8}{r['native_tok_s']:>14.0f}{r['hf_tok_s']:>12.0f}{r['ratio']:>7.2f}x\n")
+        line = f"{r['scenario']:<10}{r['new_tokens']:>8}{r['native_tok_s']:>14.0f}{r['hf_tok_s']:>12.0f}{r['ratio']:>7.2f}x"
+        if "torch_path_tok_s" in r:
+            line += f"{r['torch_path_tok_s']:>18.0f}{r['native_tok_s'] / r['torch_path_tok_s']:>13.2f}x"
+        out.write(line + "\n")
     return 0
 
 
