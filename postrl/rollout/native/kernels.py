@@ -8,8 +8,9 @@ them: ``rms_norm``, ``rope_kv`` (q/k-norm + RoPE in place + K/V cache write) and
 OpenMP threads). The matmuls stay with torch (MKL/oneDNN).
 
 Build: ``cc -O3 -march=native -fopenmp -shared -fPIC`` (``-fopenmp`` links libgomp by its soname,
-which resolves to the copy torch already loaded, so the attention kernel's threads are torch's
-OpenMP pool; without OpenMP support: ``-fopenmp-simd``, single-threaded) into
+which resolves to the copy torch already loaded, so the kernels' threads are torch's OpenMP pool;
+if it resolves to a *second* runtime instead, or without OpenMP support, a single-threaded
+``-fopenmp-simd`` build is used; other compilers get ``-mcpu=native`` or plain ``-O3``) into
 ``$POSTRL_CACHE_DIR`` (default ``~/.cache/postrl``)``/kernels/<hash>.so``, keyed by the source,
 the flags and the CPU's feature flags (so a shared home directory never hands a machine code it
 cannot run). The compile takes ~1 s once per machine, under a 120 s deadline; the write is atomic
@@ -32,15 +33,19 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DecodeKernels", "DecodeStep", "load", "build_error", "supports"]
+__all__ = ["DecodeKernels", "DecodeStep", "load", "build_error", "supports", "openmp_runtimes"]
 
 logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("kernels.c")
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
-# -fopenmp: libgomp's soname is torch's, so the loader hands the kernels torch's (already loaded)
-# runtime and thread pool. Without an OpenMP toolchain: -fopenmp-simd, single-threaded kernels.
-_OMP_VARIANTS = (["-fopenmp"], ["-fopenmp-simd"])
+_FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
+# Tried in order: the first that compiles is used. -fopenmp: libgomp's soname is torch's, so the
+# loader hands the kernels torch's (already loaded) runtime and thread pool. Without an OpenMP
+# toolchain (Apple clang): -fopenmp-simd, single-threaded kernels. -march=native is x86/gcc
+# spelling; arm64 compilers may want -mcpu=native; the last variant is plain -O3.
+_VARIANTS = (("-march=native", "-fopenmp"), ("-march=native", "-fopenmp-simd"), ("-mcpu=native", "-fopenmp-simd"),
+             ("-fopenmp-simd",))
+_SERIAL = _VARIANTS[1:]  # when the OpenMP build would bring a second runtime
 _MAX_HEAD_DIM = 1024  # stack buffers in kernels.c
 _BUILD_TIMEOUT_S = 120.0
 _lock = threading.Lock()
@@ -66,30 +71,53 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _compile(cc: str, out: Path) -> None:
+def _compile(cc: str, out: Path, variants: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
+    """Build ``out`` with the first flag variant that compiles; return that variant."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".so.tmp", dir=out.parent)
     os.close(fd)
     errors = []
     try:
-        for omp in _OMP_VARIANTS:
-            res = subprocess.run([cc, *_FLAGS, *omp, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True,
+        for extra in variants:
+            res = subprocess.run([cc, *_FLAGS, *extra, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True,
                                  timeout=_BUILD_TIMEOUT_S)
             if res.returncode == 0:
                 os.replace(tmp, out)  # atomic: a concurrent builder's identical file is simply replaced
-                return
-            errors.append(f"{cc} {' '.join(omp)} failed (exit {res.returncode}): {res.stderr.strip()[-600:]}")
+                out.with_suffix(".flags").write_text(" ".join(extra))
+                return extra
+            errors.append(f"{cc} {' '.join(extra)} failed (exit {res.returncode}): {res.stderr.strip()[-400:]}")
         raise RuntimeError("; ".join(errors))
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def openmp_runtimes() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    names = ("libgomp", "libomp", "libiomp")
+    return {ln.split()[-1] for ln in maps.splitlines() if any(n in ln.split()[-1] for n in names)}
+
+
+def _build_and_load(cc: str, variants: tuple[tuple[str, ...], ...]) -> DecodeKernels:
+    key = hashlib.sha256("\n".join([_SRC.read_text(), cc, " ".join(_FLAGS), repr(variants), _cpu_flags()]).encode())
+    path = _cache_dir() / f"decode-{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        logger.info("native engine: compiling fused CPU kernels -> %s", path)
+        _compile(cc, path, variants)
+    flags = path.with_suffix(".flags").read_text() if path.with_suffix(".flags").exists() else "?"
+    return DecodeKernels(ctypes.CDLL(str(path)), path, flags)
+
+
 class DecodeKernels:
     """The loaded library, with tensor-level wrappers that check dtypes, devices and layout."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, lib: ctypes.CDLL, path: Path | None, flags: str = "?") -> None:
         self.path = path
+        self.flags = flags
         lib.postrl_rms_norm.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _f32]
         lib.postrl_rms_norm.restype = None
         lib.postrl_rope_kv.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _ptr,
@@ -272,13 +300,16 @@ def load() -> DecodeKernels | None:
             _error = "no C compiler found (cc, gcc or clang); install one or set CC"
             logger.warning("native engine: fused CPU kernels unavailable (%s); using the torch path", _error)
             return None
-        key = hashlib.sha256("\n".join([_SRC.read_text(), cc, " ".join(_FLAGS), repr(_OMP_VARIANTS), _cpu_flags()]).encode()).hexdigest()[:16]
-        path = _cache_dir() / f"decode-{key}.so"
         try:
-            if not path.exists():
-                logger.info("native engine: compiling fused CPU kernels -> %s", path)
-                _compile(cc, path)
-            _cached = DecodeKernels(ctypes.CDLL(str(path)), path)
+            before = openmp_runtimes()
+            kern = _build_and_load(cc, _VARIANTS)
+            if len(openmp_runtimes()) > max(1, len(before)):
+                # the OpenMP build resolved a runtime other than torch's: two thread pools would
+                # fight for the cores (measured 10x slower), so use the single-threaded build
+                logger.warning("native engine: the kernels' OpenMP runtime is not torch's (%s); using the "
+                               "single-threaded build", sorted(openmp_runtimes() - before))
+                kern = _build_and_load(cc, _SERIAL)
+            _cached = kern
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
             _error = f"{type(e).__name__}: {e}"
             logger.warning("native engine: fused CPU kernels unavailable (%s); using the torch path", _error)
