@@ -202,3 +202,15 @@ def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert kernels.load() is None
     assert "no-such-compiler" in kernels.build_error()
+
+
+def test_cache_dir_must_be_private(monkeypatch, tmp_path):
+    """A world-writable cache directory is never used (someone else could plant a library)."""
+    shared = tmp_path / "shared"
+    (shared / "kernels").mkdir(parents=True)
+    (shared / "kernels").chmod(0o777)
+    monkeypatch.setenv("POSTRL_CACHE_DIR", str(shared))
+    assert kernels._cache_dir() != shared / "kernels"
+    monkeypatch.setenv("POSTRL_CACHE_DIR", str(tmp_path / "mine"))
+    d = kernels._cache_dir()
+    assert d == tmp_path / "mine" / "kernels" and not d.stat().st_mode & 0o022

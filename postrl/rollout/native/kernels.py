@@ -66,9 +66,25 @@ def _cpu_flags() -> str:
     return platform.processor() + platform.machine()
 
 
+def _private_dir(path: Path) -> bool:
+    """True when ``path`` exists or was created, belongs to us and no one else can write to it
+    (a shared library is only ever loaded from such a directory)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = path.stat()
+    except OSError:
+        return False
+    return os.access(path, os.W_OK) and (not hasattr(os, "getuid") or st.st_uid == os.getuid()) and not st.st_mode & 0o022
+
+
 def _cache_dir() -> Path:
+    """``$POSTRL_CACHE_DIR/kernels`` (default ``~/.cache/postrl/kernels``); if that is not a private
+    writable directory, a per-user one under the temp dir, else a fresh ``mkdtemp``."""
     root = os.environ.get("POSTRL_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "postrl")
-    return Path(root) / "kernels"
+    for cand in (Path(root) / "kernels", Path(tempfile.gettempdir()) / f"postrl-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"):
+        if _private_dir(cand):
+            return cand
+    return Path(tempfile.mkdtemp(prefix="postrl-kernels-"))
 
 
 def _compile(cc: str, out: Path, variants: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
