@@ -167,6 +167,11 @@ def test_whole_step_equals_per_op_kernels(tiny_model_factory, arch):
         out = step(tok, pos, plen, pid, slot, be.cos, be.sin, 1)
     assert torch.equal(out, ref)
     assert torch.equal(be.kv.k, k_ref)
+    step.row_split = True  # rows split over 3 threads for the whole step: the same numbers
+    with torch.inference_mode():
+        out3 = step(tok, pos, plen, pid, slot, be.cos, be.sin, 3)
+    torch.testing.assert_close(out3, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(be.kv.k, k_ref)
     assert be._decode_step() is not None
     be.sleep()
     assert be._step_fn is None  # does not keep the released store alive

@@ -54,11 +54,17 @@ static inline void rms_row(const float *x, const float *w, float *o, int64_t n, 
 /* Row loops go parallel over torch's OpenMP threads only when there is enough work (a decode
  * step's 128 x 256 rows are cheaper on one thread than the fork/join). */
 #define PAR_MIN_ELEMS 65536
+#ifdef _OPENMP
+#include <omp.h>
+#define TOP_LEVEL (!omp_in_parallel()) /* inside a row-split step every loop is already one thread's share */
+#else
+#define TOP_LEVEL 1
+#endif
 
 /* out[r] = w * (x[r] / rms(x[r])) for r < rows. */
 void postrl_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps) {
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (rows * dim >= PAR_MIN_ELEMS)
+#pragma omp parallel for schedule(static) if (TOP_LEVEL && rows * dim >= PAR_MIN_ELEMS)
 #endif
     for (int64_t r = 0; r < rows; r++) rms_row(x + r * dim, w, out + r * dim, dim, eps);
 }
@@ -67,7 +73,7 @@ void postrl_rms_norm(const float *x, const float *w, float *out, int64_t rows, i
  * silu(x) = x * sigmoid(x), sigmoid from exp(-|x|) so the exponent is never positive. */
 void postrl_silu_mul(const float *gu, float *out, int64_t rows, int64_t I) {
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)
+#pragma omp parallel for schedule(static) if (TOP_LEVEL && rows * I >= PAR_MIN_ELEMS)
 #endif
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * I, *u = g + I;
@@ -102,7 +108,7 @@ void postrl_rope_kv(float *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D, co
                     int64_t Tmax) {
     const int64_t row = (H + 2 * Hkv) * D;
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (N * row >= PAR_MIN_ELEMS / 2) /* scattered cache writes: more misses in flight */
+#pragma omp parallel for schedule(static) if (TOP_LEVEL && N * row >= PAR_MIN_ELEMS / 2) /* scattered cache writes: more misses in flight */
 #endif
     for (int64_t b = 0; b < N; b++) {
         float nbuf[1024];
@@ -360,49 +366,85 @@ static void add_bias(float *C, const float *bias, int64_t M, int64_t N) {
 /* Per-layer pointer table, in this order (0 = absent). */
 enum { L_LN1, L_WQKV, L_BQKV, L_WO, L_BO, L_QN, L_KN, L_LN2, L_WGU, L_WDOWN, L_K, L_V, L_PK, L_PV, L_N };
 
-/* One decode step for rows 0..B-1 (see forward.decode_fused for the math). `layers` holds
- * L_N pointers per layer; `scratch` >= B * (2*hidden + QKV + H*D + 3*I) floats; `logits` (B, V).
- * dims = {hidden, I, H, Hkv, D, Tmax, V, L}. Returns 0, or nonzero when attention scratch could
- * not be allocated. */
-int postrl_decode_step(sgemm_fn gemm, const int64_t *dims, const int64_t *layers, const float *embed,
+/* Rows b0..b1-1 of a decode step through every layer (see postrl_decode_step). Row-local from
+ * the embedding to the logits: nothing couples two rows, so row ranges can run concurrently. */
+static int decode_rows(sgemm_fn gemm, const int64_t *dims, const int64_t *layers, const float *embed,
                        const float *norm, const float *lm_head, const float *cos_t, const float *sin_t,
                        const int64_t *tokens, const int64_t *pos, const int64_t *plen, const int64_t *pid,
-                       const int64_t *slot, int64_t *off, int64_t B, float eps, float scale,
-                       int64_t threads, float *scratch, float *logits) {
+                       const int64_t *slot, int64_t *off, int64_t B, int64_t b0, int64_t b1, float eps,
+                       float scale, int64_t threads, float *scratch, float *logits) {
     const int64_t hid = dims[0], I = dims[1], H = dims[2], Hkv = dims[3], D = dims[4], Tmax = dims[5],
-                  V = dims[6], L = dims[7], QKV = (H + 2 * Hkv) * D;
-    float *x = scratch, *h = x + B * hid, *qkv = h + B * hid, *att = qkv + B * QKV, *gu = att + B * H * D,
-          *act = gu + B * 2 * I;
+                  V = dims[6], L = dims[7], QKV = (H + 2 * Hkv) * D, n = b1 - b0;
+    /* scratch arrays hold all B rows; this range uses rows b0..b1-1 of each */
+    float *x = scratch + b0 * hid, *h = scratch + B * hid + b0 * hid, *qkv0 = scratch + 2 * B * hid,
+          *qkv = qkv0 + b0 * QKV, *att0 = qkv0 + B * QKV, *att = att0 + b0 * H * D,
+          *gu = att0 + B * H * D + b0 * 2 * I, *act = att0 + B * H * D + B * 2 * I + b0 * I;
     int status = 0;
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         const float *e = embed + tokens[b] * hid;
-        for (int64_t i = 0; i < hid; i++) x[b * hid + i] = e[i];
+        for (int64_t i = 0; i < hid; i++) scratch[b * hid + i] = e[i];
         off[b] = pos[b] - plen[b];
     }
     for (int64_t li = 0; li < L; li++) {
         const int64_t *p = layers + li * L_N;
 #define P(i) ((float *)(intptr_t)p[i])
-        postrl_rms_norm(x, P(L_LN1), h, B, hid, eps);
+        postrl_rms_norm(x, P(L_LN1), h, n, hid, eps);
         if (P(L_BQKV)) {
-            for (int64_t b = 0; b < B; b++)
+            for (int64_t b = 0; b < n; b++)
                 for (int64_t i = 0; i < QKV; i++) qkv[b * QKV + i] = P(L_BQKV)[i];
-            gemm_xwt(gemm, h, P(L_WQKV), qkv, B, QKV, hid, 1.0f);
+            gemm_xwt(gemm, h, P(L_WQKV), qkv, n, QKV, hid, 1.0f);
         } else {
-            gemm_xwt(gemm, h, P(L_WQKV), qkv, B, QKV, hid, 0.0f);
+            gemm_xwt(gemm, h, P(L_WQKV), qkv, n, QKV, hid, 0.0f);
         }
-        postrl_rope_kv(qkv, B, H, Hkv, D, cos_t, sin_t, pos, slot, off, P(L_QN), P(L_KN), eps, P(L_K), P(L_V),
-                       Tmax);
-        status |= postrl_decode_attention(qkv, P(L_PK), P(L_PV), P(L_K), P(L_V), pid, plen, pos, att, B, H, Hkv,
-                                          D, Tmax, scale, threads);
-        gemm_xwt(gemm, att, P(L_WO), x, B, hid, H * D, 1.0f); /* x += att . Wo^T */
-        if (P(L_BO)) add_bias(x, P(L_BO), B, hid);
-        postrl_rms_norm(x, P(L_LN2), h, B, hid, eps);
-        gemm_xwt(gemm, h, P(L_WGU), gu, B, 2 * I, hid, 0.0f);
-        postrl_silu_mul(gu, act, B, I);
-        gemm_xwt(gemm, act, P(L_WDOWN), x, B, hid, I, 1.0f); /* x += act . Wdown^T */
+        postrl_rope_kv(qkv, n, H, Hkv, D, cos_t, sin_t, pos + b0, slot + b0, off + b0, P(L_QN), P(L_KN), eps,
+                       P(L_K), P(L_V), Tmax);
+        if (threads > 1) {
+            status |= postrl_decode_attention(qkv0, P(L_PK), P(L_PV), P(L_K), P(L_V), pid, plen, pos, att0, b1, H,
+                                              Hkv, D, Tmax, scale, threads); /* b0 == 0 here */
+        } else {
+            attn_job j = {qkv0, P(L_PK), P(L_PV), P(L_K), P(L_V), pid, plen, pos, att0, b0, b1, H, Hkv, D, Tmax,
+                          scale, 0};
+            attn_rows(&j);
+            status |= j.status;
+        }
+        gemm_xwt(gemm, att, P(L_WO), x, n, hid, H * D, 1.0f); /* x += att . Wo^T */
+        if (P(L_BO)) add_bias(x, P(L_BO), n, hid);
+        postrl_rms_norm(x, P(L_LN2), h, n, hid, eps);
+        gemm_xwt(gemm, h, P(L_WGU), gu, n, 2 * I, hid, 0.0f);
+        postrl_silu_mul(gu, act, n, I);
+        gemm_xwt(gemm, act, P(L_WDOWN), x, n, hid, I, 1.0f); /* x += act . Wdown^T */
 #undef P
     }
-    postrl_rms_norm(x, norm, h, B, hid, eps);
-    gemm_xwt(gemm, h, lm_head, logits, B, V, hid, 0.0f);
+    postrl_rms_norm(x, norm, h, n, hid, eps);
+    gemm_xwt(gemm, h, lm_head, logits + b0 * V, n, V, hid, 0.0f);
+    return status;
+}
+
+/* One decode step for rows 0..B-1 (see forward.decode_fused for the math). `layers` holds
+ * L_N pointers per layer; `scratch` >= B * (2*hidden + QKV + H*D + 3*I) floats; `logits` (B, V).
+ * dims = {hidden, I, H, Hkv, D, Tmax, V, L}.
+ *
+ * row_split = 0: every op over all rows, each op parallel inside (GEMMs in BLAS, attention over
+ * `threads`). row_split = 1: the rows are split over `threads` threads and each thread takes its
+ * share through the whole step with single-threaded ops — one fork/join per step instead of
+ * ~10 per layer, and one thread's memory-bound attention overlaps another's compute-bound GEMMs.
+ * Returns 0, or nonzero when attention scratch could not be allocated. */
+int postrl_decode_step(sgemm_fn gemm, const int64_t *dims, const int64_t *layers, const float *embed,
+                       const float *norm, const float *lm_head, const float *cos_t, const float *sin_t,
+                       const int64_t *tokens, const int64_t *pos, const int64_t *plen, const int64_t *pid,
+                       const int64_t *slot, int64_t *off, int64_t B, float eps, float scale,
+                       int64_t threads, int64_t row_split, float *scratch, float *logits) {
+    if (threads < 1) threads = 1;
+    if (!row_split || threads == 1 || B < 2 * threads)
+        return decode_rows(gemm, dims, layers, embed, norm, lm_head, cos_t, sin_t, tokens, pos, plen, pid, slot,
+                           off, B, 0, B, eps, scale, threads, scratch, logits);
+    int status = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(| : status)
+#endif
+    for (int64_t t = 0; t < threads; t++)
+        status |= decode_rows(gemm, dims, layers, embed, norm, lm_head, cos_t, sin_t, tokens, pos, plen, pid,
+                              slot, off, B, B * t / threads, B * (t + 1) / threads, eps, scale, 1, scratch,
+                              logits);
     return status;
 }
