@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tool-arith recipe end to end (see examples/grpo_tool_arith.yaml): a tiny model, tool-arith
-# data (2-digit products with 4-digit results), an SFT warm-up on a mix of demonstrations — 50%
+# data (2-digit products), an SFT warm-up on a mix of demonstrations — 50%
 # tool-reading rows (tool result -> answer), the rest full conversations of which 30% call the
 # calculator and 70% answer directly —, GRPO with the multi-turn tool loop, and a plot of
 # tool-call rate, reward and validation accuracy per step (RUN/grpo/tool_arith_curve.png).
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 RUN=${1:-runs/tool_arith}
 shift || true
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-A=(--min-digits 2 --max-digits 2 --kinds mul --prompt-style bound --result-digits 4)
+A=(--min-digits 2 --max-digits 2 --kinds mul --prompt-style bound)
 DEMOS=(--n 6000 --sft --copy-fraction 0.5 --tool-fraction 0.3)
 SFT=(max_steps=500 epochs=10 lr=1e-3 batch_tokens=1024 warmup_steps=5 num_threads=1 log_every=100)
 STAMP="tool-tags-v1 ${A[*]} ${DEMOS[*]} ${SFT[*]}"
