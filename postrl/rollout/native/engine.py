@@ -445,8 +445,11 @@ class NativeBackend:
     def _sample(self, rows: slice, logits: torch.Tensor, advance_pos: bool) -> None:
         """Sample one token for the contiguous slot range ``rows`` and record it (views only)."""
         ngen = self.s_ngen[rows]
-        tok, lp = sample_tokens(logits, self.s_temp[rows], self.s_topk[rows], self.s_topp[rows],
-                                self.s_seed[rows], ngen, self._use_filters)
+        if self.kernels is not None and not self._use_filters and logits.dtype == torch.float32:
+            tok, lp = self.kernels.sample(logits.contiguous(), self.s_temp[rows], self.s_seed[rows], ngen)
+        else:
+            tok, lp = sample_tokens(logits, self.s_temp[rows], self.s_topk[rows], self.s_topp[rows],
+                                    self.s_seed[rows], ngen, self._use_filters)
         idx = ngen[:, None]
         self.s_out[rows].scatter_(1, idx, tok[:, None])
         self.s_logp[rows].scatter_(1, idx, lp[:, None].to(self.s_logp.dtype))

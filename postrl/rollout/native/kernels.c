@@ -448,3 +448,78 @@ int postrl_decode_step(sgemm_fn gemm, const int64_t *dims, const int64_t *layers
                               logits);
     return status;
 }
+
+/* ------------------------------------------------------------------------------------------
+ * Sampling without top-k / top-p, the same arithmetic as sampler.sample_tokens: per row the
+ * counter-based uniform u = hash(seed, counter) / 2^32 (lowbias32 chain), the inverse CDF over
+ * softmax(logits / T) in vocabulary order (cumsum accumulated in double, as torch does), greedy
+ * rows (T <= 0) take the first argmax; the returned log-prob is log_softmax(logits / T')[token]
+ * with T' = 1 for greedy rows.
+ */
+static inline uint64_t mix32(uint64_t x) {
+    const uint64_t m = 0xFFFFFFFFull;
+    x &= m;
+    x ^= x >> 16;
+    x = (x * 0x7FEB352Dull) & m;
+    x ^= x >> 15;
+    x = (x * 0x846CA68Bull) & m;
+    return x ^ (x >> 16);
+}
+
+static inline uint64_t counter_hash(int64_t seed, int64_t counter) {
+    uint64_t h = mix32((uint64_t)(seed ^ 0x9E3779B9ll));
+    h = mix32(h ^ ((uint64_t)(seed >> 32) * 0x85EBCA6Bull));
+    return mix32(h ^ ((uint64_t)counter * 0xC2B2AE35ull));
+}
+
+/* scratch: B * V floats (one row each, so rows can go parallel). */
+void postrl_sample(const float *logits, int64_t B, int64_t V, const float *temp, const int64_t *seeds,
+                   const int64_t *counters, int64_t *tokens, float *logp, float *scratch) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (TOP_LEVEL && B * V >= PAR_MIN_ELEMS / 2)
+#endif
+    for (int64_t b = 0; b < B; b++) {
+        const float *l = logits + b * V;
+        const int greedy = temp[b] <= 0.0f;
+        const float t = greedy ? 1.0f : temp[b];
+        float *e = scratch + b * V;
+        float m = l[0] / t;
+        int64_t amax = 0;
+#pragma omp simd reduction(max : m)
+        for (int64_t i = 0; i < V; i++) {
+            e[i] = l[i] / t;
+            m = e[i] > m ? e[i] : m;
+        }
+        if (greedy)
+            for (int64_t i = 1; i < V; i++)
+                if (l[i] > l[amax]) amax = i; /* first maximum, as torch.argmax */
+        const float ly = (l[amax] / t - m); /* greedy: the argmax's scaled logit minus max */
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < V; i++) {
+            e[i] = exp_nonpos(e[i] - m);
+            sum += e[i];
+        }
+        const float ls = logf(sum);
+        int64_t y = amax;
+        if (!greedy) {
+            const float u = (float)((double)counter_hash(seeds[b], counters[b]) / 4294967296.0);
+            double acc = 0.0;
+            for (int64_t i = 0; i < V; i++) { /* cdf_i, stored over e */
+                acc += (double)(e[i] / sum);
+                e[i] = (float)acc;
+            }
+            const float target = u * e[V - 1];
+            y = V - 1;
+            for (int64_t i = 0; i < V; i++)
+                if (e[i] > target) {
+                    y = i;
+                    break;
+                }
+            logp[b] = (l[y] / t - m) - ls; /* torch's order: (x - max) - log(sum) */
+        } else {
+            logp[b] = ly - ls;
+        }
+        tokens[b] = y;
+    }
+}

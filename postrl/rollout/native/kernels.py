@@ -146,6 +146,8 @@ class DecodeKernels:
         lib.postrl_decode_attention.restype = ctypes.c_int
         lib.postrl_decode_step.argtypes = [_ptr] * 14 + [_i64, _f32, _f32, _i64, _i64, _ptr, _ptr]
         lib.postrl_decode_step.restype = ctypes.c_int
+        lib.postrl_sample.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
+        lib.postrl_sample.restype = None
         self._lib = lib
         self.sgemm = _torch_sgemm()
 
@@ -203,6 +205,19 @@ class DecodeKernels:
             raise MemoryError("decode_attention: a worker thread could not allocate its score buffer")
         return out
 
+
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+               counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sampler.sample_tokens`` for rows without top-k/top-p, in C: ``(tokens (B,), log_probs (B,))``."""
+        B, V = logits.shape
+        tokens = torch.empty(B, dtype=torch.int64)
+        logp = torch.empty(B, dtype=torch.float32)
+        scratch = torch.empty(B, V, dtype=torch.float32)
+        self._lib.postrl_sample(self._check("logits", logits, torch.float32), B, V,
+                                self._check("temperature", temperature, torch.float32),
+                                self._check("seeds", seeds, torch.int64), self._check("counters", counters, torch.int64),
+                                tokens.data_ptr(), logp.data_ptr(), scratch.data_ptr())
+        return tokens, logp
 
     def decode_step(self, weights, cfg, kv, max_batch: int) -> DecodeStep | None:
         """A whole-step decoder over ``weights`` and the store ``kv`` (None when torch's BLAS
