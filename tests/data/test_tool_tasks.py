@@ -325,3 +325,19 @@ def test_code_score_reuses_a_sandbox_across_event_loops(sandbox):
 
     for _ in range(2):  # two loops, each with contention on the pool
         assert [r["score"] for r in asyncio.run(many())] == [1.0] * 4
+
+
+def test_cli_writes_the_recipe_demonstrations(tmp_path):
+    from postrl.cli import main
+    from postrl.data import read_rows
+
+    out = tmp_path / "demos.parquet"
+    assert main(["data", "tool-arith", str(out), "--n", "40", "--sft", "--copy-fraction", "0.5",
+                 "--tool-fraction", "0.25", "--min-digits", "2", "--max-digits", "2", "--kinds", "mul",
+                 "--prompt-style", "bound", "--result-digits", "4"]) == 0
+    rows = read_rows(out)
+    roles = [tuple(m["role"] for m in r["messages"]) for r in rows]
+    assert roles.count(("tool", "assistant")) == 20
+    assert roles.count(("user", "assistant", "tool", "assistant")) == 5
+    assert roles.count(("user", "assistant")) == 15
+    assert all(len(r["messages"][-1]["content"]) == 4 for r in rows)
