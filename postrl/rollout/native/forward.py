@@ -226,31 +226,33 @@ def prefill_fused(
 ) -> torch.Tensor:
     """``prefill`` with the fused kernels (same inputs, ``sin`` plain; same logits up to float
     rounding). Tokens are flattened to ``U·P`` rows; RoPE and the prefix-cache writes are one
-    kernel call per layer. The last layer needs only its K/V at every position (for the cache)
-    and its output at each prompt's *last* position (for the logits), so its attention, o
-    projection and MLP run on ``U`` rows instead of ``U·P``.
+    kernel call per layer, and causal attention is the decode-attention kernel reading the
+    prefix rows just written (query ``t`` over positions ``0..t``), so no layout copies. The
+    last layer needs only its K/V at every position (for the cache) and its output at each
+    prompt's *last* position (for the logits), so its attention, o projection and MLP run on
+    ``U`` rows instead of ``U·P``.
     """
     U, P = tokens.shape
     H, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-    L = len(w.layers)
+    L, scale, threads = len(w.layers), D**-0.5, torch.get_num_threads()
     dev = tokens.device
     pos = torch.arange(P, device=dev).repeat(U)  # (U·P,)
     slot = rows.repeat_interleave(P)
     last = torch.arange(U, device=dev) * P + lens - 1  # flat index of each prompt's last token
+    # causal attention as decode attention with an empty "own" part: query (u, t) attends the
+    # prefix row it just wrote, positions 0..t (plen = t + 1, pos = t -> no completion keys)
+    plen_all, plen_last = pos + 1, lens.to(torch.int64)
     x = F.embedding(tokens.reshape(-1), w.embed)  # (U·P, hidden)
     for li, lw in enumerate(w.layers):
         qkv = F.linear(kern.rms_norm(x, lw.ln1, eps), lw.w_qkv, lw.b_qkv)  # (U·P, (H + 2·Hkv)·D)
-        kern.rope_kv(qkv, H, Hkv, D, cos, sin, pos, slot, pos, lw.q_norm, lw.k_norm, eps, k_cache[li], v_cache[li])
-        qkv4 = qkv.view(U, P, H + 2 * Hkv, D).transpose(1, 2)  # (U, H + 2·Hkv, P, D)
-        q, k, v = qkv4[:, :H], qkv4[:, H:H + Hkv], qkv4[:, H + Hkv:]
+        kc, vc = k_cache[li], v_cache[li]
+        kern.rope_kv(qkv, H, Hkv, D, cos, sin, pos, slot, pos, lw.q_norm, lw.k_norm, eps, kc, vc)
         if li == L - 1:  # last layer: only the last position's output is needed
-            q = q[torch.arange(U, device=dev), :, lens - 1].unsqueeze(2)  # (U, H, 1, D)
-            mask = torch.zeros(U, 1, 1, P, dtype=x.dtype, device=dev)
-            mask.masked_fill_((torch.arange(P, device=dev)[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)  # (U, H, 1, D)
+            o = kern.decode_attention(qkv[last].contiguous(), H, Hkv, D, kc, vc, kc, vc, rows, plen_last,
+                                      plen_last - 1, scale, threads)  # (U, H·D)
             x = x[last]
         else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)  # (U, H, P, D)
-        x = _out_proj(x, o.transpose(1, 2).reshape(x.shape[0], H * D), lw)
+            o = kern.decode_attention(qkv, H, Hkv, D, kc, vc, kc, vc, slot, plen_all, pos, scale, threads)
+        x = _out_proj(x, o, lw)
         x = torch.addmm(x, kern.silu_mul(F.linear(kern.rms_norm(x, lw.ln2, eps), lw.w_gu)), lw.w_down.t())
     return F.linear(kern.rms_norm(x, w.norm, eps), w.lm_head)
