@@ -103,6 +103,7 @@ class NativeBackend:
         self.kernels = _load_kernels(kernels, self.cfg.head_dim, self.dtype, self.device)
         self.kernels_step = self.kernels is not None  # whole-step C decode (per-op kernels if unavailable)
         self._step_fn: _kernels.DecodeStep | None = None
+        self._sample_scratch = torch.empty(0)  # C sampler workspace (B, V), reused across steps
         self.cos, self.sin = rope_tables(self.cfg, self.max_model_len, self.dtype, self.device)
         half = self.cfg.head_dim // 2
         self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)  # for apply_rope_fast
@@ -410,31 +411,27 @@ class NativeBackend:
     def _decode(self) -> slice:
         B = len(self._slots)
         step = self._decode_step()
-        if step is not None:
+        if step is not None:  # the whole step in one C call
             logits = step(self.s_last[:B], self.s_pos[:B], self.s_plen[:B], self.s_pid[:B], self._ar_s[:B], self.cos,
                           self.sin, torch.get_num_threads())
-            self._sample(slice(0, B), logits, advance_pos=True)
-            return slice(0, B)
-        if self.kernels is not None:
+        elif self.kernels is not None:  # the same kernels op by op
             logits = decode_fused(self.weights, self.cfg, self.kernels, self.s_last[:B], self.s_pos[:B], self.s_plen[:B],
                                   self.s_pid[:B], self.cos, self.sin, self.kv, self._ar_s, torch.get_num_threads())
-            self._sample(slice(0, B), logits, advance_pos=True)
-            return slice(0, B)
-        pos = self.s_pos[:B]
-        off = pos - self.s_plen[:B]
-        lo, hi = torch.stack([off.min(), off.max()]).tolist()
-        T = hi + 1
-        if self._layout is None:
-            self._layout = self.kv.layout(self.s_pid[:B], self.s_plen[:B])
-        logits = decode(self.weights, self.cfg, self.s_last[:B], pos, off, T, lo == hi, self.cos, self.sin_signed,
-                        self.kv, self._layout, self._ar_s, self._ar_t)
+        else:
+            pos = self.s_pos[:B]
+            off = pos - self.s_plen[:B]
+            lo, hi = torch.stack([off.min(), off.max()]).tolist()
+            if self._layout is None:
+                self._layout = self.kv.layout(self.s_pid[:B], self.s_plen[:B])
+            logits = decode(self.weights, self.cfg, self.s_last[:B], pos, off, hi + 1, lo == hi, self.cos,
+                            self.sin_signed, self.kv, self._layout, self._ar_s, self._ar_t)
         rows = slice(0, B)
         self._sample(rows, logits, advance_pos=True)
         return rows
 
     def _decode_step(self) -> _kernels.DecodeStep | None:
         """The whole-step C decoder for the current KV store (rebuilt after ``wake_up``)."""
-        if self.kernels is None:
+        if self.kernels is None or not self.kernels_step:
             return None
         if self._step_fn is None or self._step_fn.kv is not self.kv:
             self._step_fn = self.kernels.decode_step(self.weights, self.cfg, self.kv, self.max_num_seqs)
@@ -446,7 +443,11 @@ class NativeBackend:
         """Sample one token for the contiguous slot range ``rows`` and record it (views only)."""
         ngen = self.s_ngen[rows]
         if self.kernels is not None and not self._use_filters and logits.dtype == torch.float32:
-            tok, lp = self.kernels.sample(logits.contiguous(), self.s_temp[rows], self.s_seed[rows], ngen)
+            B, V = logits.shape
+            if self._sample_scratch.numel() < B * V:  # grown once to the largest batch, then reused
+                self._sample_scratch = torch.empty(B * V, dtype=torch.float32)
+            tok, lp = self.kernels.sample(logits.contiguous(), self.s_temp[rows], self.s_seed[rows], ngen,
+                                          self._sample_scratch[: B * V].view(B, V))
         else:
             tok, lp = sample_tokens(logits, self.s_temp[rows], self.s_topk[rows], self.s_topp[rows],
                                     self.s_seed[rows], ngen, self._use_filters)

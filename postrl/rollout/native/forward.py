@@ -167,7 +167,7 @@ def decode(
         o = o + torch.matmul(p_own, kv.v[li, :B, :, :T])
         o = o.reshape(B, H * D)
         # residual adds fused into the GEMMs: x + o·W_oᵀ, x + (silu(g)·u)·W_downᵀ
-        x = torch.addmm(x, o, lw.w_o.t()) if lw.b_o is None else x + F.linear(o, lw.w_o, lw.b_o)
+        x = _out_proj(x, o, lw)
         g, u = F.linear(rms_norm(x, lw.ln2, cfg.rms_norm_eps), lw.w_gu).chunk(2, dim=-1)
         x = torch.addmm(x, F.silu(g).mul_(u), lw.w_down.t())
     return F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head)

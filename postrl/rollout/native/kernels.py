@@ -207,16 +207,22 @@ class DecodeKernels:
 
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-               counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``sampler.sample_tokens`` for rows without top-k/top-p, in C: ``(tokens (B,), log_probs (B,))``."""
+               counters: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sampler.sample_tokens`` for rows without top-k/top-p, in C: ``(tokens (B,), log_probs (B,))``.
+
+        ``scratch``: a contiguous fp32 (B, V) workspace to reuse across calls (allocated if None).
+        """
         B, V = logits.shape
         tokens = torch.empty(B, dtype=torch.int64)
         logp = torch.empty(B, dtype=torch.float32)
-        scratch = torch.empty(B, V, dtype=torch.float32)
+        if scratch is None:
+            scratch = torch.empty(B, V, dtype=torch.float32)
+        elif scratch.shape != (B, V):
+            raise ValueError(f"sample: scratch has shape {tuple(scratch.shape)}, needs {(B, V)}")
         self._lib.postrl_sample(self._check("logits", logits, torch.float32), B, V,
                                 self._check("temperature", temperature, torch.float32),
                                 self._check("seeds", seeds, torch.int64), self._check("counters", counters, torch.int64),
-                                tokens.data_ptr(), logp.data_ptr(), scratch.data_ptr())
+                                tokens.data_ptr(), logp.data_ptr(), self._check("scratch", scratch, torch.float32))
         return tokens, logp
 
     def decode_step(self, weights, cfg, kv, max_batch: int) -> DecodeStep | None:
@@ -246,7 +252,7 @@ class DecodeStep:
             ts = [lw.ln1, lw.w_qkv, lw.b_qkv, lw.w_o, lw.b_o, lw.q_norm, lw.k_norm, lw.ln2, lw.w_gu, lw.w_down,
                   kv.k[li], kv.v[li], kv.pk[li], kv.pv[li]]
             rows.append([0 if t is None else kern._check(f"layer {li} tensor", t, torch.float32) for t in ts])
-        self._kern, self._kv, self._weights = kern, kv, weights  # keep the pointed-to tensors alive
+        self._kern, self._weights, self.kv = kern, weights, kv  # keep the pointed-to tensors alive
         self.layers = torch.tensor(rows, dtype=torch.int64)
         self.dims = torch.tensor([hid, inter, H, Hkv, D, kv.k.shape[3], weights.lm_head.shape[0], len(rows)],
                                  dtype=torch.int64)
@@ -255,7 +261,6 @@ class DecodeStep:
         self.scratch = torch.empty(max_batch * (2 * hid + (H + 2 * Hkv) * D + H * D + 3 * inter))
         self.off = torch.empty(max_batch, dtype=torch.int64)
         self.eps, self.scale, self.vocab = cfg.rms_norm_eps, D**-0.5, weights.lm_head.shape[0]
-        self.kv = kv
         # with several threads, split the rows over them for the whole step (one fork/join, and
         # attention overlapping GEMMs) rather than parallelising each op: measured 3-7% faster
         self.row_split = True
