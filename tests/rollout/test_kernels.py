@@ -63,7 +63,10 @@ def test_rope_kv_rotates_in_place_and_writes_the_cache(kern, qk_norm):
     assert kc.abs().sum() == 0  # nothing else written
 
 
-@pytest.mark.parametrize(("H", "Hkv", "D"), [(4, 2, 64), (6, 2, 24), (3, 3, 8), (8, 1, 40)])
+# head_dim % 16 == 0 takes the 16-wide kernels (blocks of 8 K rows, 64-column V blocks, head
+# pairs plus a single head when the group is odd); other multiples of 8 the 8-wide ones
+@pytest.mark.parametrize(("H", "Hkv", "D"), [(4, 2, 64), (6, 2, 24), (3, 3, 8), (8, 1, 40), (4, 2, 128),
+                                             (6, 2, 16), (2, 2, 48), (3, 1, 80)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_attention_equals_softmax_reference(kern, H, Hkv, D, threads):
     """Each row: softmax over [its prompt's prefix keys, its own keys 0..off] — checked against

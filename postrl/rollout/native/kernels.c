@@ -257,6 +257,135 @@ static void pv_g(const float *p, int64_t ld, int64_t G, const float *V, int64_t 
     }
 }
 
+/* ---- 16-wide variants (head_dim % 16 == 0): AVX-512 zmm on x86, pairs of ymm on AVX2, 4 NEON
+ * registers on arm64. The score of a K row is a dot product over head_dim; rather than reducing
+ * each one horizontally (~10 shuffle/add ops per score), 16 accumulators (8 rows x 2 heads) are
+ * reduced together by a transpose-and-add tree: 15 pair steps for 16 scores. */
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 ld16(const float *p) {
+    v16 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void st16(float *p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+#define SHUF __builtin_shufflevector
+/* a: 16 partials of row i, b: of row j -> lanes 0-7 hold 8 partials of i, lanes 8-15 of j */
+static inline v16 fold2(v16 a, v16 b) {
+    return SHUF(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUF(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+/* two vectors of (8, 8) partials -> (4, 4, 4, 4): rows of a, then rows of b */
+static inline v16 fold4(v16 a, v16 b) {
+    return SHUF(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUF(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+/* (4 x 4) + (4 x 4) -> 8 rows x 2 partials */
+static inline v16 fold8(v16 a, v16 b) {
+    return SHUF(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SHUF(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+/* (8 x 2) + (8 x 2) -> 16 sums */
+static inline v16 fold16(v16 a, v16 b) {
+    return SHUF(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUF(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#undef SHUF
+
+/* lane i of the result = the sum of the 16 lanes of a[i] */
+static inline v16 hsum16x16(const v16 *a) {
+    v16 l1[8], l2[4];
+    for (int j = 0; j < 8; j++) l1[j] = fold2(a[2 * j], a[2 * j + 1]);
+    for (int j = 0; j < 4; j++) l2[j] = fold4(l1[2 * j], l1[2 * j + 1]);
+    return fold16(fold8(l2[0], l2[1]), fold8(l2[2], l2[3]));
+}
+
+static inline float hsum16(v16 a) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += a[i];
+    return s;
+}
+
+/* scores_g for head_dim % 16 == 0: blocks of 8 K rows (L1-resident while every head pair reads
+ * them), 16 dot products per block and head pair reduced at once. */
+static void scores_g16(const float *q, int64_t G, const float *K, int64_t n, int64_t D, float scale, float *s,
+                       int64_t ld) {
+    const int64_t nv = D / 16;
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const float *k = K + t * D;
+        if (t + 8 + PF_AHEAD <= n)
+            for (int r = 0; r < PF_AHEAD; r++) prefetch_row(k + (8 + r) * D, D);
+        for (int64_t g = 0; g < G; g += 2) {
+            const int two = g + 1 < G;
+            const float *q0 = q + g * D, *q1 = q + (g + two) * D;
+            v16 acc[16];
+            for (int r = 0; r < 16; r++) acc[r] = (v16){0};
+            for (int64_t c = 0; c < nv; c++) {
+                const v16 x = ld16(q0 + 16 * c), y = ld16(q1 + 16 * c);
+                for (int r = 0; r < 8; r++) {
+                    const v16 kr = ld16(k + r * D + 16 * c);
+                    acc[r] += x * kr;
+                    acc[8 + r] += y * kr;
+                }
+            }
+            const v16 sum = hsum16x16(acc) * scale;
+            for (int r = 0; r < 8; r++) s[g * ld + t + r] = sum[r];
+            if (two)
+                for (int r = 0; r < 8; r++) s[(g + 1) * ld + t + r] = sum[8 + r];
+        }
+    }
+    for (; t < n; t++)
+        for (int64_t g = 0; g < G; g++) {
+            v16 a = {0};
+            for (int64_t c = 0; c < nv; c++) a += ld16(q + g * D + 16 * c) * ld16(K + t * D + 16 * c);
+            s[g * ld + t] = hsum16(a) * scale;
+        }
+}
+
+/* pv_g for head_dim % 16 == 0: blocks of 2 heads x 64 columns (8 accumulators). */
+static void pv_g16(const float *p, int64_t ld, int64_t G, const float *V, int64_t n, int64_t D, float *o) {
+    for (int64_t c = 0; c < D; c += 64) {
+        const int64_t w = D - c < 64 ? (D - c) / 16 : 4; /* 1..4 vectors */
+        for (int64_t g = 0; g < G; g += 2) {
+            const int two = g + 1 < G;
+            const float *p0 = p + g * ld, *p1 = p + (g + two) * ld;
+            v16 a[4] = {{0}, {0}, {0}, {0}}, b[4] = {{0}, {0}, {0}, {0}};
+            if (w == 4) {
+                for (int64_t t = 0; t < n; t++) {
+                    const float *v = V + t * D + c;
+                    if (c == 0 && g == 0 && t + PF_AHEAD < n) prefetch_row(V + (t + PF_AHEAD) * D, D);
+                    const v16 v0 = ld16(v), v1 = ld16(v + 16), v2 = ld16(v + 32), v3 = ld16(v + 48);
+                    const float x = p0[t], y = p1[t];
+                    a[0] += x * v0; a[1] += x * v1; a[2] += x * v2; a[3] += x * v3;
+                    b[0] += y * v0; b[1] += y * v1; b[2] += y * v2; b[3] += y * v3;
+                }
+            } else {
+                for (int64_t t = 0; t < n; t++) {
+                    const float *v = V + t * D + c;
+                    if (c == 0 && g == 0 && t + PF_AHEAD < n) prefetch_row(V + (t + PF_AHEAD) * D, D);
+                    const float x = p0[t], y = p1[t];
+                    for (int64_t k = 0; k < w; k++) {
+                        const v16 vk = ld16(v + 16 * k);
+                        a[k] += x * vk;
+                        b[k] += y * vk;
+                    }
+                }
+            }
+            for (int64_t k = 0; k < w; k++) {
+                float *d0 = o + g * D + c + 16 * k;
+                st16(d0, ld16(d0) + a[k]);
+                if (two) {
+                    float *d1 = o + (g + 1) * D + c + 16 * k;
+                    st16(d1, ld16(d1) + b[k]);
+                }
+            }
+        }
+    }
+}
+
 /* Rows b0..b1-1: each query head attends its prompt (prefix row pid[b], positions < plen[b])
  * and its own completion (slot b, offsets 0..pos[b]-plen[b]) under one softmax. */
 static void attn_rows(attn_job *j) {
@@ -291,8 +420,13 @@ static void attn_rows(attn_job *j) {
                     }
                 }
             }
-            scores_g(q, G, j->pk + pre, n1, D, j->scale, sc, n);
-            scores_g(q, G, j->kc + own, n2, D, j->scale, sc + n1, n);
+            if (D % 16 == 0) {
+                scores_g16(q, G, j->pk + pre, n1, D, j->scale, sc, n);
+                scores_g16(q, G, j->kc + own, n2, D, j->scale, sc + n1, n);
+            } else {
+                scores_g(q, G, j->pk + pre, n1, D, j->scale, sc, n);
+                scores_g(q, G, j->kc + own, n2, D, j->scale, sc + n1, n);
+            }
             for (int64_t g = 0; g < G; g++) {
                 float *s = sc + g * n;
                 float m = s[0];
@@ -309,8 +443,13 @@ static void attn_rows(attn_job *j) {
             }
             float *o = j->out + b * H * D + kh * G * D;
             for (int64_t c = 0; c < G * D; c++) o[c] = 0.0f;
-            pv_g(sc, n, G, j->pv + pre, n1, D, o);
-            pv_g(sc + n1, n, G, j->vc + own, n2, D, o);
+            if (D % 16 == 0) {
+                pv_g16(sc, n, G, j->pv + pre, n1, D, o);
+                pv_g16(sc + n1, n, G, j->vc + own, n2, D, o);
+            } else {
+                pv_g(sc, n, G, j->pv + pre, n1, D, o);
+                pv_g(sc + n1, n, G, j->vc + own, n2, D, o);
+            }
         }
     }
     free(sc);
