@@ -8,8 +8,9 @@ EOS ignored so both engines produce exactly ``batch × new_tokens`` tokens):
 - ``distinct``: ``batch`` distinct prompts.
 
 Prompts are random byte-token ids of 24–40 tokens (seeded). Tokens/s counts generated tokens
-only; each measurement is the best of ``--repeats`` after one warm-up. On a shared machine the
-numbers are noisy: compare the ratio, which is measured back to back.
+only; each measurement is the best of ``--repeats`` rounds after one warm-up, and each round times
+the engines one after the other, so both sides of a ratio see the same machine conditions. On a
+shared machine the absolute numbers drift: compare the ratio.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +35,8 @@ def _prompts(kind: str, batch: int, n: int, vocab: int, seed: int) -> list[list[
     return [p for p in base for _ in range(batch // distinct)]
 
 
-def _time_native(backend: Any, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
+def _native_runner(backend: Any, prompts: list[list[int]]) -> Callable[[int], int]:
+    """``run(n)``: the native engine generates ``n`` tokens for every prompt; returns the token count."""
     from postrl.rollout.types import SamplingParams
 
     async def once(n: int) -> int:
@@ -42,16 +45,11 @@ def _time_native(backend: Any, prompts: list[list[int]], new_tokens: int, repeat
             for i, p in enumerate(prompts)])
         return sum(len(o.token_ids) for o in outs)
 
-    asyncio.run(once(2))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        ntok = asyncio.run(once(new_tokens))
-        best = min(best, time.perf_counter() - t0)
-    return ntok / best
+    return lambda n: asyncio.run(once(n))
 
 
-def _time_hf(model: Any, prompts: list[list[int]], new_tokens: int, repeats: int, pad_id: int) -> float:
+def _hf_runner(model: Any, prompts: list[list[int]], pad_id: int) -> Callable[[int], int]:
+    """``run(n)``: ``transformers.generate`` samples ``n`` tokens for the left-padded batch."""
     L = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -59,18 +57,29 @@ def _time_hf(model: Any, prompts: list[list[int]], new_tokens: int, repeats: int
         ids[i, L - len(p):] = torch.tensor(p)
         mask[i, L - len(p):] = 1
 
-    def once(n: int) -> None:
+    def once(n: int) -> int:
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                            max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id)
+        return len(prompts) * n
 
-    once(2)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        once(new_tokens)
-        best = min(best, time.perf_counter() - t0)
-    return len(prompts) * new_tokens / best
+    return once
+
+
+def _time_interleaved(runners: list[Callable[[int], int]], new_tokens: int, repeats: int) -> list[float]:
+    """Best tokens/s of each runner over ``repeats`` rounds; each round times every runner once, in
+    turn, so all of them are measured under the same machine conditions (on a shared VM the
+    throughput of either side drifts by ~10% between minutes; timing one side's repeats after the
+    other's would put that drift into the ratio)."""
+    for run in runners:
+        run(2)  # warm-up: allocations, first-call paths
+    best = [0.0] * len(runners)
+    for _ in range(max(1, repeats)):
+        for i, run in enumerate(runners):
+            t0 = time.perf_counter()
+            ntok = run(new_tokens)
+            best[i] = max(best[i], ntok / (time.perf_counter() - t0))
+    return best
 
 
 def decode_path(backend: Any) -> str:
@@ -99,12 +108,15 @@ def run_bench(model_dir: str, batch: int = 128, group: int = 8, new_tokens: tupl
     rows = []
     for kind in scenarios:
         prompts = _prompts(kind, batch, group, native.cfg.vocab_size, seed)
+        runners = [_native_runner(native, prompts), _hf_runner(hf, prompts, pad)]
+        if plain is not None:
+            runners.append(_native_runner(plain, prompts))
         for n in new_tokens:
-            a = _time_native(native, prompts, n, repeats)
-            b = _time_hf(hf, prompts, n, repeats, pad)
-            row = dict(scenario=kind, new_tokens=n, native_tok_s=a, hf_tok_s=b, ratio=a / b, path=decode_path(native))
+            tok_s = _time_interleaved(runners, n, repeats)
+            row = dict(scenario=kind, new_tokens=n, native_tok_s=tok_s[0], hf_tok_s=tok_s[1], ratio=tok_s[0] / tok_s[1],
+                       path=decode_path(native))
             if plain is not None:
-                row["torch_path_tok_s"] = _time_native(plain, prompts, n, repeats)
+                row["torch_path_tok_s"] = tok_s[2]
             rows.append(row)
     native.close()
     if plain is not None:
@@ -120,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", type=int, default=8, help="samples per prompt in the w1 scenario")
     p.add_argument("--new-tokens", default="16,128", help="comma-separated completion lengths")
     p.add_argument("--scenarios", default="w1,distinct", help="comma-separated: w1, distinct")
-    p.add_argument("--repeats", type=int, default=1, help="timed repeats (best is reported)")
+    p.add_argument("--repeats", type=int, default=1, help="timed rounds; each round times every engine once, in turn (best is reported)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--kernels", default="auto", choices=["auto", "fused", "torch"],
                    help="native decode implementation (see NativeBackend)")
