@@ -19,7 +19,15 @@ class ModelConfig:
     path: str = ""
     """Hugging Face model directory (``postrl make-model`` creates tiny ones)."""
     dtype: str = "auto"
-    """``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``."""
+    """dtype the parameters are stored and updated in (gradients and AdamW state follow):
+    ``auto``, ``float32``, ``bfloat16`` or ``float16``. ``auto`` is float32 for trained models
+    (actor, critic: fp32 master weights) and ``compute_dtype`` for the frozen reference."""
+    compute_dtype: str = "auto"
+    """dtype of the forward/backward math: ``auto`` (float32 on CPU, bfloat16 on GPU),
+    ``float32`` or ``bfloat16``. Narrower than ``dtype`` → mixed precision: FSDP2 units gather
+    their parameters in it and reduce gradients in ``dtype`` (``MixedPrecisionPolicy``);
+    unsharded models (dp=1, ``ddp``) run their forward under ``torch.autocast``. The LM head's
+    logits are cast to float32 before the log-softmax/entropy (as verl does), values likewise."""
     trust_remote_code: bool = False
     """Passed to ``from_pretrained``; off by default for safety."""
     gradient_checkpointing: bool = False

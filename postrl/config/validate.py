@@ -12,7 +12,7 @@ from pathlib import Path
 from postrl.config.loader import ConfigError
 from postrl.config.schema import PostRLConfig
 
-__all__ = ["validate_config", "ConfigError", "old_log_prob_fusion_blockers"]
+__all__ = ["validate_config", "ConfigError", "old_log_prob_fusion_blockers", "dtype_errors"]
 
 
 def _registry_checks(cfg: PostRLConfig) -> list[str]:
@@ -40,6 +40,29 @@ def _registry_checks(cfg: PostRLConfig) -> list[str]:
     return errors
 
 
+_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+_COMPUTE_NAMES = ("auto", "float32", "bfloat16")
+_WIDTH = {"float32": 32, "bfloat16": 16, "float16": 16}
+
+
+def dtype_errors(dtype: str, compute_dtype: str) -> list[str]:
+    """Problems with ``model.dtype`` / ``model.compute_dtype`` (empty list: fine)."""
+    e = []
+    if dtype not in _DTYPE_NAMES:
+        e.append(f"model.dtype={dtype!r} is not one of {list(_DTYPE_NAMES)}")
+    if compute_dtype not in _COMPUTE_NAMES:
+        why = " (float16 training needs loss scaling, which postrl does not do; use bfloat16)" if compute_dtype == "float16" else ""
+        e.append(f"model.compute_dtype={compute_dtype!r} is not one of {list(_COMPUTE_NAMES)}{why}")
+    elif dtype in _WIDTH and compute_dtype in _WIDTH and _WIDTH[compute_dtype] > _WIDTH[dtype]:
+        e.append(f"model.compute_dtype={compute_dtype} is wider than model.dtype={dtype}: computing in more precision "
+                 f"than the weights are stored in gains nothing; set model.dtype=float32 (mixed precision) or "
+                 f"model.compute_dtype={dtype}")
+    elif dtype in _WIDTH and compute_dtype in _WIDTH and dtype != compute_dtype and _WIDTH[dtype] == 16:
+        e.append(f"model.dtype={dtype} with model.compute_dtype={compute_dtype}: two different 16-bit formats; "
+                 f"store in float32 (model.dtype=float32) or compute in {dtype}")
+    return e
+
+
 def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_registries: bool = True) -> None:
     """Raise :class:`ConfigError` listing every problem found in ``cfg``."""
     e: list[str] = []
@@ -49,6 +72,7 @@ def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_regist
         e.append("model.path is empty: set it to a Hugging Face model directory (create a tiny one with `postrl make-model runs/tiny`)")
     elif check_files and not Path(cfg.model.path).exists():
         e.append(f"model.path={cfg.model.path!r} does not exist: create it with `postrl make-model {cfg.model.path}` or fix the path")
+    e.extend(dtype_errors(cfg.model.dtype, cfg.model.compute_dtype))
     if check_files:
         for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
             for f in files:

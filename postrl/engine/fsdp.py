@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from postrl.protocol.balance import karmarkar_karp
@@ -104,12 +104,19 @@ def transformer_layers(module: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard_model(root: nn.Module, group: dist.ProcessGroup, device: torch.device | str) -> list[FSDPModule]:
+def shard_model(root: nn.Module, group: dist.ProcessGroup, device: torch.device | str,
+                compute_dtype: torch.dtype | None = None) -> list[FSDPModule]:
     """Apply FSDP2 to each decoder layer under ``root`` and to ``root``; gradients are SUMMED.
 
     ``root`` must be the module whose forward encloses every use of the non-layer parameters
     (see the module docstring). Parameters are replaced by sharded ``DTensor`` s: build the
     optimizer afterwards.
+
+    Args:
+        compute_dtype: mixed precision (``model.compute_dtype`` narrower than the stored
+            parameters): every unit all-gathers its parameters in this dtype, runs in it, and
+            reduce-scatters gradients in the parameters' own dtype (``MixedPrecisionPolicy``), so
+            the shards, gradients and AdamW state stay in full precision. None: no casting.
 
     Returns:
         The FSDP units, layers first, root last.
@@ -117,9 +124,13 @@ def shard_model(root: nn.Module, group: dist.ProcessGroup, device: torch.device 
     if isinstance(root, FSDPModule):
         raise RuntimeError(f"{type(root).__name__} is already sharded with FSDP2")
     mesh = dp_mesh(group, device)
+    kw = {}
+    if compute_dtype is not None:
+        store = next(root.parameters()).dtype
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=store)
     for layer in reversed(transformer_layers(root)):  # innermost first, should such layers ever nest
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(root, mesh=mesh, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, **kw)
+    fully_shard(root, mesh=mesh, reshard_after_forward=True, **kw)
     units = [m for m in root.modules() if isinstance(m, FSDPModule)]
     for u in units:  # not recursive in torch: set on every unit
         u.set_gradient_divide_factor(1.0)

@@ -39,18 +39,51 @@ from postrl.engine.varlen import ATTN_NAME, register_varlen_attention, varlen_ca
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PolicyModel", "PolicyLogProbs", "CriticModel", "resolve_dtype", "load_policy", "load_critic"]
+__all__ = ["PolicyModel", "PolicyLogProbs", "CriticModel", "resolve_dtype", "resolve_dtypes", "load_policy",
+           "load_critic"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
-    """Map ``ModelConfig.dtype`` to a torch dtype (``auto``: fp32 on CPU, bf16 on GPU)."""
+    """Map a dtype name to a torch dtype (``auto``: fp32 on CPU, bf16 on GPU)."""
     if dtype == "auto":
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"model.dtype={dtype!r} is not supported; use one of ['auto', *{sorted(_DTYPES)}]")
     return _DTYPES[dtype]
+
+
+def resolve_dtypes(model_cfg, device: torch.device | str, *, trainable: bool = True) -> tuple[torch.dtype, torch.dtype]:
+    """``(storage, compute)`` dtypes of a model (``ModelConfig.dtype`` / ``compute_dtype``).
+
+    compute ``auto``: fp32 on CPU, bf16 on GPU. storage ``auto``: fp32 for a trained model (fp32
+    master weights, gradients and AdamW state, as verl's FSDP workers keep them), the compute
+    dtype for a frozen one (the reference needs no master copy).
+
+    Raises:
+        ValueError: for the combinations :func:`postrl.config.validate.dtype_errors` rejects.
+    """
+    from postrl.config.validate import dtype_errors
+
+    compute_name = getattr(model_cfg, "compute_dtype", "auto")
+    errs = dtype_errors(model_cfg.dtype, compute_name)
+    if errs:
+        raise ValueError("; ".join(errs))
+    compute = resolve_dtype(compute_name, device)
+    if model_cfg.dtype != "auto":
+        store = _DTYPES[model_cfg.dtype]
+        if compute_name == "auto" and store.itemsize < 4:
+            compute = store  # explicit 16-bit storage, auto compute: compute in the storage dtype
+        return store, compute
+    return (torch.float32 if trainable else compute), compute
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to ``dtype`` on ``device``'s type, or nothing when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _check_path(path: str) -> Path:
@@ -95,10 +128,15 @@ class _DataParallelRoot:
         raise NotImplementedError
 
     def shard(self, group: dist.ProcessGroup, device: torch.device | str) -> None:
-        """FSDP2-shard the decoder layers and the root module over ``group`` (build optimizers afterwards)."""
+        """FSDP2-shard the decoder layers and the root module over ``group`` (build optimizers afterwards).
+
+        With mixed precision the FSDP2 units gather parameters in the compute dtype and reduce
+        gradients in the storage dtype, in place of the unsharded path's autocast."""
         from postrl.engine.fsdp import shard_model
 
-        shard_model(self._fsdp_root(), group, device)
+        root = self._fsdp_root()
+        shard_model(root, group, device, compute_dtype=root.autocast_dtype)
+        root.autocast_dtype = None  # FSDP2 casts the gathered parameters instead
         self.dp_group = group
 
     def align_micro_batches(self, micro: list[list[int]], seqlens: torch.Tensor,
@@ -128,19 +166,23 @@ class PolicyLogProbs(nn.Module):
         is_lora: whether ``module`` is a ``PeftModel``.
     """
 
-    def __init__(self, module: nn.Module, is_lora: bool, packed: bool = True) -> None:
+    def __init__(self, module: nn.Module, is_lora: bool, packed: bool = True,
+                 autocast_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.module = module
         self.is_lora = is_lora
         self.packed = packed
+        self.autocast_dtype = autocast_dtype
+        """Mixed precision without FSDP2: the forward runs under ``torch.autocast`` to this dtype."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *,
                 temperature: float = 1.0, calculate_entropy: bool = False, share_prefix: bool = False):
         """``(log_probs (B, R), entropy (B, R) or None)``; see :func:`postrl.engine.logprob.policy_logprobs`."""
         lm = _causal_lm(self.module, self.is_lora)
-        return policy_logprobs(lm.base_model, _lm_head(lm), input_ids, attention_mask, response_length,
-                               temperature=temperature, calculate_entropy=calculate_entropy, share_prefix=share_prefix,
-                               packed=self.packed)
+        with _autocast(input_ids.device, self.autocast_dtype):
+            return policy_logprobs(lm.base_model, _lm_head(lm), input_ids, attention_mask, response_length,
+                                   temperature=temperature, calculate_entropy=calculate_entropy,
+                                   share_prefix=share_prefix, packed=self.packed)
 
 
 @dataclass
@@ -161,6 +203,8 @@ class PolicyModel(_DataParallelRoot):
     """Zero-contribution passes run to keep FSDP2 ranks in step (:meth:`align_micro_batches`)."""
     packed: bool = True
     """Padding-free varlen forward (False: the model cannot use it; padded fallback)."""
+    compute_dtype: torch.dtype | None = None
+    """Mixed precision: the dtype the math runs in when narrower than the parameters' (None: theirs)."""
     _runner: PolicyLogProbs | None = field(default=None, repr=False)
 
     @property
@@ -182,7 +226,7 @@ class PolicyModel(_DataParallelRoot):
     def runner(self) -> PolicyLogProbs:
         """The :class:`PolicyLogProbs` module over :attr:`module` (created on first use)."""
         if self._runner is None:
-            self._runner = PolicyLogProbs(self.module, self.is_lora, self.packed)
+            self._runner = PolicyLogProbs(self.module, self.is_lora, self.packed, self.compute_dtype)
         return self._runner
 
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *,
@@ -227,6 +271,7 @@ class CriticModel(_DataParallelRoot, nn.Module):
         self.dp_group: dist.ProcessGroup | None = None
         self.dummy_passes = 0
         self.packed = True  # False: padded fallback (see load_critic)
+        self.autocast_dtype: torch.dtype | None = None  # mixed precision without FSDP2 (see load_critic)
 
     @property
     def decoder(self) -> nn.Module:
@@ -236,16 +281,17 @@ class CriticModel(_DataParallelRoot, nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *,
                 share_prefix: bool = False) -> torch.Tensor:
         """Values (B, R) fp32 of the response tokens (:func:`postrl.engine.logprob.critic_values`)."""
-        return critic_values(self.backbone, self.value_head, input_ids, attention_mask, response_length,
-                             share_prefix=share_prefix, packed=self.packed)
+        with _autocast(input_ids.device, self.autocast_dtype):
+            return critic_values(self.backbone, self.value_head, input_ids, attention_mask, response_length,
+                                 share_prefix=share_prefix, packed=self.packed)
 
     def _fsdp_root(self) -> nn.Module:
         return self
 
 
-def _common_kwargs(model_cfg, device) -> dict:
+def _common_kwargs(model_cfg, dtype: torch.dtype) -> dict:
     return dict(
-        dtype=resolve_dtype(model_cfg.dtype, device),
+        dtype=dtype,
         trust_remote_code=model_cfg.trust_remote_code,
         attn_implementation=ATTN_NAME,
     )
@@ -303,13 +349,15 @@ def load_policy(model_cfg, device: torch.device | str = "cpu", *, trainable: boo
     from transformers import AutoModelForCausalLM
 
     path = _check_path(model_cfg.path)
-    model = _from_pretrained(AutoModelForCausalLM, path, _common_kwargs(model_cfg, device)).to(device)
+    store, compute = resolve_dtypes(model_cfg, device, trainable=trainable)
+    mixed = compute if compute != store else None
+    model = _from_pretrained(AutoModelForCausalLM, path, _common_kwargs(model_cfg, store)).to(device)
     model.config.use_cache = False
     packed = _use_varlen(model, model.base_model)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
-        return PolicyModel(model, is_lora=False, packed=packed)
+        return PolicyModel(model, is_lora=False, packed=packed, compute_dtype=mixed)
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     is_lora = model_cfg.lora_rank > 0
@@ -333,7 +381,7 @@ def load_policy(model_cfg, device: torch.device | str = "cpu", *, trainable: boo
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
-    return PolicyModel(model, is_lora=is_lora, packed=packed)
+    return PolicyModel(model, is_lora=is_lora, packed=packed, compute_dtype=mixed)
 
 
 def load_critic(model_cfg, device: torch.device | str = "cpu") -> CriticModel:
@@ -346,7 +394,8 @@ def load_critic(model_cfg, device: torch.device | str = "cpu") -> CriticModel:
     from transformers import AutoModel
 
     path = _check_path(model_cfg.path)
-    kw = _common_kwargs(model_cfg, device)
+    store, compute = resolve_dtypes(model_cfg, device)
+    kw = _common_kwargs(model_cfg, store)
     backbone = _from_pretrained(AutoModel, path, kw).to(device)
     backbone.config.use_cache = False
     packed = _use_varlen(backbone, backbone)
@@ -354,6 +403,7 @@ def load_critic(model_cfg, device: torch.device | str = "cpu") -> CriticModel:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     critic = CriticModel(backbone, backbone.config.hidden_size).to(device=device, dtype=kw["dtype"])
     critic.packed = packed
+    critic.autocast_dtype = compute if compute != store else None
     head = path / "value_head.safetensors"
     if head.exists():
         critic.value_head.load_state_dict(load_file(str(head)))

@@ -34,14 +34,18 @@ DP1_ORDER = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
 
 
 def _cfg(model_dir):
-    return load_config(None, [
+    return load_config(None, _overrides(model_dir))
+
+
+def _overrides(model_dir) -> list[str]:
+    return [
         f"model.path={model_dir}", "rollout.n=4", "actor.ppo_mini_batch_size=2", "actor.ppo_epochs=1",
         "actor.optim.lr=1000.0", "actor.optim.eps=1000.0", "actor.optim.grad_clip=1e6", "actor.entropy_coeff=0.01",
         "actor.ppo_max_token_len_per_gpu=32", "actor.strategy=fsdp2",
         "critic.ppo_mini_batch_size=2", "critic.ppo_epochs=2", "critic.optim.lr=10.0", "critic.optim.eps=1000.0",
         "critic.optim.grad_clip=1e6", "critic.ppo_max_token_len_per_gpu=32", "critic.strategy=fsdp2",
         "trainer.num_threads=1",
-    ])
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -196,12 +200,13 @@ def test_checkpoint_resume_identical_next_step(groups, make_batch, tmp_path):
 
 
 @contextlib.contextmanager
-def _dp1_and_sharded_dp2(worker_cls, cfg, name: str):
+def _dp1_and_sharded_dp2(worker_cls, cfg, name: str, **kwargs):
     """A local dp=1 group and a Ray dp=2 FSDP2 group of ``worker_cls`` (checked sharded); shut down after."""
-    g1 = create_worker_group("local", worker_cls, kwargs={"cfg": cfg}, name=f"{name}_dp1")
+    g1 = create_worker_group("local", worker_cls, kwargs={"cfg": cfg, **kwargs}, name=f"{name}_dp1")
     g2 = None
     try:
-        g2 = create_worker_group("ray", worker_cls, kwargs={"cfg": cfg}, world_size=2, name=f"{name}_dp2", init_dist=True)
+        g2 = create_worker_group("ray", worker_cls, kwargs={"cfg": cfg, **kwargs}, world_size=2, name=f"{name}_dp2",
+                                 init_dist=True)
         assert all(abs(s["local"] - s["full"] / 2) <= 0.01 * s["full"] for s in g2.shard_stats())
         yield g1, g2
     finally:
@@ -236,6 +241,37 @@ def test_critic_fsdp2_matches_dp1(groups, make_batch):
         v2 = c2.compute_values(batch).batch["values"]
         assert float(v1.abs().max()) > 1e-3  # the updates moved the values (comparison not vacuous)
         torch.testing.assert_close(v2, v1, atol=1e-5, rtol=1e-4)
+
+
+def test_mixed_precision_fsdp2_bf16_compute(tiny_model_dir, groups, make_batch):
+    """model.compute_dtype=bfloat16 on dp=2 FSDP2 (MixedPrecisionPolicy: bf16 gathers and math,
+    fp32 shards and gradient reduction) vs dp=1 with autocast and vs plain fp32 dp=1: log-probs
+    within bf16 rounding of fp32 (and not equal: the casting took effect), an update in the same
+    direction as fp32's, and weights that stay fp32."""
+    cfg = load_config(None, [*_overrides(tiny_model_dir), "model.compute_dtype=bfloat16"])
+    fp32 = create_worker_group("local", ActorWorker, kwargs={"cfg": _cfg(tiny_model_dir), "total_steps": 8},
+                               name="mp_fp32")
+    try:
+        with _dp1_and_sharded_dp2(ActorWorker, cfg, "mp", total_steps=8) as (auto1, mp2):
+            batch = _batch(make_batch, seed=27)
+            lp0 = fp32.compute_log_prob(batch).batch["old_log_probs"]
+            lp1 = auto1.compute_log_prob(batch).batch["old_log_probs"]
+            lp2 = mp2.compute_log_prob(batch).batch["old_log_probs"]
+            mask = batch.batch["response_mask"].bool()
+            for name, lp in (("dp=1 autocast", lp1), ("dp=2 FSDP2", lp2)):
+                err = float((lp - lp0)[mask].abs().max())
+                assert 1e-4 < err < 0.1, f"{name}: max |log-prob - fp32| = {err} (bf16 rounding is ~1e-3)"
+            before = _local(fp32)
+            fp32.update_actor(batch[DP1_ORDER])
+            mp2.update_actor(batch)
+            after0, after2 = _local(fp32), dict(_frames(mp2))
+            assert all(t.dtype == torch.float32 for t in after2.values())
+            d0 = torch.cat([(after0[k] - before[k]).flatten() for k in sorted(before)])
+            d2 = torch.cat([(after2[k] - before[k]).flatten() for k in sorted(before)])
+            cos = float(torch.nn.functional.cosine_similarity(d0, d2, dim=0))
+            assert cos > 0.95, f"the bf16 update points elsewhere than fp32's (cosine {cos:.3f})"
+    finally:
+        fp32.shutdown()
 
 
 def test_strategy_is_validated():
