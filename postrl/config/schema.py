@@ -333,6 +333,12 @@ class TrainerConfig:
     """Validate once before the first step."""
     save_freq: int = 0
     """Checkpoint every this many steps (0 = never)."""
+    checkpoint_format: str = "full"
+    """``full``: rank 0 gathers and writes whole tensors (one file set, resumable at any dp size).
+    ``sharded``: every FSDP2 rank writes its own shards, no gathers and no full copy in any
+    process (for models whose full state does not fit one host's memory); resumable at any dp
+    size too, and ``postrl export`` merges it. Multi-node runs need ``run_dir`` on a shared
+    filesystem. Unsharded models are always written ``full``."""
     resume_mode: str = "auto"
     """``auto`` (newest complete checkpoint in run_dir), ``disable`` or a checkpoint path."""
     run_dir: str = "runs/default"

@@ -73,6 +73,8 @@ def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_regist
     elif check_files and not Path(cfg.model.path).exists():
         e.append(f"model.path={cfg.model.path!r} does not exist: create it with `postrl make-model {cfg.model.path}` or fix the path")
     e.extend(dtype_errors(cfg.model.dtype, cfg.model.compute_dtype))
+    if t.checkpoint_format not in ("full", "sharded"):
+        e.append(f"trainer.checkpoint_format={t.checkpoint_format!r} must be 'full' or 'sharded'")
     if check_files:
         for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
             for f in files:

@@ -147,10 +147,12 @@ class ActorWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        """Rank 0 writes the checkpoint atomically (full tensors: every rank takes part in the
-        gathers of a sharded model; replicas hold identical state)."""
+        """Write the checkpoint atomically: rank 0 writes full tensors (every rank takes part in
+        the gathers of a sharded model; replicas hold identical state), or with
+        ``trainer.checkpoint_format=sharded`` every FSDP2 rank writes its own shards."""
         save_engine_checkpoint(path, self.policy.module, self.actor.optimizer, self.actor.scheduler,
                                model_cfg=self.cfg.model, write=self.rank == 0,
+                               sharded=self.cfg.trainer.checkpoint_format == "sharded",
                                extra={"update_count": self.actor.update_count,
                                       "nonfinite_skips": self.actor.nonfinite_skips})
         _barrier(self.group)
@@ -219,6 +221,7 @@ class CriticWorker(Worker):
     def save_checkpoint(self, path: str) -> None:
         """Rank 0 writes the critic checkpoint atomically (every rank gathers when sharded)."""
         save_engine_checkpoint(path, self.model, self.critic.optimizer, self.critic.scheduler, write=self.rank == 0,
+                               sharded=self.cfg.trainer.checkpoint_format == "sharded",
                                extra={"nonfinite_skips": self.critic.nonfinite_skips})
         if self.rank == 0:
             Path(path).mkdir(parents=True, exist_ok=True)

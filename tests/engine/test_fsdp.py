@@ -14,6 +14,7 @@ the actor: one step moves a weight by about its gradient) so equal updates are t
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -197,6 +198,48 @@ def test_checkpoint_resume_identical_next_step(groups, make_batch, tmp_path):
     exported = load_file(str(out / "model.safetensors"))
     for k, t in saved.items():
         assert torch.equal(exported[k], t), k
+
+
+def test_sharded_checkpoint_format(tiny_model_dir, groups, make_batch, tmp_path):
+    """trainer.checkpoint_format=sharded: each rank writes its own half (no full copy anywhere);
+    same-dp resume reads only the own files and reproduces the next step bit for bit; dp=1
+    resumes from the merged shards with the same next step; export merges them into HF weights."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    cfg = load_config(None, [*_overrides(tiny_model_dir), "trainer.checkpoint_format=sharded"])
+    with _dp1_and_sharded_dp2(ActorWorker, cfg, "shck", total_steps=8) as (g1, g2):
+        g2.update_actor(_batch(make_batch, seed=28))  # non-trivial AdamW moments
+        ck = tmp_path / "ck"
+        g2.save_checkpoint(str(ck))
+        assert sorted(f.name for f in ck.iterdir()) == [
+            "model-rank00000.safetensors", "model-rank00001.safetensors", "optim-rank00000.safetensors",
+            "optim-rank00001.safetensors", "rng.safetensors", "state.json"]
+        saved = dict(_frames(g2))
+        full = sum(t.numel() for t in saved.values())
+        for r in (0, 1):
+            with safe_open(str(ck / f"model-rank0000{r}.safetensors"), "pt") as f:
+                n = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+            assert abs(n - full / 2) <= 0.02 * full, f"rank {r} file holds {n} of {full} elements"
+
+        b = _batch(make_batch, seed=29)
+        m_a = g2.update_actor(b).meta_info["metrics"]
+        w_a = dict(_frames(g2))
+        g2.load_checkpoint(str(ck))
+        for k, t in _frames(g2):
+            assert torch.equal(t, saved[k]), k
+        m_b = g2.update_actor(b).meta_info["metrics"]
+        assert m_a == m_b
+        for k, t in _frames(g2):
+            assert torch.equal(t, w_a[k]), k
+
+        g1.load_checkpoint(str(ck))  # dp=1 from the merged shards: the same next step
+        m_1 = g1.update_actor(b[DP1_ORDER]).meta_info["metrics"]
+        _assert_same_update(m_1, m_a, w_a, _local(g1), saved)
+
+        exported = load_file(str(export_hf(ck, tmp_path / "hf") / "model.safetensors"))
+        for k, t in saved.items():
+            assert torch.equal(exported[k], t), k
 
 
 @contextlib.contextmanager
