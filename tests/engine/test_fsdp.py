@@ -200,6 +200,27 @@ def test_checkpoint_resume_identical_next_step(groups, make_batch, tmp_path):
         assert torch.equal(exported[k], t), k
 
 
+def test_lora_fsdp2_matches_dp1(tiny_model_dir, groups, make_batch):
+    """LoRA adapters on an FSDP2-sharded model: dp=2 takes dp=1's update (merged weights streamed
+    from the shards equal dp=1's), and the LoRA reference (adapters off) is the base model."""
+    # lr/eps = 20: the merged LoRA delta (alpha/r)·B·A of one step is small next to a full-weight step
+    cfg = load_config(None, [*_overrides(tiny_model_dir), "model.lora_rank=4", "model.lora_alpha=8",
+                             "actor.optim.lr=20000.0"])
+    with _dp1_and_sharded_dp2(ActorWorker, cfg, "lora", total_steps=8) as (g1, g2):
+        before = dict(_frames(g1))
+        batch = _batch(make_batch, seed=30)
+        lp1 = g1.compute_log_prob(batch).batch["old_log_probs"]
+        lp2 = g2.compute_log_prob(batch).batch["old_log_probs"]
+        torch.testing.assert_close(lp2, lp1, atol=1e-5, rtol=1e-5)
+        m1 = g1.update_actor(batch[DP1_ORDER]).meta_info["metrics"]
+        m2 = g2.update_actor(batch).meta_info["metrics"]
+        _assert_same_update(m1, m2, dict(_frames(g1)), dict(_frames(g2)), before)
+        ref1 = g1.compute_ref_log_prob(batch).batch["ref_log_prob"]
+        ref2 = g2.compute_ref_log_prob(batch).batch["ref_log_prob"]
+        torch.testing.assert_close(ref2, ref1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ref1, lp1, atol=1e-5, rtol=1e-5)  # adapters off = the untrained base
+
+
 def test_sharded_checkpoint_format(tiny_model_dir, groups, make_batch, tmp_path):
     """trainer.checkpoint_format=sharded: each rank writes its own half (no full copy anywhere);
     same-dp resume reads only the own files and reproduces the next step bit for bit; dp=1
