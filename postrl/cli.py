@@ -15,12 +15,13 @@ from pathlib import Path
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from postrl.testing import make_model
 
-    out = make_model(args.out_dir, preset=args.preset, arch=args.arch, seed=args.seed)
+    out = make_model(args.out_dir, preset=args.preset, arch=args.arch, seed=args.seed, head=args.head)
     from safetensors import safe_open
 
     with safe_open(str(Path(out) / "model.safetensors"), "pt") as f:
         n = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
-    print(f"wrote {args.preset} {args.arch} model ({n / 1e6:.2f}M params, seed {args.seed}) to {out}")
+    kind = "reward model" if args.head == "reward" else "model"
+    print(f"wrote {args.preset} {args.arch} {kind} ({n / 1e6:.2f}M params, seed {args.seed}) to {out}")
     return 0
 
 
@@ -121,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     m.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--head", default="causal_lm", choices=["causal_lm", "reward"],
+                   help="reward: a one-label sequence classifier (for reward.model.path)")
     m.set_defaults(fn=_cmd_make_model)
 
     d = sub.add_parser("data", help="generate a synthetic task or convert a local dataset to verl parquet")

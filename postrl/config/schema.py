@@ -296,6 +296,25 @@ class OverlongConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    enable: bool = False
+    """Score responses with a learned reward model (a Hugging Face sequence-classification
+    model with one label, e.g. ``postrl make-model --head reward`` or ``postrl rm``'s output)."""
+    path: str = ""
+    """Reward model directory (its own tokenizer and chat template are used)."""
+    mode: str = "replace"
+    """``replace``: the reward model's score is the reward (verl's behaviour; rule functions are
+    not called). ``add``: rule/custom reward + ``weight`` × reward-model score."""
+    weight: float = 1.0
+    """Multiplier of the reward-model score (both modes)."""
+    max_length: int = 1024
+    """Token budget per scored conversation; longer ones keep their last ``max_length`` tokens
+    (the response end) and are counted in ``reward_model/truncated``."""
+    micro_batch_size: int = 16
+    """Conversations per reward-model forward."""
+
+
+@dataclass
 class RewardConfig:
     custom_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     """A user reward function (verl signature), used instead of the data_source registry."""
@@ -311,6 +330,8 @@ class RewardConfig:
     """Run even the built-in rule functions in killable worker processes."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     """Overlong reward shaping."""
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A learned reward model (off by default)."""
 
 
 @dataclass

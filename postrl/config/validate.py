@@ -73,6 +73,18 @@ def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_regist
     elif check_files and not Path(cfg.model.path).exists():
         e.append(f"model.path={cfg.model.path!r} does not exist: create it with `postrl make-model {cfg.model.path}` or fix the path")
     e.extend(dtype_errors(cfg.model.dtype, cfg.model.compute_dtype))
+    rm = cfg.reward.model
+    if rm.enable:
+        if not rm.path:
+            e.append("reward.model.enable=True but reward.model.path is empty: point it at a sequence-classification "
+                     "model directory (`postrl make-model DIR --head reward` makes a tiny one)")
+        elif check_files and not Path(rm.path).exists():
+            e.append(f"reward.model.path={rm.path!r} does not exist")
+        if rm.mode not in ("replace", "add"):
+            e.append(f"reward.model.mode={rm.mode!r} must be 'replace' or 'add'")
+        for key, value in (("reward.model.max_length", rm.max_length), ("reward.model.micro_batch_size", rm.micro_batch_size)):
+            if value < 1:
+                e.append(f"{key}={value} must be >= 1")
     if t.checkpoint_format not in ("full", "sharded"):
         e.append(f"trainer.checkpoint_format={t.checkpoint_format!r} must be 'full' or 'sharded'")
     if check_files:

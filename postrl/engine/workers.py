@@ -41,11 +41,12 @@ from postrl.engine.checkpoint import iter_hf_params, load_engine_checkpoint, sav
 from postrl.engine.critic import Critic
 from postrl.engine.fsdp import param_numel
 from postrl.engine.model import load_critic, load_policy
+from postrl.engine.reward_model import RewardModel, render_conversations
 from postrl.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ActorWorker", "RefWorker", "CriticWorker"]
+__all__ = ["ActorWorker", "RefWorker", "CriticWorker", "RewardModelWorker"]
 
 
 ALL_RANKS_RANK0_OUT = DispatchMode(
@@ -232,3 +233,40 @@ class CriticWorker(Worker):
         """Restore the critic from ``path``."""
         extra = load_engine_checkpoint(path, self.model, self.critic.optimizer, self.critic.scheduler)
         self.critic.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
+
+
+class RewardModelWorker(Worker):
+    """A learned reward model (``reward.model``) scoring finished trajectories.
+
+    Each rank holds a full copy of the (frozen) model and scores its share of the rows
+    (``DP_COMPUTE_PROTO``). The compute dtype follows ``model.compute_dtype`` (fp32 on CPU,
+    bf16 on GPU by default).
+    """
+
+    def __init__(self, cfg, total_steps: int = 0) -> None:
+        from transformers import AutoTokenizer
+
+        from postrl.engine.model import resolve_dtypes
+
+        self.cfg = cfg
+        self.dev, self.group = _setup(cfg)
+        rcfg = cfg.reward.model
+        _, compute = resolve_dtypes(cfg.model, self.dev, trainable=False)
+        self.rm = RewardModel(rcfg.path, self.dev, compute, rcfg.max_length, rcfg.micro_batch_size)
+        self.policy_tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.register_dp_info("reward_model", dp_rank=self.rank, dp_size=self.world_size)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        """``rm_scores`` (B,) float32 and ``rm_truncated`` (B,) bool for rows of ``data``.
+
+        Needs ``responses``, ``attention_mask`` and the prompt chat ``messages`` (non-tensor)."""
+        if "messages" not in data.non_tensor_batch:
+            raise KeyError("compute_rm_score needs the prompts' chat messages (non_tensor_batch['messages'])")
+        R = data.batch["responses"].shape[1]
+        valid = data.batch["attention_mask"][:, -R:].bool()
+        texts = self.policy_tokenizer.batch_decode(
+            [row[m].tolist() for row, m in zip(data.batch["responses"], valid, strict=True)], skip_special_tokens=True)
+        msgs = [list(m) for m in data.non_tensor_batch["messages"]]
+        ids, cut = self.rm.encode(render_conversations(self.rm.tokenizer, msgs, texts))
+        return DataProto.from_dict({"rm_scores": self.rm.score_ids(ids), "rm_truncated": torch.tensor(cut, dtype=torch.bool)})

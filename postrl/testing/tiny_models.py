@@ -101,13 +101,22 @@ def _config(preset: str, arch: str, vocab_size: int, eos_id: int, pad_id: int):
     return AutoConfig.for_model(arch, **common)
 
 
-def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", seed: int = 0) -> Path:
+def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", seed: int = 0,
+               head: str = "causal_lm") -> Path:
     """Write a randomly initialised HF model + tokenizer to ``out_dir`` and return the path.
 
-    Same ``seed`` → bit-identical weights (initialisation runs on CPU in fp32 under a fixed
-    generator).
+    ``head="reward"`` writes a ``*ForSequenceClassification`` model with one label (a reward
+    model for ``reward.model.path``) instead of a causal LM. Same ``seed`` → bit-identical
+    weights (initialisation runs on CPU in fp32 under a fixed generator).
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        GenerationConfig,
+    )
+
+    if head not in ("causal_lm", "reward"):
+        raise ValueError(f"head={head!r} must be 'causal_lm' or 'reward'")
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,7 +128,11 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", s
     cfg = _config(preset, arch, vocab_size, eos_id, pad_id)
     cfg.initializer_range = 0.02
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if head == "reward":
+        cfg.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # Deterministic re-init, independent of transformers' init order.
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -133,5 +146,5 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", s
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=eos_id).save_pretrained(out)
-    (out / "postrl_model.json").write_text(json.dumps({"preset": preset, "arch": arch, "seed": seed}))
+    (out / "postrl_model.json").write_text(json.dumps({"preset": preset, "arch": arch, "seed": seed, "head": head}))
     return out

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from postrl.config import PostRLConfig
 from postrl.engine.minibatch import pad_masked_rows
 from postrl.protocol import DataProto
@@ -86,6 +88,8 @@ class Roles:
     reward_loop: TrainerRewards
     ref: Any = None
     critic: Any = None
+    reward_model: Any = None
+    """Worker group of ``RewardModelWorker`` when ``reward.model.enable`` (else None)."""
     dp_size: int = 1
     use_lora_ref: bool = False
     fuse_old_log_prob: bool = False
@@ -119,6 +123,18 @@ class Roles:
     def values(self, batch: DataProto) -> DataProto:
         return self.critic.compute_values(batch)
 
+    def rm_scores(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        """Stage 2 (with ``reward.model.enable``): reward-model scores (B,) × ``reward.model.weight``."""
+        out = self.reward_model.compute_rm_score(batch)
+        scores = out.batch["rm_scores"].float()
+        cut = out.batch["rm_truncated"]
+        metrics = {"reward_model/score/mean": float(scores.mean()), "reward_model/score/std": float(scores.std()) if len(scores) > 1 else 0.0,
+                   "reward_model/truncated": float(cut.sum())}
+        if bool(cut.any()):
+            logger.warning("reward model: %d of %d conversations exceeded reward.model.max_length=%d and kept their last "
+                           "tokens", int(cut.sum()), len(cut), self.cfg.reward.model.max_length)
+        return scores * self.cfg.reward.model.weight, metrics
+
     def update_actor(self, batch: DataProto) -> dict[str, float]:
         """Stage 7: one actor update; metrics of rank 0 (identical on every rank after all-reduce).
 
@@ -151,7 +167,7 @@ class Roles:
             self.critic.load_checkpoint(str(ckpt_dir / "critic"))
 
     def close(self) -> None:
-        for obj in (self.actor, self.ref, self.critic, *self.extra_close):
+        for obj in (self.actor, self.ref, self.critic, self.reward_model, *self.extra_close):
             if obj is not None and hasattr(obj, "shutdown"):
                 obj.shutdown()
         if hasattr(self.rollout, "close"):
@@ -184,7 +200,7 @@ def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_criti
     from postrl.agent import AgentLoopManager
     from postrl.controller import create_worker_group
     from postrl.data import load_tokenizer
-    from postrl.engine.workers import ActorWorker, CriticWorker, RefWorker
+    from postrl.engine.workers import ActorWorker, CriticWorker, RefWorker, RewardModelWorker
     from postrl.rollout import LoadBalancer, RolloutClient, RolloutReplica, create_rollout_backend
 
     tc = cfg.trainer
@@ -197,6 +213,8 @@ def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_criti
     if use_ref and not use_lora_ref:
         ref = create_worker_group(tc.backend, RefWorker, kwargs=kwargs, name="ref", **common)
     critic = create_worker_group(tc.backend, CriticWorker, kwargs=kwargs, name="critic", **common) if use_critic else None
+    rm = (create_worker_group(tc.backend, RewardModelWorker, kwargs=kwargs, name="reward_model", **common)
+          if cfg.reward.model.enable else None)
 
     r = cfg.rollout
     max_len = kv_capacity(cfg, multi_turn)
@@ -219,8 +237,8 @@ def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_criti
         max_failure_ratio=rw.max_failure_ratio,
         isolate_builtin=rw.isolate_builtin,
     )
-    return Roles(cfg, actor, fleet, manager, TrainerRewards(reward), ref=ref, critic=critic, dp_size=dp, use_lora_ref=use_lora_ref,
-                 fuse_old_log_prob=resolve_fuse_old_log_prob(cfg))
+    return Roles(cfg, actor, fleet, manager, TrainerRewards(reward), ref=ref, critic=critic, reward_model=rm, dp_size=dp,
+                 use_lora_ref=use_lora_ref, fuse_old_log_prob=resolve_fuse_old_log_prob(cfg))
 
 
 def resolve_fuse_old_log_prob(cfg: PostRLConfig) -> bool:

@@ -23,6 +23,7 @@ from postrl.algos import (
 )
 from postrl.protocol import DataProto
 from postrl.reward import RewardRequest, RewardResult
+from postrl.reward.types import SampleScore, classify, failed
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ __all__ = [
     "decode_responses",
     "make_reward_request",
     "apply_reward_result",
+    "reward_model_result",
     "compute_advantage_stage",
     "rollout_correction_stage",
     "kl_in_reward_stage",
@@ -54,6 +56,26 @@ def make_reward_request(tokenizer: Any, response_ids: list[int], row: dict[str, 
         extra_info=dict(row.get("extra_info") or {}),
         uid=row.get("uid"),
     )
+
+
+def reward_model_result(rm_scores: torch.Tensor, uids: list[Any], rule: RewardResult | None = None) -> RewardResult:
+    """The reward of each row from reward-model scores (B,): the score itself (``reward.model.mode
+    =replace``) or ``rule`` + score (``add``). A non-finite reward-model score is a failed sample
+    (``nan``), never a number; a row whose rule reward failed stays failed."""
+    samples: list[SampleScore] = []
+    for i, v in enumerate(rm_scores.tolist()):
+        rm = classify(v)
+        if rule is None:
+            samples.append(rm)
+            continue
+        extra = {k: vals[i] for k, vals in rule.extra.items() if vals[i] is not None}
+        if not bool(rule.valid[i]):
+            samples.append(failed(rule.failure_reason[i], rule.failure_detail[i], extra))
+        elif not rm.valid:
+            samples.append(failed(rm.reason, f"reward model: {rm.detail}", extra))
+        else:
+            samples.append(SampleScore(float(rule.scores[i]) + rm.score, None, None, extra))
+    return RewardResult.from_samples(samples, uids)
 
 
 def apply_reward_result(batch: DataProto, result: RewardResult, overlong: Any | None = None,

@@ -122,15 +122,28 @@ class RLTrainer:
         futures: dict[int, Any] = {}
         t_step = time.perf_counter()
 
+        rm_cfg = cfg.reward.model
+        rm_only = rm_cfg.enable and rm_cfg.mode == "replace"  # no rule functions at all
+
         def on_sample_end(i: int, out: Any, row: dict[str, Any]) -> None:  # 2a: score while the tail runs
-            if self.reward_loop.can_stream(row["data_source"]):
+            if not rm_only and self.reward_loop.can_stream(row["data_source"]):
                 futures[i] = self.reward_loop.submit(stages.make_reward_request(self.tokenizer, out.response_ids, row))
 
         with timer("gen", t):  # 1. rollout
             batch = self.mode.rollout(prompts, self.sampling_params(), cfg.rollout.n, step, on_sample_end)
         maybe_kill(f"step{step}:after_gen")
-        with timer("reward", t):  # 2. reward
-            result = self.reward_loop.finish(batch, futures, self.tokenizer)
+        with timer("reward", t):  # 2. reward (rule/custom functions and/or the reward model)
+            if rm_cfg.enable:
+                with timer("reward_model", t):
+                    rm_scores, rmm = self.roles.rm_scores(batch)
+                m.update(rmm)
+            uids = list(batch.non_tensor_batch["uid"])
+            if rm_only:
+                result = stages.reward_model_result(rm_scores, uids)
+            else:
+                result = self.reward_loop.finish(batch, futures, self.tokenizer)
+                if rm_cfg.enable:
+                    result = stages.reward_model_result(rm_scores, uids, rule=result)
             self.reward_loop.check_failures(result)
             batch, rm = stages.apply_reward_result(batch, result, cfg.reward.overlong, max_response_length=cfg.rollout.response_length)
             m.update(rm)

@@ -1,0 +1,115 @@
+"""Model-based rewards: a sequence-classification reward model scores (prompt, response) pairs.
+
+The reward model (RM) is any Hugging Face ``*ForSequenceClassification`` checkpoint with one
+label (Bradley–Terry reward models such as Skywork-Reward, or ``postrl make-model --head reward``
+/ ``postrl rm`` for tiny local ones). It may use a different tokenizer and chat template than the
+policy, so each trajectory is rendered as a conversation in the RM's own template: the prompt's
+chat messages (the dataset row's ``prompt``) followed by one assistant message holding the
+decoded response, and tokenized by the RM's tokenizer — as verl's reward-model worker does.
+The score is the model's logit at the last token (HF's pooling for sequence classification).
+
+Conversations longer than ``max_length`` tokens keep their last ``max_length`` tokens, where
+the response ends; how many were cut is returned (the trainer reports it as
+``reward_model/truncated``), never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["RewardModel", "render_conversations"]
+
+logger = logging.getLogger(__name__)
+
+
+def render_conversations(tokenizer: Any, messages: list[list[dict[str, str]]], responses: list[str]) -> list[str]:
+    """Each prompt's messages + ``{"role": "assistant", "content": response}`` as text in the
+    tokenizer's chat template (``role: content`` lines when it has none)."""
+    out = []
+    for msgs, resp in zip(messages, responses, strict=True):
+        conv = [*(dict(m) for m in msgs), {"role": "assistant", "content": resp}]
+        if getattr(tokenizer, "chat_template", None):
+            out.append(tokenizer.apply_chat_template(conv, tokenize=False))
+        else:
+            out.append("\n".join(f"{m['role']}: {m['content']}" for m in conv))
+    return out
+
+
+class RewardModel:
+    """A frozen sequence-classification reward model on one device.
+
+    Args:
+        path: HF model directory (model + tokenizer).
+        device: where it runs.
+        dtype: parameter/compute dtype.
+        max_length: tokens kept per conversation (the last ones).
+        micro_batch_size: conversations per forward.
+
+    Raises:
+        ValueError: the checkpoint is not a one-label sequence classifier, or its tokenizer has
+            neither a pad nor an EOS token to pad with.
+    """
+
+    def __init__(self, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 max_length: int = 1024, micro_batch_size: int = 16) -> None:
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+        path = Path(path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"reward.model.path={str(path)!r} is not a Hugging Face model directory (no config.json)")
+        hf_cfg = AutoConfig.from_pretrained(str(path))
+        if getattr(hf_cfg, "num_labels", None) != 1:
+            raise ValueError(
+                f"reward model {path} has num_labels={getattr(hf_cfg, 'num_labels', None)}; a reward model outputs one "
+                f"score (a *ForSequenceClassification checkpoint with num_labels=1, e.g. from `postrl make-model --head "
+                f"reward` or `postrl rm`)")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if self.tokenizer.pad_token_id is None:
+            if self.tokenizer.eos_token_id is None:
+                raise ValueError(f"reward model tokenizer at {path} has no pad or eos token to pad batches with")
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype).to(device).eval()
+        self.model.requires_grad_(False)
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device = torch.device(device)
+        self.max_length = max_length
+        self.micro_batch_size = micro_batch_size
+
+    def encode(self, texts: list[str]) -> tuple[list[list[int]], list[bool]]:
+        """Token ids of each conversation (its last ``max_length`` kept) and whether it was cut."""
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [x[-self.max_length:] for x in ids], [len(x) > self.max_length for x in ids]
+
+    @torch.inference_mode()
+    def score_ids(self, ids: list[list[int]]) -> torch.Tensor:
+        """(B,) float32 scores of token-id sequences (right-padded per micro-batch)."""
+        pad = self.tokenizer.pad_token_id
+        out = []
+        for s in range(0, len(ids), self.micro_batch_size):
+            chunk = ids[s : s + self.micro_batch_size]
+            width = max(len(x) for x in chunk)
+            inp = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(inp)
+            for i, x in enumerate(chunk):
+                inp[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+                mask[i, : len(x)] = 1
+            inp, mask = inp.to(self.device), mask.to(self.device)
+            head = getattr(self.model, "score", None)
+            if isinstance(head, torch.nn.Linear):
+                # pool at the last real token ourselves: HF's pooling looks for pad ids, which a
+                # conversation may legitimately contain (tokenizers whose pad is their eos)
+                hidden = self.model.base_model(input_ids=inp, attention_mask=mask).last_hidden_state
+                h = hidden[torch.arange(len(chunk), device=self.device), mask.sum(1) - 1]
+                out.append(head(h).squeeze(-1).float().cpu())
+            else:  # other heads (e.g. encoder classifiers): the model's own pooling
+                out.append(self.model(input_ids=inp, attention_mask=mask).logits[:, 0].float().cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+    def score(self, messages: list[list[dict[str, str]]], responses: list[str]) -> tuple[torch.Tensor, int]:
+        """Scores of ``responses`` to the prompts ``messages`` and the number of truncated ones."""
+        ids, cut = self.encode(render_conversations(self.tokenizer, messages, responses))
+        return self.score_ids(ids), sum(cut)
