@@ -1,4 +1,4 @@
-"""The ``postrl`` command line: make-model | data | sft | train | eval | serve | bench | export.
+"""The ``postrl`` command line: make-model | data | sft | rm | train | eval | serve | bench | export.
 
 Every subcommand imports its heavy dependencies lazily so ``postrl --help`` is instant.
 """
@@ -51,8 +51,14 @@ def _cmd_data(args: argparse.Namespace) -> int:
             rows = generate_tool_arith(args.n, seed=args.seed, split=args.split, **kw)
     elif args.task in data.TASKS:
         rows = data.TASKS[args.task](args.n, seed=args.seed, split=args.split)
+        if args.sft and args.pairs:
+            raise SystemExit("postrl data: --sft and --pairs are exclusive")
         if args.sft:
             rows = data.sft_rows_from_rl_rows(rows)
+        if args.pairs:
+            from postrl.engine.rm_train import preference_pairs
+
+            rows = preference_pairs(rows, seed=args.seed)
     else:
         raise SystemExit(f"unknown data task {args.task!r}; choose from gsm8k, {', '.join(data.TASKS)}")
     path = data.write_parquet(rows, args.out)
@@ -78,6 +84,13 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
     config, overrides = _config_and_overrides(args)
     return sft_main([config, *overrides] if config else overrides)
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    from postrl.engine.rm_train import rm_main
+
+    config, overrides = _config_and_overrides(args)
+    return rm_main([config, *overrides] if config else overrides)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -133,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--split", default="train", choices=["train", "test"])
     d.add_argument("--input", help="gsm8k: local input file (.jsonl or .parquet)")
+    d.add_argument("--pairs", action="store_true",
+                   help="write preference pairs (prompt, chosen = the correct answer, rejected = a wrong one) for `postrl rm`")
     d.add_argument("--sft", action="store_true", help="write SFT rows (messages with reference answers; tool-arith: multi-turn tool-use demonstrations)")
     d.add_argument("--min-digits", type=int, default=6, help="tool-arith: fewest digits per operand")
     d.add_argument("--max-digits", type=int, default=9, help="tool-arith: most digits per operand")
@@ -150,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, helptext in (
         ("train", _cmd_train, "run RL training from a YAML config"),
         ("sft", _cmd_sft, "supervised fine-tuning from a YAML config"),
+        ("rm", _cmd_rm, "train a reward model on preference pairs (Bradley-Terry)"),
         ("eval", _cmd_eval, "validate a model on the val files of a config"),
     ):
         t = sub.add_parser(name, help=helptext)

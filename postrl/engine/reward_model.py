@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RewardModel", "render_conversations"]
+__all__ = ["RewardModel", "render_conversations", "sequence_scores"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,28 @@ def render_conversations(tokenizer: Any, messages: list[list[dict[str, str]]], r
         else:
             out.append("\n".join(f"{m['role']}: {m['content']}" for m in conv))
     return out
+
+
+def sequence_scores(model: torch.nn.Module, ids: list[list[int]], pad_id: int, device: torch.device | str) -> torch.Tensor:
+    """(B,) float32 scores of a sequence classifier over right-padded ``ids`` (differentiable).
+
+    For decoder RMs (a linear ``score`` head) the hidden state of each sequence's last real token
+    is pooled here: HF's own pooling looks for the first pad id, which a conversation may contain
+    (tokenizers whose pad token is their EOS). Other heads use the model's own pooling.
+    """
+    width = max(len(x) for x in ids)
+    inp = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(inp)
+    for i, x in enumerate(ids):
+        inp[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        mask[i, : len(x)] = 1
+    inp, mask = inp.to(device), mask.to(device)
+    head = getattr(model, "score", None)
+    if isinstance(head, torch.nn.Linear):
+        hidden = model.base_model(input_ids=inp, attention_mask=mask).last_hidden_state
+        h = hidden[torch.arange(len(ids), device=inp.device), mask.sum(1) - 1]
+        return head(h).squeeze(-1).float()
+    return model(input_ids=inp, attention_mask=mask).logits[:, 0].float()
 
 
 class RewardModel:
@@ -87,26 +109,8 @@ class RewardModel:
     @torch.inference_mode()
     def score_ids(self, ids: list[list[int]]) -> torch.Tensor:
         """(B,) float32 scores of token-id sequences (right-padded per micro-batch)."""
-        pad = self.tokenizer.pad_token_id
-        out = []
-        for s in range(0, len(ids), self.micro_batch_size):
-            chunk = ids[s : s + self.micro_batch_size]
-            width = max(len(x) for x in chunk)
-            inp = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(inp)
-            for i, x in enumerate(chunk):
-                inp[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-                mask[i, : len(x)] = 1
-            inp, mask = inp.to(self.device), mask.to(self.device)
-            head = getattr(self.model, "score", None)
-            if isinstance(head, torch.nn.Linear):
-                # pool at the last real token ourselves: HF's pooling looks for pad ids, which a
-                # conversation may legitimately contain (tokenizers whose pad is their eos)
-                hidden = self.model.base_model(input_ids=inp, attention_mask=mask).last_hidden_state
-                h = hidden[torch.arange(len(chunk), device=self.device), mask.sum(1) - 1]
-                out.append(head(h).squeeze(-1).float().cpu())
-            else:  # other heads (e.g. encoder classifiers): the model's own pooling
-                out.append(self.model(input_ids=inp, attention_mask=mask).logits[:, 0].float().cpu())
+        out = [sequence_scores(self.model, ids[s : s + self.micro_batch_size], self.tokenizer.pad_token_id, self.device).cpu()
+               for s in range(0, len(ids), self.micro_batch_size)]
         return torch.cat(out) if out else torch.zeros(0)
 
     def score(self, messages: list[list[dict[str, str]]], responses: list[str]) -> tuple[torch.Tensor, int]:

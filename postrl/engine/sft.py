@@ -34,7 +34,7 @@ from postrl.engine.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SFTConfig", "tokenize_rows", "run_sft", "sft_main"]
+__all__ = ["SFTConfig", "tokenize_rows", "run_sft", "sft_main", "parse_options"]
 
 
 @dataclass
@@ -204,31 +204,38 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
     return metrics
 
 
-def _coerce(name: str, value: str) -> Any:
-    typ = {f.name: f.type for f in fields(SFTConfig)}.get(name)
+def _coerce(cls: type, cmd: str, name: str, value: str) -> Any:
+    typ = {f.name: f.type for f in fields(cls)}.get(name)
     if typ is None:
-        raise SystemExit(f"unknown sft option {name!r}; choose from {[f.name for f in fields(SFTConfig)]}")
+        raise SystemExit(f"unknown {cmd} option {name!r}; choose from {[f.name for f in fields(cls)]}")
     return {"int": int, "float": float}.get(str(typ), str)(value)
 
 
-def sft_main(argv: list[str]) -> int:
-    """``postrl sft [CONFIG.yaml] [key=value ...]`` with the keys of :class:`SFTConfig`."""
+def parse_options(argv: list[str], cls: type, cmd: str, example: str) -> dict[str, Any]:
+    """``[CONFIG.yaml] [key=value ...]`` → options of the dataclass ``cls`` (a YAML file may nest
+    them under ``cmd:``); ``model_path``, ``train_file`` and ``out_dir`` are required."""
     opts: dict[str, Any] = {}
     for a in argv:
         if "=" in a:
             k, _, v = a.partition("=")
-            opts[k.strip()] = _coerce(k.strip(), v)
+            opts[k.strip()] = _coerce(cls, cmd, k.strip(), v)
         else:
             import yaml
 
             loaded = yaml.safe_load(Path(a).read_text()) or {}
-            loaded = loaded.get("sft", loaded)
+            loaded = loaded.get(cmd, loaded)
             for k, v in loaded.items():
-                _coerce(k, str(v))
+                _coerce(cls, cmd, k, str(v))
                 opts.setdefault(k, v)
     missing = [k for k in ("model_path", "train_file", "out_dir") if not opts.get(k)]
     if missing:
-        raise SystemExit(f"postrl sft: missing {missing}; e.g. model_path=runs/tiny train_file=sft.parquet out_dir=runs/sft")
+        raise SystemExit(f"postrl {cmd}: missing {missing}; e.g. {example}")
+    return opts
+
+
+def sft_main(argv: list[str]) -> int:
+    """``postrl sft [CONFIG.yaml] [key=value ...]`` with the keys of :class:`SFTConfig`."""
+    opts = parse_options(argv, SFTConfig, "sft", "model_path=runs/tiny train_file=sft.parquet out_dir=runs/sft")
     m = run_sft(opts.pop("model_path"), opts.pop("train_file"), opts.pop("out_dir"), **opts)
     logger.info("sft done: %s", json.dumps(m))
     return 0
