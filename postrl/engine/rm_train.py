@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from postrl.engine.reward_model import render_conversations, sequence_scores
-from postrl.engine.sft import parse_options
+from postrl.engine.sft import TrainFileOptions, parse_options, warmup_cosine
 
 logger = logging.getLogger(__name__)
 
@@ -37,35 +37,18 @@ __all__ = ["RMConfig", "run_rm", "rm_main", "preference_pairs"]
 
 
 @dataclass
-class RMConfig:
-    """Options of ``postrl rm`` (also the keyword arguments of :func:`run_rm`)."""
+class RMConfig(TrainFileOptions):
+    """Options of ``postrl rm`` (also the keyword arguments of :func:`run_rm`). ``model_path``: a
+    causal LM (its backbone gets a new score head) or a reward model; ``train_file`` rows hold
+    ``prompt``, ``chosen``, ``rejected``; ``out_dir`` receives an HF ``*ForSequenceClassification``
+    model with one label."""
 
-    model_path: str = ""
-    """HF directory to start from: a causal LM (its backbone gets a new score head) or a reward model."""
-    train_file: str = ""
-    """Parquet or jsonl rows with ``prompt``, ``chosen``, ``rejected``."""
-    out_dir: str = ""
-    """Where the reward model (HF ``*ForSequenceClassification``, one label) is written."""
-    epochs: int = 1
-    """Passes over the training pairs."""
-    max_steps: int = 0
-    """Stop after this many optimizer steps (0 = run all epochs)."""
-    lr: float = 1e-4
-    """Peak AdamW learning rate (linear warmup, then cosine to 10%)."""
-    warmup_steps: int = 10
-    """Linear warmup steps."""
     batch_size: int = 32
     """Pairs per optimizer step."""
     max_length: int = 512
     """Tokens kept per rendered conversation (the last ones, as at scoring time)."""
     eval_fraction: float = 0.1
     """Share of the pairs held out for the preference accuracy."""
-    seed: int = 0
-    """Shuffling and split seed."""
-    num_threads: int = 0
-    """torch threads (0 = leave the default)."""
-    log_every: int = 20
-    """Log loss and accuracy every this many steps."""
 
 
 def _prompt_messages(prompt: Any) -> list[dict[str, str]]:
@@ -161,13 +144,7 @@ def run_rm(model_path: str, train_file: str, out_dir: str, **options: Any) -> di
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     total = cfg.epochs * steps_per_epoch if not cfg.max_steps else min(cfg.max_steps, cfg.epochs * steps_per_epoch)
 
-    def factor(s: int) -> float:
-        if s < cfg.warmup_steps:
-            return (s + 1) / cfg.warmup_steps
-        prog = min(1.0, (s - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(total, cfg.warmup_steps))
     pad = tok.pad_token_id
     acc_before = _accuracy(model, evals, pad, cfg.batch_size)
     losses: list[float] = []

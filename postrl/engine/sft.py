@@ -21,6 +21,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -34,19 +35,19 @@ from postrl.engine.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SFTConfig", "tokenize_rows", "run_sft", "sft_main", "parse_options"]
+__all__ = ["SFTConfig", "TrainFileOptions", "tokenize_rows", "run_sft", "sft_main", "parse_options", "warmup_cosine"]
 
 
 @dataclass
-class SFTConfig:
-    """Options of ``postrl sft`` (also the keyword arguments of :func:`run_sft`)."""
+class TrainFileOptions:
+    """Options shared by ``postrl sft`` and ``postrl rm`` (supervised runs over one data file)."""
 
     model_path: str = ""
-    """HF model directory to fine-tune."""
+    """HF model directory to start from."""
     train_file: str = ""
-    """Parquet or jsonl rows (``messages`` or ``prompt`` + ``response``)."""
+    """Parquet or jsonl rows."""
     out_dir: str = ""
-    """Where the fine-tuned HF model (and ``sft_metrics.json``) is written."""
+    """Where the trained HF model (and a metrics JSON) is written."""
     epochs: int = 1
     """Passes over the data."""
     max_steps: int = 0
@@ -55,20 +56,39 @@ class SFTConfig:
     """Peak AdamW learning rate (linear warmup, then cosine to 10%)."""
     warmup_steps: int = 10
     """Linear warmup steps."""
+    seed: int = 0
+    """Shuffling and init seed."""
+    num_threads: int = 0
+    """torch threads (0 = leave the default)."""
+    log_every: int = 20
+    """Log the loss every this many steps."""
+
+
+@dataclass
+class SFTConfig(TrainFileOptions):
+    """Options of ``postrl sft`` (also the keyword arguments of :func:`run_sft`); ``train_file``
+    rows hold ``messages`` or ``prompt`` + ``response``."""
+
     weight_decay: float = 0.0
     """AdamW weight decay."""
     batch_tokens: int = 2048
     """Tokens per optimizer step (packed)."""
     max_length: int = 512
     """Rows longer than this are truncated (and the tail's loss dropped)."""
-    seed: int = 0
-    """Shuffling and init seed."""
     lora_rank: int = 0
     """LoRA rank (0 = full fine-tuning)."""
-    num_threads: int = 0
-    """torch threads (0 = leave the default)."""
-    log_every: int = 20
-    """Log the loss every this many steps."""
+
+
+def warmup_cosine(total: int, warmup: int) -> Callable[[int], float]:
+    """LR factor of step ``s``: linear warmup over ``warmup`` steps, then cosine from 1 to 0.1 at ``total``."""
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        prog = min(1.0, (s - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog))
+
+    return factor
 
 
 def _messages(row: dict[str, Any]) -> list[dict[str, str]]:
@@ -164,13 +184,7 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
     epochs = [_batches([len(x) for x, _ in data], cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
     total = sum(len(e) for e in epochs) if not cfg.max_steps else min(cfg.max_steps, sum(len(e) for e in epochs))
 
-    def factor(s: int) -> float:
-        if s < cfg.warmup_steps:
-            return (s + 1) / cfg.warmup_steps
-        prog = min(1.0, (s - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(total, cfg.warmup_steps))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     losses: list[torch.Tensor] = []
     n_tokens, t0 = 0, time.perf_counter()
