@@ -125,6 +125,11 @@ class RewardLoop:
             )
 
     # ------------------------------------------------------------------ routing
+    def has_function(self, data_source: str) -> bool:
+        """Whether ``data_source`` is scored by a function here (the custom one, or one registered
+        under that name); False means only a reward model can score it."""
+        return self._custom is not None or data_source in self._routes or data_source in REWARD_FNS
+
     def route(self, data_source: str) -> _Route:
         """The route (function + isolation) used for ``data_source``; unknown names raise."""
         if self._custom is not None:

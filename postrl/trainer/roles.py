@@ -34,6 +34,10 @@ class TrainerRewards:
         """True when ``data_source`` is scored per sample (so it can start before the batch ends)."""
         return not self.loop.route(str(data_source)).batch
 
+    def has_function(self, data_source: str) -> bool:
+        """Whether a rule/custom function scores ``data_source`` (else only a reward model can)."""
+        return self.loop.has_function(str(data_source))
+
     def submit(self, request: RewardRequest) -> Future:
         return self.loop.submit(request)
 
@@ -124,7 +128,7 @@ class Roles:
         return self.critic.compute_values(batch)
 
     def rm_scores(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
-        """Stage 2 (with ``reward.model.enable``): reward-model scores (B,) × ``reward.model.weight``."""
+        """Stage 2 (with ``reward.model.enable``): raw reward-model scores (B,) and their metrics."""
         out = self.reward_model.compute_rm_score(batch)
         scores = out.batch["rm_scores"].float()
         cut = out.batch["rm_truncated"]
@@ -133,7 +137,7 @@ class Roles:
         if bool(cut.any()):
             logger.warning("reward model: %d of %d conversations exceeded reward.model.max_length=%d and kept their last "
                            "tokens", int(cut.sum()), len(cut), self.cfg.reward.model.max_length)
-        return scores * self.cfg.reward.model.weight, metrics
+        return scores, metrics
 
     def update_actor(self, batch: DataProto) -> dict[str, float]:
         """Stage 7: one actor update; metrics of rank 0 (identical on every rank after all-reduce).

@@ -136,6 +136,7 @@ class RLTrainer:
             if rm_cfg.enable:
                 with timer("reward_model", t):
                     rm_scores, rmm = self.roles.rm_scores(batch)
+                rm_scores = rm_scores * rm_cfg.weight
                 m.update(rmm)
             uids = list(batch.non_tensor_batch["uid"])
             if rm_only:

@@ -5,6 +5,10 @@ reward's ``acc`` field when it returns one, else ``score > 0``), ``val/<data_sou
 (k = ``rollout.val_kwargs.n``; any of the k samples correct), ``val/<data_source>/score``,
 ``val/acc/mean`` over all rows, ``val/response_length/mean`` and ``val/reward_failed`` (samples
 whose reward failed; excluded from accuracies, never counted as wrong).
+
+With a reward model (``reward.model.enable``) every row is also scored by it
+(``val/reward_model/score``, the raw score's mean); the rule metrics above then cover the rows
+whose ``data_source`` has a reward function, so preference-only data validates on the RM alone.
 """
 
 from __future__ import annotations
@@ -29,17 +33,28 @@ def validate(trainer: Any, dataset: RLDataset) -> dict[str, float]:
     correct: dict[str, list[list[float]]] = defaultdict(list)
     scores: dict[str, list[float]] = defaultdict(list)
     lengths: list[float] = []
+    rm_on = cfg.reward.model.enable
+    rm_scores: list[float] = []
     failed = 0
     for start in range(0, len(dataset), bs):
         prompts = dataset.batch(list(range(start, min(start + bs, len(dataset)))))
         # validation seeds live in their own stream (step = -1 - start) so they never collide with training
         batch = trainer.mode.rollout(prompts, sampling, n, -1 - start, None)
-        result = trainer.reward_loop.finish(batch, {}, trainer.tokenizer)
-        acc = _correctness(result)
         lengths.extend(batch.batch["attention_mask"][:, -batch.batch["responses"].shape[1]:].sum(-1).float().tolist())
         ds = batch.non_tensor_batch["data_source"]
-        for p in range(len(prompts)):
-            rows = range(p * n, (p + 1) * n)
+        if rm_on:  # the reward model scores every row; rule metrics come from rows that have a function
+            rm_scores.extend(trainer.roles.rm_scores(batch)[0].tolist())
+            ruled = [p for p in range(len(prompts)) if trainer.reward_loop.has_function(ds[p * n])]
+        else:
+            ruled = list(range(len(prompts)))
+        if not ruled:
+            continue
+        rows_ruled = [i for p in ruled for i in range(p * n, (p + 1) * n)]
+        result = trainer.reward_loop.finish(batch if len(rows_ruled) == len(batch) else batch[rows_ruled], {},
+                                            trainer.tokenizer)
+        acc = _correctness(result)
+        for j, p in enumerate(ruled):
+            rows = range(j * n, (j + 1) * n)  # positions in result
             valid = [i for i in rows if bool(result.valid[i])]
             failed += n - len(valid)
             if not valid:
@@ -58,6 +73,8 @@ def validate(trainer: Any, dataset: RLDataset) -> dict[str, float]:
         out["val/acc/mean"] = float(np.mean(all_first))
     out["val/response_length/mean"] = float(np.mean(lengths)) if lengths else 0.0
     out["val/reward_failed"] = float(failed)
+    if rm_scores:
+        out["val/reward_model/score"] = float(np.mean(rm_scores))
     return out
 
 

@@ -72,3 +72,32 @@ def test_grpo_with_reward_model(small_overrides, rm_dir, mode):
             assert -1e-5 <= rule_mean <= 1 + 1e-5
             assert math.isclose(rule_mean * 16, round(rule_mean * 16), abs_tol=1e-3)
     assert "val/acc/mean" in last  # validation still reports the task's rule metric
+    assert "val/reward_model/score" in last
+
+
+def test_preference_only_data_trains_and_validates_on_the_reward_model(small_overrides, addition_files, rm_dir, tmp_path):
+    """A data_source with no reward function: replace mode needs none, validation reports the RM
+    score only; add mode fails loudly for it."""
+    from postrl.data import write_parquet
+    from postrl.data.tasks import read_rows
+
+    files = []
+    for f in addition_files:
+        rows = [{**r, "data_source": "chat_prefs"} for r in read_rows(str(f))]
+        files.append(write_parquet(rows, tmp_path / Path(f).name))
+    over = [o for o in small_overrides if not o.startswith(("data.train_files", "data.val_files"))]
+    common = [*over, f"data.train_files=[{files[0]}]", f"data.val_files=[{files[1]}]", "reward.model.enable=true",
+              f"reward.model.path={rm_dir}", "trainer.total_steps=1"]
+    trainer = RLTrainer(load_config(None, common))
+    try:
+        last = trainer.fit()
+    finally:
+        trainer.close()
+    assert "val/reward_model/score" in last and "val/acc/mean" not in last
+    assert last["reward/scored"] == 16 and math.isfinite(last["critic/score/mean"])
+    trainer = RLTrainer(load_config(None, [*common, "reward.model.mode=add", "trainer.val_before_train=false"]))
+    try:
+        with pytest.raises(Exception, match="chat_prefs"):
+            trainer.fit()
+    finally:
+        trainer.close()
