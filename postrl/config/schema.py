@@ -310,8 +310,8 @@ class RewardModelConfig:
     max_length: int = 1024
     """Token budget per scored conversation; longer ones keep their last ``max_length`` tokens
     (the response end) and are counted in ``reward_model/truncated``."""
-    micro_batch_size: int = 16
-    """Conversations per reward-model forward."""
+    micro_batch_size: int = 64
+    """Conversations per reward-model forward (padding-free, each distinct prompt computed once)."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ the response ends; how many were cut is returned (the trainer reports it as
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,8 @@ class RewardModel:
                  max_length: int = 1024, micro_batch_size: int = 16) -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
+        from postrl.engine.varlen import ATTN_NAME
+
         path = Path(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"reward.model.path={str(path)!r} is not a Hugging Face model directory (no config.json)")
@@ -94,9 +97,20 @@ class RewardModel:
             if self.tokenizer.eos_token_id is None:
                 raise ValueError(f"reward model tokenizer at {path} has no pad or eos token to pad batches with")
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype).to(device).eval()
+        from postrl.engine.model import _from_pretrained, _use_varlen
+
+        self.model = _from_pretrained(AutoModelForSequenceClassification, path, {"dtype": dtype, "attn_implementation": ATTN_NAME})
+        self.model = self.model.to(device).eval()
         self.model.requires_grad_(False)
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        # decoder RMs (a linear `score` head) run padding-free with the prompt shared by its samples
+        self.shared = isinstance(getattr(self.model, "score", None), torch.nn.Linear)
+        if self.shared:
+            self.packed = _use_varlen(self.model, self.model.base_model)
+        else:  # other heads: the model's own forward and pooling
+            self.packed = False
+            if getattr(self.model.config, "_attn_implementation", None) == ATTN_NAME:
+                self.model.set_attn_implementation("sdpa")
         self.device = torch.device(device)
         self.max_length = max_length
         self.micro_batch_size = micro_batch_size
@@ -108,12 +122,80 @@ class RewardModel:
 
     @torch.inference_mode()
     def score_ids(self, ids: list[list[int]]) -> torch.Tensor:
-        """(B,) float32 scores of token-id sequences (right-padded per micro-batch)."""
+        """(B,) float32 scores of whole token-id sequences (no prompt sharing)."""
+        if self.shared:
+            return self.score_split([x[:1] for x in ids], [x[1:] for x in ids])
         out = [sequence_scores(self.model, ids[s : s + self.micro_batch_size], self.tokenizer.pad_token_id, self.device).cpu()
                for s in range(0, len(ids), self.micro_batch_size)]
         return torch.cat(out) if out else torch.zeros(0)
 
+    def split_encode(self, messages: list[list[dict[str, str]]],
+                     responses: list[str]) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+        """``(prompt ids, response ids, cut)`` per conversation.
+
+        The prompt part is the rendering of the messages with the generation prompt — the same for
+        every sample of a prompt, so :meth:`score_split` computes it once per group — and the
+        response part is the rest of the full rendering (the answer and the end-of-turn). If the
+        template does not render the prompt as a token prefix of the conversation, that row is
+        scored as one unshared sequence. Over ``max_length``, tokens are dropped from the left.
+        """
+        tok = self.tokenizer
+        ids = tok(render_conversations(tok, messages, responses), add_special_tokens=False)["input_ids"]
+        cache: dict[str, list[int]] = {}
+        prompts, resps, cut = [], [], []
+        for msgs, x in zip(messages, ids, strict=True):
+            key = json.dumps(msgs, sort_keys=True)
+            if key not in cache:
+                if getattr(tok, "chat_template", None):
+                    text = tok.apply_chat_template([dict(m) for m in msgs], add_generation_prompt=True, tokenize=False)
+                else:
+                    text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant: "
+                cache[key] = tok(text, add_special_tokens=False)["input_ids"]
+            p = cache[key]
+            if not (0 < len(p) < len(x) and x[: len(p)] == p):
+                p = x[:1]  # not prefix-consistent: one sequence, no sharing
+            r = x[len(p):]
+            cut.append(len(x) > self.max_length)
+            if len(x) > self.max_length:
+                excess = len(x) - self.max_length
+                if excess < len(p):
+                    p = p[excess:]
+                else:
+                    keep = x[-self.max_length:]
+                    p, r = keep[:1], keep[1:]
+            prompts.append(p)
+            resps.append(r)
+        return prompts, resps, cut
+
+    @torch.inference_mode()
+    def score_split(self, prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
+        """(B,) float32 scores of prompt + response id sequences, padding-free, each distinct
+        prompt of a micro-batch computed once (:func:`postrl.engine.logprob.critic_values` with
+        prefix sharing). The score is read at the last response token: one extra column after it
+        turns "the state that predicts the next token" into "the state at the last token"."""
+        from postrl.engine.logprob import critic_values
+
+        pad = self.tokenizer.pad_token_id
+        out = []
+        for s in range(0, len(prompts), self.micro_batch_size):
+            ps, rs = prompts[s : s + self.micro_batch_size], responses[s : s + self.micro_batch_size]
+            P, R = max(len(p) for p in ps), max(len(r) for r in rs) + 1
+            ids = torch.full((len(ps), P + R), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, (p, r) in enumerate(zip(ps, rs, strict=True)):
+                ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
+                ids[i, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
+                mask[i, P - len(p) : P + len(r) + 1] = 1  # + the extra column
+            v = critic_values(self.model.base_model, self.model.score, ids.to(self.device), mask.to(self.device), R,
+                              share_prefix=True, packed=self.packed)
+            last = torch.tensor([len(r) for r in rs], device=v.device)
+            out.append(v[torch.arange(len(ps), device=v.device), last].float().cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
     def score(self, messages: list[list[dict[str, str]]], responses: list[str]) -> tuple[torch.Tensor, int]:
         """Scores of ``responses`` to the prompts ``messages`` and the number of truncated ones."""
+        if self.shared:
+            p, r, cut = self.split_encode(messages, responses)
+            return self.score_split(p, r), sum(cut)
         ids, cut = self.encode(render_conversations(self.tokenizer, messages, responses))
         return self.score_ids(ids), sum(cut)

@@ -268,5 +268,10 @@ class RewardModelWorker(Worker):
         texts = self.policy_tokenizer.batch_decode(
             [row[m].tolist() for row, m in zip(data.batch["responses"], valid, strict=True)], skip_special_tokens=True)
         msgs = [list(m) for m in data.non_tensor_batch["messages"]]
-        ids, cut = self.rm.encode(render_conversations(self.rm.tokenizer, msgs, texts))
-        return DataProto.from_dict({"rm_scores": self.rm.score_ids(ids), "rm_truncated": torch.tensor(cut, dtype=torch.bool)})
+        if self.rm.shared:
+            prompts, resps, cut = self.rm.split_encode(msgs, texts)
+            scores = self.rm.score_split(prompts, resps)
+        else:
+            ids, cut = self.rm.encode(render_conversations(self.rm.tokenizer, msgs, texts))
+            scores = self.rm.score_ids(ids)
+        return DataProto.from_dict({"rm_scores": scores, "rm_truncated": torch.tensor(cut, dtype=torch.bool)})

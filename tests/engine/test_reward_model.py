@@ -95,3 +95,19 @@ def test_worker_scores_decoded_responses(rm_dir, tiny_model_dir, make_batch):
     ref, n_cut = rm.score(msgs, texts)
     torch.testing.assert_close(out.batch["rm_scores"], ref)
     assert int(out.batch["rm_truncated"].sum()) == n_cut
+
+
+def test_shared_prompt_scoring_equals_whole_sequences(rm_dir):
+    """The worker's path (each prompt computed once for its samples, padding-free) gives the
+    scores of scoring every conversation whole — also when max_length cuts into the prompt."""
+    msgs = [[{"role": "user", "content": f"What is {i}+{i + 5}? Reply with the number."}] for i in range(3) for _ in range(4)]
+    resps = [str(2 * (j // 4) + 5 + j % 4) * (1 + j % 3) for j in range(12)]
+    for max_length in (1024, 30):
+        rm = RewardModel(rm_dir, max_length=max_length, micro_batch_size=8)
+        prompts, rest, cut = rm.split_encode(msgs, resps)
+        ids, cut_whole = rm.encode(render_conversations(rm.tokenizer, msgs, resps))
+        assert cut == cut_whole and [p + r for p, r in zip(prompts, rest)] == ids
+        if max_length == 1024:
+            assert len({tuple(p) for p in prompts}) == 3  # one prompt per group: shared in the forward
+        torch.testing.assert_close(rm.score_split(prompts, rest), _hf_scores(rm_dir, rm, rm.tokenizer.batch_decode(ids)),
+                                   atol=1e-5, rtol=1e-5)
