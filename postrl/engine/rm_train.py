@@ -162,8 +162,8 @@ def run_rm(model_path: str, train_file: str, out_dir: str, **options: Any) -> di
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(float(loss))
-            accs.append(float((margin > 0).float().mean()))
+            losses.append(float(loss.detach()))
+            accs.append(float((margin.detach() > 0).float().mean()))
             if cfg.log_every and len(losses) % cfg.log_every == 0:
                 logger.info("rm step %d/%d loss %.4f acc %.3f", len(losses), total, losses[-1], accs[-1])
     wall = time.perf_counter() - t0
