@@ -151,6 +151,10 @@ class CriticConfig:
     """Data parallelism when dp > 1: ``fsdp2`` (sharded) or ``ddp`` (replicas); see ``actor.strategy``."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer of the critic."""
+    model_path: str = ""
+    """HF directory the critic starts from (empty: ``model.path``). A reward model works too: its
+    backbone and one-label ``score`` head become the critic's backbone and value head (the
+    InstructGPT initialisation); a critic exported by postrl restores its value head."""
 
 
 @dataclass

@@ -384,11 +384,32 @@ def load_policy(model_cfg, device: torch.device | str = "cpu", *, trainable: boo
     return PolicyModel(model, is_lora=is_lora, packed=packed, compute_dtype=mixed)
 
 
+def _checkpoint_keys(path: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            keys.update(h.keys())
+    return keys
+
+
+def _checkpoint_tensors(path: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update({k: h.get_tensor(k) for k in names if k in h.keys()})
+    return out
+
+
 def load_critic(model_cfg, device: torch.device | str = "cpu") -> CriticModel:
     """Load ``model_cfg.path`` as a :class:`CriticModel` (backbone + zero-initialised value head).
 
     If the directory holds ``value_head.safetensors`` (a critic exported by postrl), the head is
-    restored from it.
+    restored from it; if it is a reward model (one-label ``*ForSequenceClassification`` with a
+    ``score`` head), the value head starts as its score head.
     """
     from safetensors.torch import load_file
     from transformers import AutoModel
@@ -407,5 +428,12 @@ def load_critic(model_cfg, device: torch.device | str = "cpu") -> CriticModel:
     head = path / "value_head.safetensors"
     if head.exists():
         critic.value_head.load_state_dict(load_file(str(head)))
+    elif getattr(backbone.config, "num_labels", None) == 1 and "score.weight" in _checkpoint_keys(path):
+        score = _checkpoint_tensors(path, ("score.weight", "score.bias"))  # a reward model: its head is the value head
+        with torch.no_grad():
+            critic.value_head.weight.copy_(score["score.weight"])
+            if "score.bias" in score:
+                critic.value_head.bias.copy_(score["score.bias"])
+        logger.info("critic: value head initialised from the reward model's score head (%s)", path)
     critic.train()
     return critic

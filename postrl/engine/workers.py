@@ -27,6 +27,7 @@ update_critic              DP_COMPUTE_PROTO        DataProto with ``meta_info['m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -197,7 +198,8 @@ class CriticWorker(Worker):
     def __init__(self, cfg, total_steps: int = 0) -> None:
         self.cfg = cfg
         self.dev, self.group = _setup(cfg)
-        self.model = load_critic(cfg.model, self.dev)
+        mcfg = dataclasses.replace(cfg.model, path=cfg.critic.model_path) if cfg.critic.model_path else cfg.model
+        self.model = load_critic(mcfg, self.dev)
         _shard_if(cfg.critic.strategy, self.model, self.group, self.dev)
         self.critic = Critic(self.model, cfg.critic, rollout_n=cfg.rollout.n, device=self.dev, group=self.group,
                              total_steps=total_steps)

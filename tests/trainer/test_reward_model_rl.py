@@ -101,3 +101,33 @@ def test_preference_only_data_trains_and_validates_on_the_reward_model(small_ove
             trainer.fit()
     finally:
         trainer.close()
+
+
+def test_ppo_with_reward_model_and_critic_initialised_from_it(small_overrides, rm_dir):
+    """InstructGPT-style PPO: GAE with a critic whose backbone and value head start as the reward
+    model's (``critic.model_path``); its first values equal the RM's score of each prefix."""
+    from postrl.config.schema import ModelConfig
+    from postrl.engine.model import load_critic
+    from postrl.engine.reward_model import RewardModel
+
+    critic = load_critic(ModelConfig(path=str(rm_dir)))
+    rm = RewardModel(rm_dir)
+    torch.testing.assert_close(critic.value_head.weight, rm.model.score.weight)
+    prompts, rest = [[5, 6, 7], [5, 6, 7]], [[8, 9], [10]]
+    scores = rm.score_split(prompts, rest)  # score at the last token of each sequence
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 10, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]])
+    with torch.no_grad():
+        values = critic(ids, mask, 3)  # value of response token t = state that predicts it
+    torch.testing.assert_close(values[[0, 1], [2, 1]], scores, atol=1e-5, rtol=1e-5)
+
+    cfg = load_config(None, [*small_overrides, "algorithm.adv_estimator=gae", "critic.optim.lr=1e-4",
+                             "reward.model.enable=true", f"reward.model.path={rm_dir}", f"critic.model_path={rm_dir}",
+                             "trainer.total_steps=1", "trainer.val_before_train=false", "data.val_files=[]"])
+    validate_config(cfg)
+    trainer = RLTrainer(cfg)
+    try:
+        last = trainer.fit()
+    finally:
+        trainer.close()
+    assert math.isfinite(last["critic/vf_loss"]) and "reward_model/score/mean" in last
