@@ -97,7 +97,7 @@ class RewardModel:
             if self.tokenizer.eos_token_id is None:
                 raise ValueError(f"reward model tokenizer at {path} has no pad or eos token to pad batches with")
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        from postrl.engine.model import _from_pretrained, _use_varlen
+        from postrl.engine.model import CriticModel, _from_pretrained, _use_varlen
 
         self.model = _from_pretrained(AutoModelForSequenceClassification, path, {"dtype": dtype, "attn_implementation": ATTN_NAME})
         self.model = self.model.to(device).eval()
@@ -105,8 +105,14 @@ class RewardModel:
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         # decoder RMs (a linear `score` head) run padding-free with the prompt shared by its samples
         self.shared = isinstance(getattr(self.model, "score", None), torch.nn.Linear)
+        self.root: CriticModel | None = None
         if self.shared:
             self.packed = _use_varlen(self.model, self.model.base_model)
+            # the scoring module (and FSDP2 root, see shard()): backbone + the score head as value head
+            self.root = CriticModel(self.model.base_model, self.model.config.hidden_size)
+            self.root.value_head = self.model.score
+            self.root.packed = self.packed
+            self.root.eval()
         else:  # other heads: the model's own forward and pooling
             self.packed = False
             if getattr(self.model.config, "_attn_implementation", None) == ATTN_NAME:
@@ -167,18 +173,27 @@ class RewardModel:
             resps.append(r)
         return prompts, resps, cut
 
+    def shard(self, group, device: torch.device | str) -> None:
+        """FSDP2-shard the scoring module over ``group`` (large RMs on several ranks): each rank
+        keeps ``1/dp`` of the weights; every rank must then score in the same collective steps
+        (:meth:`score_split` aligns its micro-batch count over the group)."""
+        if self.root is None:
+            raise ValueError("only decoder reward models (a linear `score` head) can be FSDP2-sharded")
+        self.root.shard(group, device)
+
     @torch.inference_mode()
     def score_split(self, prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
         """(B,) float32 scores of prompt + response id sequences, padding-free, each distinct
         prompt of a micro-batch computed once (:func:`postrl.engine.logprob.critic_values` with
         prefix sharing). The score is read at the last response token: one extra column after it
         turns "the state that predicts the next token" into "the state at the last token"."""
-        from postrl.engine.logprob import critic_values
-
-        pad = self.tokenizer.pad_token_id
-        out = []
-        for s in range(0, len(prompts), self.micro_batch_size):
-            ps, rs = prompts[s : s + self.micro_batch_size], responses[s : s + self.micro_batch_size]
+        n, pad = len(prompts), self.tokenizer.pad_token_id
+        micro = [list(range(s, min(s + self.micro_batch_size, n))) for s in range(0, n, self.micro_batch_size)]
+        lens = torch.tensor([len(p) + len(r) + 1 for p, r in zip(prompts, responses, strict=True)], dtype=torch.long)
+        micro = self.root.align_micro_batches(micro, lens)  # sharded: the same number of passes on every rank
+        out = torch.zeros(n)
+        for rows in micro:
+            ps, rs = [prompts[i] for i in rows], [responses[i] for i in rows]
             P, R = max(len(p) for p in ps), max(len(r) for r in rs) + 1
             ids = torch.full((len(ps), P + R), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
@@ -186,11 +201,10 @@ class RewardModel:
                 ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
                 ids[i, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
                 mask[i, P - len(p) : P + len(r) + 1] = 1  # + the extra column
-            v = critic_values(self.model.base_model, self.model.score, ids.to(self.device), mask.to(self.device), R,
-                              share_prefix=True, packed=self.packed)
+            v = self.root(ids.to(self.device), mask.to(self.device), R, share_prefix=True)
             last = torch.tensor([len(r) for r in rs], device=v.device)
-            out.append(v[torch.arange(len(ps), device=v.device), last].float().cpu())
-        return torch.cat(out) if out else torch.zeros(0)
+            out[rows] = v[torch.arange(len(ps), device=v.device), last].float().cpu()
+        return out
 
     def score(self, messages: list[list[dict[str, str]]], responses: list[str]) -> tuple[torch.Tensor, int]:
         """Scores of ``responses`` to the prompts ``messages`` and the number of truncated ones."""

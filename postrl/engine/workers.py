@@ -240,9 +240,10 @@ class CriticWorker(Worker):
 class RewardModelWorker(Worker):
     """A learned reward model (``reward.model``) scoring finished trajectories.
 
-    Each rank holds a full copy of the (frozen) model and scores its share of the rows
-    (``DP_COMPUTE_PROTO``). The compute dtype follows ``model.compute_dtype`` (fp32 on CPU,
-    bf16 on GPU by default).
+    Each rank scores its share of the rows (``DP_COMPUTE_PROTO``). With dp > 1 and
+    ``actor.strategy=fsdp2`` the frozen model is FSDP2-sharded like the reference model (each rank
+    keeps 1/dp of it); otherwise every rank holds a full copy. The compute dtype follows
+    ``model.compute_dtype`` (fp32 on CPU, bf16 on GPU by default).
     """
 
     def __init__(self, cfg, total_steps: int = 0) -> None:
@@ -255,8 +256,16 @@ class RewardModelWorker(Worker):
         rcfg = cfg.reward.model
         _, compute = resolve_dtypes(cfg.model, self.dev, trainable=False)
         self.rm = RewardModel(rcfg.path, self.dev, compute, rcfg.max_length, rcfg.micro_batch_size)
+        if self.group is not None and cfg.actor.strategy == "fsdp2" and self.rm.root is not None:
+            self.rm.shard(self.group, self.dev)  # like the reference model: 1/dp of the weights per rank
         self.policy_tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.register_dp_info("reward_model", dp_rank=self.rank, dp_size=self.world_size)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def shard_stats(self) -> dict[str, int]:
+        """Parameter elements on this rank / in the full reward model, FSDP2 dummy passes."""
+        root = self.rm.root if self.rm.root is not None else self.rm.model
+        return {**param_numel(root), "dummy_passes": getattr(root, "dummy_passes", 0)}
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:

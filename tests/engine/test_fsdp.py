@@ -221,6 +221,23 @@ def test_lora_fsdp2_matches_dp1(tiny_model_dir, groups, make_batch):
         torch.testing.assert_close(ref1, lp1, atol=1e-5, rtol=1e-5)  # adapters off = the untrained base
 
 
+def test_reward_model_fsdp2_matches_dp1(tiny_model_dir, groups, make_batch, tmp_path):
+    """The reward model is FSDP2-sharded on dp=2 (half the weights per rank) and scores like dp=1."""
+    from postrl.engine.workers import RewardModelWorker
+    from postrl.testing import make_model
+
+    rm_dir = make_model(tmp_path / "rm", head="reward", seed=5)
+    cfg = load_config(None, [*_overrides(tiny_model_dir), "reward.model.enable=true", f"reward.model.path={rm_dir}",
+                             "reward.model.micro_batch_size=3"])
+    with _dp1_and_sharded_dp2(RewardModelWorker, cfg, "rmw") as (w1, w2):
+        b = make_batch(num_prompts=4, n=4, seed=31)
+        msgs = [[{"role": "user", "content": f"question {i // 4}"}] for i in range(len(b))]
+        b = b.union(DataProto.from_dict(non_tensors={"messages": msgs}))
+        s1, s2 = w1.compute_rm_score(b).batch["rm_scores"], w2.compute_rm_score(b).batch["rm_scores"]
+        assert float(s1.std()) > 0
+        torch.testing.assert_close(s2, s1, atol=1e-5, rtol=1e-5)
+
+
 def test_sharded_checkpoint_format(tiny_model_dir, groups, make_batch, tmp_path):
     """trainer.checkpoint_format=sharded: each rank writes its own half (no full copy anywhere);
     same-dp resume reads only the own files and reproduces the next step bit for bit; dp=1
