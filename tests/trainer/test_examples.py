@@ -45,7 +45,19 @@ EXPECTED_KEYS: dict[str, set[str]] = {
         "critic/returns/mean", "timing_s/values", "timing_s/update_critic", "actor/reward_kl_penalty",
     },
     "grpo_countdown": {"actor/kl_loss", "reward/extra/acc/mean"},
+    "ppo_rm_addition": {
+        "critic/vf_loss", "critic/values/mean", "timing_s/update_critic", "actor/reward_kl_penalty",
+        "reward_model/score/mean", "reward_model/truncated", "timing_s/reward_model",
+    },
 }
+
+
+@pytest.fixture(scope="session")
+def reward_model_dir(tmp_path_factory):
+    """A tiny random reward model (stands in for `postrl rm`'s output)."""
+    from postrl.testing import make_model
+
+    return make_model(tmp_path_factory.mktemp("rm") / "rm", head="reward", seed=7)
 
 
 @pytest.fixture(scope="session")
@@ -84,9 +96,13 @@ def _shrunk(name: str, tiny_model_dir, addition_files, countdown_files, digits_r
 
 
 @pytest.mark.parametrize("path", EXAMPLE_FILES, ids=[p.stem for p in EXAMPLE_FILES])
-def test_example_runs(path: Path, tiny_model_dir, addition_files, countdown_files, digits_reward, tmp_path):
+def test_example_runs(path: Path, tiny_model_dir, addition_files, countdown_files, digits_reward, reward_model_dir,
+                      tmp_path):
     run_dir = tmp_path / "run"
-    cfg = load_config(path, _shrunk(path.stem, tiny_model_dir, addition_files, countdown_files, digits_reward, run_dir))
+    overrides = _shrunk(path.stem, tiny_model_dir, addition_files, countdown_files, digits_reward, run_dir)
+    if "_rm_" in path.stem:  # the learned reward model (and the critic initialised from it)
+        overrides += [f"reward.model.path={reward_model_dir}", f"critic.model_path={reward_model_dir}"]
+    cfg = load_config(path, overrides)
     trainer = RLTrainer(cfg)
     try:
         before, last, after = fit_with_snapshots(trainer)
@@ -129,6 +145,8 @@ def test_examples_select_their_algorithm():
     assert cfg["reinforce_pp_addition"].algorithm.use_kl_in_reward
     assert cfg["gspo_addition"].actor.policy_loss == "gspo"
     assert cfg["ppo_gae_addition"].algorithm.adv_estimator == "gae"
+    rm = cfg["ppo_rm_addition"]
+    assert rm.algorithm.adv_estimator == "gae" and rm.reward.model.enable and rm.critic.model_path == rm.reward.model.path
     assert all(c.rollout.n > 1 for c in cfg.values())
 
 
