@@ -42,7 +42,8 @@ def _cmd_data(args: argparse.Namespace) -> int:
     elif args.task == "tool-arith":
         from postrl.data.tool_arith import generate_tool_arith, tool_arith_demonstrations
 
-        kw = dict(min_digits=args.min_digits, max_digits=args.max_digits, kinds=args.kinds.split(","),
+        kw = dict(min_digits=args.min_digits, max_digits=9 if args.max_digits is None else args.max_digits,
+                  kinds=args.kinds.split(","),
                   prompt_style=args.prompt_style, result_digits=args.result_digits)
         if args.sft:
             rows = tool_arith_demonstrations(args.n, seed=args.seed, tool_fraction=args.tool_fraction,
@@ -50,7 +51,12 @@ def _cmd_data(args: argparse.Namespace) -> int:
         else:
             rows = generate_tool_arith(args.n, seed=args.seed, split=args.split, **kw)
     elif args.task in data.TASKS:
-        rows = data.TASKS[args.task](args.n, seed=args.seed, split=args.split)
+        extra = {}
+        if args.max_digits is not None:
+            if args.task != "addition":
+                raise SystemExit(f"postrl data {args.task}: --max-digits applies to addition and tool-arith only")
+            extra["max_digits"] = args.max_digits
+        rows = data.TASKS[args.task](args.n, seed=args.seed, split=args.split, **extra)
         if args.sft and args.pairs:
             raise SystemExit("postrl data: --sft and --pairs are exclusive")
         if args.sft:
@@ -150,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write preference pairs (prompt, chosen = the correct answer, rejected = a wrong one) for `postrl rm`")
     d.add_argument("--sft", action="store_true", help="write SFT rows (messages with reference answers; tool-arith: multi-turn tool-use demonstrations)")
     d.add_argument("--min-digits", type=int, default=6, help="tool-arith: fewest digits per operand")
-    d.add_argument("--max-digits", type=int, default=9, help="tool-arith: most digits per operand")
+    d.add_argument("--max-digits", type=int, default=None,
+                   help="most digits per operand (tool-arith: default 9; addition: default 2, the quickstart uses 1)")
     d.add_argument("--kinds", default="mul,sum3,mulsub", help="tool-arith: comma-separated problem kinds")
     d.add_argument("--prompt-style", default="full", choices=["full", "short", "bound"],
                    help="tool-arith: full (system message), short (question only) or bound (argument-free calls, bare answers)")
