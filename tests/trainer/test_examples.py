@@ -206,3 +206,18 @@ def test_overlong_penalty_uses_the_configured_length_not_the_batch_width():
     assert m["reward/overlong_penalty/mean"] == pytest.approx(-(3 / 4 + 2 / 4 + 1 / 4) / 3)
     with pytest.raises(ValueError, match="max_response_length"):
         apply_reward_result(batch, result, ov)
+
+
+def test_example_data_paths_are_what_quickstart_writes():
+    """Every data file a recipe reads under runs/quickstart/data/ is written by `make quickstart` or
+    by a `postrl data` command in the recipe's own header."""
+    import re
+
+    source = (Path(__file__).resolve().parents[2] / "postrl" / "trainer" / "quickstart.py").read_text()
+    for p in EXAMPLE_FILES:
+        text = p.read_text()
+        header = text.split("\nmodel:", 1)[0]
+        body = text[len(header):]
+        for name in re.findall(r"runs/quickstart/data/([\w.]+)", body):
+            made = f'"{name}"' in source or re.search(rf"postrl data \S+ runs/quickstart/data/{re.escape(name)}", header)
+            assert made, f"{p.name} reads runs/quickstart/data/{name}, which neither quickstart nor its header writes"
