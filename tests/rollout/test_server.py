@@ -3,33 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 
 import httpx
 import pytest
 
-from postrl.rollout import RolloutReplica, SamplingParams, create_rollout_backend
-from postrl.rollout.server import check_bind, create_app
+from postrl.rollout import SamplingParams, create_rollout_backend
+from postrl.rollout.server import check_bind
+from postrl.testing.servers import start_server
 
 
 def _start(model_dir, api_key=None):
-    import uvicorn
-    from transformers import AutoTokenizer
-
-    be = create_rollout_backend("native", model_dir, max_num_seqs=8, max_model_len=256)
-    app = create_app(RolloutReplica(be), AutoTokenizer.from_pretrained(model_dir), api_key)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        if time.monotonic() > deadline:
-            raise TimeoutError("server did not start within 30 s")
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", srv, be
+    return start_server(model_dir, api_key)
 
 
 @pytest.fixture(scope="module")

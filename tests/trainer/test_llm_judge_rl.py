@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from postrl.config import load_config
+from postrl.testing.servers import start_server
 from postrl.trainer.trainer import RLTrainer
 
 JUDGE = Path(__file__).resolve().parents[2] / "examples" / "rewards" / "llm_judge.py"
@@ -19,24 +19,8 @@ JUDGE = Path(__file__).resolve().parents[2] / "examples" / "rewards" / "llm_judg
 
 @pytest.fixture(scope="module")
 def judge_url(tiny_model_dir):
-    import uvicorn
-    from transformers import AutoTokenizer
-
-    from postrl.rollout import RolloutReplica, create_rollout_backend
-    from postrl.rollout.server import create_app
-
-    be = create_rollout_backend("native", tiny_model_dir, max_num_seqs=16, max_model_len=512)
-    app = create_app(RolloutReplica(be), AutoTokenizer.from_pretrained(tiny_model_dir), None)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        if time.monotonic() > deadline:
-            raise TimeoutError("judge server did not start within 30 s")
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    url, srv, _ = start_server(tiny_model_dir, max_num_seqs=16, max_model_len=512)
+    yield f"{url}/v1"
     srv.should_exit = True
 
 

@@ -40,6 +40,16 @@ def test_reward_model_config_is_validated(tiny_model_dir):
     assert "reward.model.path is empty" in msg and "reward.model.mode='mix'" in msg and "micro_batch_size=0" in msg
 
 
+def _fit(cfg) -> dict[str, float]:
+    """Validate ``cfg``, train, close; the last step's metrics."""
+    validate_config(cfg)
+    trainer = RLTrainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("rm") / "rm", head="reward", seed=4)
@@ -52,12 +62,7 @@ def test_grpo_with_reward_model(small_overrides, rm_dir, mode):
     cfg = load_config(None, [*small_overrides, "reward.model.enable=true", f"reward.model.path={rm_dir}",
                              f"reward.model.mode={mode}", "reward.model.weight=10.0", "trainer.total_steps=2",
                              "trainer.val_before_train=false"])
-    validate_config(cfg)
-    trainer = RLTrainer(cfg)
-    try:
-        last = trainer.fit()
-    finally:
-        trainer.close()
+    last = _fit(cfg)
     rows = [json.loads(ln) for ln in (Path(cfg.trainer.run_dir) / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "reward_model/score/mean" in r]
     assert len(train) == 2
@@ -124,10 +129,5 @@ def test_ppo_with_reward_model_and_critic_initialised_from_it(small_overrides, r
     cfg = load_config(None, [*small_overrides, "algorithm.adv_estimator=gae", "critic.optim.lr=1e-4",
                              "reward.model.enable=true", f"reward.model.path={rm_dir}", f"critic.model_path={rm_dir}",
                              "trainer.total_steps=1", "trainer.val_before_train=false", "data.val_files=[]"])
-    validate_config(cfg)
-    trainer = RLTrainer(cfg)
-    try:
-        last = trainer.fit()
-    finally:
-        trainer.close()
+    last = _fit(cfg)
     assert math.isfinite(last["critic/vf_loss"]) and "reward_model/score/mean" in last

@@ -1,0 +1,42 @@
+"""A real ``postrl serve`` app on 127.0.0.1 in a background thread (for tests and examples)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["start_server"]
+
+
+def start_server(model_dir: str | Path, api_key: str | None = None, *, max_num_seqs: int = 8,
+                 max_model_len: int = 256, timeout_s: float = 30.0) -> tuple[str, Any, Any]:
+    """Serve ``model_dir`` with the native engine on a free 127.0.0.1 port.
+
+    Returns:
+        ``(base url, uvicorn server, backend)``; stop it with ``server.should_exit = True``.
+
+    Raises:
+        TimeoutError: the server did not start within ``timeout_s``.
+    """
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from postrl.rollout import RolloutReplica, create_rollout_backend
+    from postrl.rollout.server import create_app
+
+    be = create_rollout_backend("native", str(model_dir), max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    app = create_app(RolloutReplica(be), AutoTokenizer.from_pretrained(str(model_dir)), api_key)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not srv.started:
+        if time.monotonic() > deadline:
+            srv.should_exit = True
+            raise TimeoutError(f"postrl serve of {model_dir} did not start within {timeout_s} s")
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", srv, be
