@@ -49,45 +49,5 @@ postrl train examples/grpo_tool_arith.yaml model.path="$RUN/sft-model" \
   rollout.response_length=80 rollout.agent.tool_config_path=examples/tools/calculator.yaml "$@"
 t_end=$(date +%s)
 
-python - "$RUN/grpo" <<'PY'
-"""Plot tool-call rate, reward and validation accuracy per GRPO step; print start -> end."""
-import sys
-from pathlib import Path
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-from postrl.tracking.plots import read_metrics
-
-run = Path(sys.argv[1])
-rows = read_metrics(run)
-
-
-def series(*keys):
-    for key in keys:
-        pts = [(r["step"], r[key]) for r in rows if key in r and r[key] == r[key]]
-        if pts:
-            return key, [p[0] for p in pts], [p[1] for p in pts]
-    return keys[0], [], []
-
-
-curves = [series("agent/num_tool_calls/mean", "agent/num_tool_calls"),
-          series("critic/score/mean"), series("val/acc/mean")]
-fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
-for (key, xs, ys), label in zip(curves, ("tool calls per trajectory (train)", "reward (train)",
-                                         "validation accuracy (greedy)")):
-    if xs:
-        ax.plot(xs, ys, marker="o" if len(xs) < 50 else None, ms=3, label=label)
-        print(f"{key}: {ys[0]:.3f} -> {ys[-1]:.3f} (steps {xs[0]:g}..{xs[-1]:g})")
-ax.set_xlabel("GRPO step")
-ax.set_ylim(-0.02, 1.02)
-ax.set_title("tool-arith, expression in the call: tiny model + calculator, GRPO")
-ax.grid(alpha=0.3)
-ax.legend(fontsize=7)
-fig.tight_layout()
-fig.savefig(run / "tool_arith_expr_curve.png")
-print(f"plot: {run / 'tool_arith_expr_curve.png'}")
-PY
+python examples/plot_tool_arith.py "$RUN/grpo" "tool-arith, expression in the call: tiny model + calculator, GRPO" tool_arith_expr_curve.png
 echo "seconds: SFT stage $((t_sft - t0)), GRPO $((t_end - t_sft)), total $((t_end - t0))"
