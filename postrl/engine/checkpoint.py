@@ -118,20 +118,28 @@ def iter_hf_params(policy) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, b.detach()
 
 
-def _optim_split(opt: torch.optim.Optimizer, keep: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Full optimizer state tensors keyed ``<pid>.<name>`` (gathered from shards) + JSON meta."""
+def _optim_items(opt: torch.optim.Optimizer) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any]]:
     sd = opt.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
+    tensors = []
     for pid, st in sd["state"].items():
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
-                full = full_tensor(v.detach())  # a collective for a sharded moment: every rank, same order
-                if keep:
-                    tensors[f"{pid}.{k}"] = full.contiguous().cpu()
+                tensors.append((f"{pid}.{k}", v))
             else:
                 scalars.setdefault(str(pid), {})[k] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+    return iter(tensors), {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _optim_split(opt: torch.optim.Optimizer, keep: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Full optimizer state tensors keyed ``<pid>.<name>`` (gathered from shards) + JSON meta."""
+    items, meta = _optim_items(opt)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, v in items:
+        full = full_tensor(v.detach())  # a collective for a sharded moment: every rank, same order
+        if keep:
+            tensors[key] = full.contiguous().cpu()
+    return tensors, meta
 
 
 def _optim_join(tensors: dict[str, torch.Tensor], meta: dict[str, Any], opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -233,19 +241,6 @@ def _local_tensors(items: Iterator[tuple[str, torch.Tensor]]) -> tuple[dict[str,
             t = t.to_local()
         local[name] = t.detach().contiguous().cpu()
     return local, shapes
-
-
-def _optim_items(opt: torch.optim.Optimizer) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any]]:
-    sd = opt.state_dict()
-    scalars: dict[str, dict[str, Any]] = {}
-    tensors = []
-    for pid, st in sd["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                tensors.append((f"{pid}.{k}", v))
-            else:
-                scalars.setdefault(str(pid), {})[k] = v
-    return iter(tensors), {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
 def _swap_into(tmp: Path, final: Path) -> None:
@@ -368,8 +363,8 @@ def load_engine_checkpoint(path: str | Path, module: nn.Module, optimizer, sched
     state = json.loads((p / "state.json").read_text())
     if state.get("format", "full") == "sharded":
         world, ms, os_ = state["world_size"], state["model_shapes"], state["optim_shapes"]
-        if is_sharded(module) and _sharded_group(module)[2] == world:
-            rank = _sharded_group(module)[1]
+        rank, here = _sharded_group(module)[1:] if is_sharded(module) else (0, 1)
+        if is_sharded(module) and here == world:
             sd, groups = _aliases(module)
             live = {sorted(names)[0]: sd[names[0]] for names in groups}
             params = [q for g in optimizer.param_groups for q in g["params"]]

@@ -384,16 +384,6 @@ def load_policy(model_cfg, device: torch.device | str = "cpu", *, trainable: boo
     return PolicyModel(model, is_lora=is_lora, packed=packed, compute_dtype=mixed)
 
 
-def _checkpoint_keys(path: Path) -> set[str]:
-    from safetensors import safe_open
-
-    keys: set[str] = set()
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            keys.update(h.keys())
-    return keys
-
-
 def _checkpoint_tensors(path: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -428,8 +418,8 @@ def load_critic(model_cfg, device: torch.device | str = "cpu") -> CriticModel:
     head = path / "value_head.safetensors"
     if head.exists():
         critic.value_head.load_state_dict(load_file(str(head)))
-    elif getattr(backbone.config, "num_labels", None) == 1 and "score.weight" in _checkpoint_keys(path):
-        score = _checkpoint_tensors(path, ("score.weight", "score.bias"))  # a reward model: its head is the value head
+    elif getattr(backbone.config, "num_labels", None) == 1 and "score.weight" in (
+            score := _checkpoint_tensors(path, ("score.weight", "score.bias"))):  # a reward model: its head is the value head
         with torch.no_grad():
             critic.value_head.weight.copy_(score["score.weight"])
             if "score.bias" in score:

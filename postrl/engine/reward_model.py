@@ -206,10 +206,15 @@ class RewardModel:
             out[rows] = v[torch.arange(len(ps), device=v.device), last].float().cpu()
         return out
 
-    def score(self, messages: list[list[dict[str, str]]], responses: list[str]) -> tuple[torch.Tensor, int]:
-        """Scores of ``responses`` to the prompts ``messages`` and the number of truncated ones."""
+    def score_rows(self, messages: list[list[dict[str, str]]], responses: list[str]) -> tuple[torch.Tensor, list[bool]]:
+        """Scores of ``responses`` to the prompts ``messages`` and, per row, whether it was truncated."""
         if self.shared:
             p, r, cut = self.split_encode(messages, responses)
-            return self.score_split(p, r), sum(cut)
+            return self.score_split(p, r), cut
         ids, cut = self.encode(render_conversations(self.tokenizer, messages, responses))
-        return self.score_ids(ids), sum(cut)
+        return self.score_ids(ids), cut
+
+    def score(self, messages: list[list[dict[str, str]]], responses: list[str]) -> tuple[torch.Tensor, int]:
+        """Scores of ``responses`` to the prompts ``messages`` and the number of truncated ones."""
+        scores, cut = self.score_rows(messages, responses)
+        return scores, sum(cut)

@@ -19,10 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -178,18 +181,12 @@ def run_rm(model_path: str, train_file: str, out_dir: str, **options: Any) -> di
         "rm/wall_s": wall,
     }
     _save(model, tok, cfg.out_dir)
-    from pathlib import Path
-
     (Path(cfg.out_dir) / "rm_metrics.json").write_text(json.dumps({**metrics, "config": asdict(cfg)}, indent=1, default=str))
     return metrics
 
 
 def _save(model, tok, out_dir: str) -> None:
     """Atomic HF save of the reward model and its tokenizer."""
-    import os
-    import shutil
-    from pathlib import Path
-
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"

@@ -42,7 +42,7 @@ from postrl.engine.checkpoint import iter_hf_params, load_engine_checkpoint, sav
 from postrl.engine.critic import Critic
 from postrl.engine.fsdp import param_numel
 from postrl.engine.model import load_critic, load_policy
-from postrl.engine.reward_model import RewardModel, render_conversations
+from postrl.engine.reward_model import RewardModel
 from postrl.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -278,11 +278,5 @@ class RewardModelWorker(Worker):
         valid = data.batch["attention_mask"][:, -R:].bool()
         texts = self.policy_tokenizer.batch_decode(
             [row[m].tolist() for row, m in zip(data.batch["responses"], valid, strict=True)], skip_special_tokens=True)
-        msgs = [list(m) for m in data.non_tensor_batch["messages"]]
-        if self.rm.shared:
-            prompts, resps, cut = self.rm.split_encode(msgs, texts)
-            scores = self.rm.score_split(prompts, resps)
-        else:
-            ids, cut = self.rm.encode(render_conversations(self.rm.tokenizer, msgs, texts))
-            scores = self.rm.score_ids(ids)
+        scores, cut = self.rm.score_rows([list(m) for m in data.non_tensor_batch["messages"]], texts)
         return DataProto.from_dict({"rm_scores": scores, "rm_truncated": torch.tensor(cut, dtype=torch.bool)})

@@ -138,13 +138,12 @@ class RLTrainer:
                     rm_scores, rmm = self.roles.rm_scores(batch)
                 rm_scores = rm_scores * rm_cfg.weight
                 m.update(rmm)
-            uids = list(batch.non_tensor_batch["uid"])
             if rm_only:
-                result = stages.reward_model_result(rm_scores, uids)
+                result = stages.reward_model_result(rm_scores, list(batch.non_tensor_batch["uid"]))
             else:
                 result = self.reward_loop.finish(batch, futures, self.tokenizer)
                 if rm_cfg.enable:
-                    result = stages.reward_model_result(rm_scores, uids, rule=result)
+                    result = stages.reward_model_result(rm_scores, result.uids, rule=result)
             self.reward_loop.check_failures(result)
             batch, rm = stages.apply_reward_result(batch, result, cfg.reward.overlong, max_response_length=cfg.rollout.response_length)
             m.update(rm)
