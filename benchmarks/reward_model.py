@@ -46,19 +46,32 @@ def main(argv: list[str]) -> int:
     for _ in range(a.prompts):
         x, y = rng.randrange(100), rng.randrange(100)
         for _k in range(a.n):
-            msgs.append([{"role": "user", "content": f"What is {x}+{y}? Answer with the number only."}])
+            msgs.append(
+                [{"role": "user", "content": f"What is {x}+{y}? Answer with the number only."}]
+            )
             resps.append(str(x + y + rng.randint(-3, 3)) * rng.randint(1, 3))
     ids, _ = rm.encode(render_conversations(rm.tokenizer, msgs, resps))
     prompts, rest, _ = rm.split_encode(msgs, resps)
 
     @torch.inference_mode()
     def run_hf() -> torch.Tensor:
-        return torch.cat([sequence_scores(hf, ids[s : s + 64], rm.tokenizer.pad_token_id, "cpu") for s in range(0, len(ids), 64)])
+        return torch.cat(
+            [
+                sequence_scores(hf, ids[s : s + 64], rm.tokenizer.pad_token_id, "cpu")
+                for s in range(0, len(ids), 64)
+            ]
+        )
 
-    runs = {"hf": run_hf, "packed": lambda: rm.score_ids(ids), "shared": lambda: rm.score_split(prompts, rest)}
+    runs = {
+        "hf": run_hf,
+        "packed": lambda: rm.score_ids(ids),
+        "shared": lambda: rm.score_split(prompts, rest),
+    }
     ref = run_hf()
     for name, fn in runs.items():
-        torch.testing.assert_close(fn(), ref, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            fn(), ref, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(a.repeats):
         for name, fn in runs.items():
@@ -66,9 +79,13 @@ def main(argv: list[str]) -> int:
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
     ntok = sum(len(x) for x in ids)
-    shared_tok = sum(len(r) + 1 for r in rest) + sum(len(prompts[i]) for i in range(0, len(prompts), a.n))
-    sys.stdout.write(f"reward-model scoring: {a.prompts} prompts x {a.n} samples, {ntok} tokens "
-                     f"({shared_tok} with shared prompts), threads={a.threads}, best of {a.repeats}\n")
+    shared_tok = sum(len(r) + 1 for r in rest) + sum(
+        len(prompts[i]) for i in range(0, len(prompts), a.n)
+    )
+    sys.stdout.write(
+        f"reward-model scoring: {a.prompts} prompts x {a.n} samples, {ntok} tokens "
+        f"({shared_tok} with shared prompts), threads={a.threads}, best of {a.repeats}\n"
+    )
     for name, t in best.items():
         sys.stdout.write(f"  {name:<7} {t * 1e3:8.1f} ms   {best['hf'] / t:5.2f}x vs hf\n")
     return 0

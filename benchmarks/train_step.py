@@ -26,7 +26,9 @@ def _batch(num_prompts=16, n=8, p=36, r=16, seed=0):
     b = synth_batch(num_prompts=num_prompts, n=n, p=p, r=r, seed=seed)
     # prompts of 30..36 tokens like W1's chat prompts
     am = b.batch["attention_mask"].clone()
-    am[:, :p] = (torch.arange(p).unsqueeze(0) >= (p - 30 - (torch.arange(len(b)) // n % 7)).unsqueeze(1)).long()
+    am[:, :p] = (
+        torch.arange(p).unsqueeze(0) >= (p - 30 - (torch.arange(len(b)) // n % 7)).unsqueeze(1)
+    ).long()
     b.batch["attention_mask"] = am
     b.batch["input_ids"] = b.batch["input_ids"] * am
     b.batch["position_ids"] = (am.cumsum(1) - 1).clamp(min=0)
@@ -65,9 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     tokens = int(batch.batch["attention_mask"].sum())
     r = batch.batch["responses"].shape[1]
 
-    plain = AutoModelForCausalLM.from_pretrained(str(d), attn_implementation="sdpa", dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(
+        str(d), attn_implementation="sdpa", dtype=torch.float32
+    )
     plain.train()
-    ids, am, pos = batch.batch["input_ids"], batch.batch["attention_mask"], batch.batch["position_ids"]
+    ids, am, pos = (
+        batch.batch["input_ids"],
+        batch.batch["attention_mask"],
+        batch.batch["position_ids"],
+    )
 
     def plain_step():
         logits = plain(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, -r - 1 : -1]
@@ -84,11 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     best = _interleaved_best(fns, args.repeats)
     t_plain = best.pop("plain")
     results = best
-    print(f"batch: 128 sequences, {tokens} valid tokens, padded width {ids.shape[1]}, threads {args.threads}")
+    print(
+        f"batch: 128 sequences, {tokens} valid tokens, padded width {ids.shape[1]}, threads {args.threads}"
+    )
     print(f"plain torch padded fwd+bwd : {t_plain:.3f} s  {tokens / t_plain:9.0f} tok/s")
     for share, t in results.items():
         name = "postrl update (shared prefix)" if share else "postrl update (packed)      "
-        print(f"{name}: {t:.3f} s  {tokens / t:9.0f} tok/s  ratio plain/postrl = {t_plain / t:.2f}x")
+        print(
+            f"{name}: {t:.3f} s  {tokens / t:9.0f} tok/s  ratio plain/postrl = {t_plain / t:.2f}x"
+        )
     return 0
 
 

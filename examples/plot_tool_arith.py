@@ -2,6 +2,7 @@
 
 Used by the tool-arith recipes:  python examples/plot_tool_arith.py RUN/grpo TITLE OUT.png
 """
+
 import sys
 from pathlib import Path
 
@@ -24,11 +25,15 @@ def series(*keys):
     return keys[0], [], []
 
 
-curves = [series("agent/num_tool_calls/mean", "agent/num_tool_calls"),
-          series("critic/score/mean"), series("val/acc/mean")]
+curves = [
+    series("agent/num_tool_calls/mean", "agent/num_tool_calls"),
+    series("critic/score/mean"),
+    series("val/acc/mean"),
+]
 fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
-for (key, xs, ys), label in zip(curves, ("tool calls per trajectory (train)", "reward (train)",
-                                         "validation accuracy (greedy)")):
+for (key, xs, ys), label in zip(
+    curves, ("tool calls per trajectory (train)", "reward (train)", "validation accuracy (greedy)")
+):
     if xs:
         ax.plot(xs, ys, marker="o" if len(xs) < 50 else None, ms=3, label=label)
         sys.stdout.write(f"{key}: {ys[0]:.3f} -> {ys[-1]:.3f} (steps {xs[0]:g}..{xs[-1]:g})\n")

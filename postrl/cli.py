@@ -15,13 +15,17 @@ from pathlib import Path
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from postrl.testing import make_model
 
-    out = make_model(args.out_dir, preset=args.preset, arch=args.arch, seed=args.seed, head=args.head)
+    out = make_model(
+        args.out_dir, preset=args.preset, arch=args.arch, seed=args.seed, head=args.head
+    )
     from safetensors import safe_open
 
     with safe_open(str(Path(out) / "model.safetensors"), "pt") as f:
         n = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
     kind = "reward model" if args.head == "reward" else "model"
-    print(f"wrote {args.preset} {args.arch} {kind} ({n / 1e6:.2f}M params, seed {args.seed}) to {out}")
+    print(
+        f"wrote {args.preset} {args.arch} {kind} ({n / 1e6:.2f}M params, seed {args.seed}) to {out}"
+    )
     return 0
 
 
@@ -37,24 +41,37 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
     if args.task == "gsm8k":
         if not args.input:
-            raise SystemExit("postrl data gsm8k needs --input FILE.jsonl|parquet (a local GSM8K/MATH-style file)")
+            raise SystemExit(
+                "postrl data gsm8k needs --input FILE.jsonl|parquet (a local GSM8K/MATH-style file)"
+            )
         rows = data.convert_gsm8k(args.input, split=args.split)
     elif args.task == "tool-arith":
         from postrl.data.tool_arith import generate_tool_arith, tool_arith_demonstrations
 
-        kw = dict(min_digits=args.min_digits, max_digits=9 if args.max_digits is None else args.max_digits,
-                  kinds=args.kinds.split(","),
-                  prompt_style=args.prompt_style, result_digits=args.result_digits)
+        kw = dict(
+            min_digits=args.min_digits,
+            max_digits=9 if args.max_digits is None else args.max_digits,
+            kinds=args.kinds.split(","),
+            prompt_style=args.prompt_style,
+            result_digits=args.result_digits,
+        )
         if args.sft:
-            rows = tool_arith_demonstrations(args.n, seed=args.seed, tool_fraction=args.tool_fraction,
-                                             copy_fraction=args.copy_fraction, **kw)
+            rows = tool_arith_demonstrations(
+                args.n,
+                seed=args.seed,
+                tool_fraction=args.tool_fraction,
+                copy_fraction=args.copy_fraction,
+                **kw,
+            )
         else:
             rows = generate_tool_arith(args.n, seed=args.seed, split=args.split, **kw)
     elif args.task in data.TASKS:
         extra = {}
         if args.max_digits is not None:
             if args.task != "addition":
-                raise SystemExit(f"postrl data {args.task}: --max-digits applies to addition and tool-arith only")
+                raise SystemExit(
+                    f"postrl data {args.task}: --max-digits applies to addition and tool-arith only"
+                )
             extra["max_digits"] = args.max_digits
         rows = data.TASKS[args.task](args.n, seed=args.seed, split=args.split, **extra)
         if args.sft and args.pairs:
@@ -66,7 +83,9 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
             rows = preference_pairs(rows, seed=args.seed)
     else:
-        raise SystemExit(f"unknown data task {args.task!r}; choose from gsm8k, {', '.join(data.TASKS)}")
+        raise SystemExit(
+            f"unknown data task {args.task!r}; choose from gsm8k, {', '.join(data.TASKS)}"
+        )
     path = data.write_parquet(rows, args.out)
     print(f"wrote {len(rows)} {args.task} rows ({args.split}) to {path}")
     return 0
@@ -141,32 +160,69 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     m.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--head", default="causal_lm", choices=["causal_lm", "reward"],
-                   help="reward: a one-label sequence classifier (for reward.model.path)")
+    m.add_argument(
+        "--head",
+        default="causal_lm",
+        choices=["causal_lm", "reward"],
+        help="reward: a one-label sequence classifier (for reward.model.path)",
+    )
     m.set_defaults(fn=_cmd_make_model)
 
-    d = sub.add_parser("data", help="generate a synthetic task or convert a local dataset to verl parquet")
+    d = sub.add_parser(
+        "data", help="generate a synthetic task or convert a local dataset to verl parquet"
+    )
     d.add_argument("task", help="addition | countdown | gsm8k | tool-arith | code")
     d.add_argument("out", help="output .parquet")
     d.add_argument("--n", type=int, default=1000)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--split", default="train", choices=["train", "test"])
     d.add_argument("--input", help="gsm8k: local input file (.jsonl or .parquet)")
-    d.add_argument("--pairs", action="store_true",
-                   help="write preference pairs (prompt, chosen = the correct answer, rejected = a wrong one) for `postrl rm`")
-    d.add_argument("--sft", action="store_true", help="write SFT rows (messages with reference answers; tool-arith: multi-turn tool-use demonstrations)")
-    d.add_argument("--min-digits", type=int, default=6, help="tool-arith: fewest digits per operand")
-    d.add_argument("--max-digits", type=int, default=None,
-                   help="most digits per operand (tool-arith: default 9; addition: default 2, the quickstart uses 1)")
-    d.add_argument("--kinds", default="mul,sum3,mulsub", help="tool-arith: comma-separated problem kinds")
-    d.add_argument("--prompt-style", default="full", choices=["full", "short", "bound"],
-                   help="tool-arith: full (system message), short (question only) or bound (argument-free calls, bare answers)")
-    d.add_argument("--result-digits", type=int, default=0,
-                   help="tool-arith: keep only problems whose result has this many characters (0 = any)")
-    d.add_argument("--copy-fraction", type=float, default=0.0,
-                   help="tool-arith --sft: fraction of tool-reading rows (tool result -> answer, no question)")
-    d.add_argument("--tool-fraction", type=float, default=1.0,
-                   help="tool-arith --sft: fraction of demonstrations that call the tool (others answer directly)")
+    d.add_argument(
+        "--pairs",
+        action="store_true",
+        help="write preference pairs (prompt, chosen = the correct answer, rejected = a wrong one) for `postrl rm`",
+    )
+    d.add_argument(
+        "--sft",
+        action="store_true",
+        help="write SFT rows (messages with reference answers; tool-arith: multi-turn tool-use demonstrations)",
+    )
+    d.add_argument(
+        "--min-digits", type=int, default=6, help="tool-arith: fewest digits per operand"
+    )
+    d.add_argument(
+        "--max-digits",
+        type=int,
+        default=None,
+        help="most digits per operand (tool-arith: default 9; addition: default 2, the quickstart uses 1)",
+    )
+    d.add_argument(
+        "--kinds", default="mul,sum3,mulsub", help="tool-arith: comma-separated problem kinds"
+    )
+    d.add_argument(
+        "--prompt-style",
+        default="full",
+        choices=["full", "short", "bound"],
+        help="tool-arith: full (system message), short (question only) or bound (argument-free calls, bare answers)",
+    )
+    d.add_argument(
+        "--result-digits",
+        type=int,
+        default=0,
+        help="tool-arith: keep only problems whose result has this many characters (0 = any)",
+    )
+    d.add_argument(
+        "--copy-fraction",
+        type=float,
+        default=0.0,
+        help="tool-arith --sft: fraction of tool-reading rows (tool result -> answer, no question)",
+    )
+    d.add_argument(
+        "--tool-fraction",
+        type=float,
+        default=1.0,
+        help="tool-arith --sft: fraction of demonstrations that call the tool (others answer directly)",
+    )
     d.set_defaults(fn=_cmd_data)
 
     for name, fn, helptext in (
@@ -176,11 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
         ("eval", _cmd_eval, "validate a model on the val files of a config"),
     ):
         t = sub.add_parser(name, help=helptext)
-        t.add_argument("config", nargs="?", help="YAML config (optional; key=value overrides follow)")
+        t.add_argument(
+            "config", nargs="?", help="YAML config (optional; key=value overrides follow)"
+        )
         t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rollout.n=4")
         t.set_defaults(fn=fn)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible server on 127.0.0.1 (see `postrl serve --help`)", add_help=False)
+    s = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server on 127.0.0.1 (see `postrl serve --help`)",
+        add_help=False,
+    )
     s.set_defaults(fn=_cmd_serve, passthrough=True)
     b = sub.add_parser("bench", help="benchmarks: rollout | step", add_help=False)
     b.add_argument("what", nargs="?", default="step")

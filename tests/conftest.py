@@ -23,7 +23,12 @@ def tiny_model_factory(tmp_path_factory):
     def make(arch: str = "qwen2", preset: str = "tiny", seed: int = 0):
         key = (arch, preset, seed)
         if key not in cache:
-            cache[key] = make_model(tmp_path_factory.mktemp(f"{arch}_{preset}_{seed}"), preset=preset, arch=arch, seed=seed)
+            cache[key] = make_model(
+                tmp_path_factory.mktemp(f"{arch}_{preset}_{seed}"),
+                preset=preset,
+                arch=arch,
+                seed=seed,
+            )
         return cache[key]
 
     return make

@@ -31,18 +31,39 @@ TEMPLATE = (
 )
 
 
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, *, judge_url: str, judge_model: str = "judge",
-                  judge_api_key_env: str = "", max_score: int = 10, judge_timeout_s: float = 30.0, max_tokens: int = 8):
+def compute_score(
+    data_source,
+    solution_str,
+    ground_truth,
+    extra_info=None,
+    *,
+    judge_url: str,
+    judge_model: str = "judge",
+    judge_api_key_env: str = "",
+    max_score: int = 10,
+    judge_timeout_s: float = 30.0,
+    max_tokens: int = 8,
+):
     """Score ``solution_str`` with the judge at ``judge_url``: returns ``{"score": s / max_score, "judge_raw": s}``,
     or None when the judge's reply holds no integer in [0, max_score]."""
     question = (extra_info or {}).get("question") or (extra_info or {}).get("prompt") or ""
-    prompt = TEMPLATE.format(question=question, reference=ground_truth, response=solution_str, max_score=max_score)
+    prompt = TEMPLATE.format(
+        question=question, reference=ground_truth, response=solution_str, max_score=max_score
+    )
     headers = {}
     if judge_api_key_env:
         headers["Authorization"] = f"Bearer {os.environ[judge_api_key_env]}"
-    r = httpx.post(f"{judge_url.rstrip('/')}/chat/completions", headers=headers, timeout=judge_timeout_s, json={
-        "model": judge_model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-        "temperature": 0.0})
+    r = httpx.post(
+        f"{judge_url.rstrip('/')}/chat/completions",
+        headers=headers,
+        timeout=judge_timeout_s,
+        json={
+            "model": judge_model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        },
+    )
     r.raise_for_status()  # an HTTP error is an exception: a failed sample with the status in its detail
     text = r.json()["choices"][0]["message"]["content"]
     m = re.search(r"\d+", text)

@@ -11,6 +11,12 @@ from postrl.agent.base import (
 from postrl.agent.manager import AgentLoopManager, derive_seed
 
 __all__ = [
-    "AGENT_LOOPS", "AgentLoopBase", "AgentLoopManager", "AgentLoopOutput", "RolloutClientLike",
-    "SingleTurnAgentLoop", "derive_seed", "register_agent_loop",
+    "AGENT_LOOPS",
+    "AgentLoopBase",
+    "AgentLoopManager",
+    "AgentLoopOutput",
+    "RolloutClientLike",
+    "SingleTurnAgentLoop",
+    "derive_seed",
+    "register_agent_loop",
 ]

@@ -47,7 +47,13 @@ def register_agent_loop(name: str, **meta: Any) -> Callable[[T], T]:
 class RolloutClientLike(Protocol):
     """What an agent loop needs from the rollout side (``postrl.rollout`` client)."""
 
-    async def generate(self, prompt_ids: list[int], sampling: Any, request_id: str, trajectory_id: str | None = None) -> Any:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: Any,
+        request_id: str,
+        trajectory_id: str | None = None,
+    ) -> Any:
         """Return an object with ``token_ids``, ``log_probs`` and ``finish_reason``."""
         ...
 
@@ -80,7 +86,9 @@ class AgentLoopBase(ABC):
         config: :class:`postrl.config.AgentConfig`.
     """
 
-    def __init__(self, client: RolloutClientLike, tokenizer: Any, config: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, client: RolloutClientLike, tokenizer: Any, config: Any, **kwargs: Any
+    ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.config = config
@@ -97,7 +105,9 @@ class SingleTurnAgentLoop(AgentLoopBase):
 
     async def run(self, sampling: Any, **row: Any) -> AgentLoopOutput:
         prompt_ids = list(row["raw_prompt_ids"])
-        out = await self.client.generate(prompt_ids, sampling, request_id=row["request_id"], trajectory_id=row["request_id"])
+        out = await self.client.generate(
+            prompt_ids, sampling, request_id=row["request_id"], trajectory_id=row["request_id"]
+        )
         n = len(out.token_ids)
         logprobs = list(out.log_probs) if out.log_probs else [0.0] * n
         return AgentLoopOutput(

@@ -66,7 +66,9 @@ class AgentLoopManager:
         self.config = agent_config
         self.loop_kwargs = loop_kwargs
         self._loops: dict[str, AgentLoopBase] = {}
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
 
     def _loop(self, name: str | None) -> AgentLoopBase:
         name = name or self.config.default_agent_loop
@@ -105,7 +107,11 @@ class AgentLoopManager:
         t0 = time.perf_counter()
 
         async def one(i: int, row: dict[str, Any]) -> AgentLoopOutput:
-            sp = replace(sampling, seed=row["seed"]) if getattr(sampling, "temperature", 0) > 0 else sampling
+            sp = (
+                replace(sampling, seed=row["seed"])
+                if getattr(sampling, "temperature", 0) > 0
+                else sampling
+            )
             out = await self._loop(row.get("agent_name")).run(sp, **row)
             if on_sample_end is not None:
                 on_sample_end(i, out, row)
@@ -122,10 +128,14 @@ class AgentLoopManager:
         plen = torch.tensor([len(o.prompt_ids) for o in outputs], dtype=torch.long)
         rlen = torch.tensor([len(o.response_ids) for o in outputs], dtype=torch.long)
         for i, o in enumerate(outputs):
-            if len(o.response_mask) != len(o.response_ids) or len(o.response_logprobs) != len(o.response_ids):
-                raise ValueError(f"trajectory {rows[i].get('request_id')}: response_ids ({len(o.response_ids)}), "
-                                 f"response_mask ({len(o.response_mask)}) and response_logprobs "
-                                 f"({len(o.response_logprobs)}) must have the same length")
+            if len(o.response_mask) != len(o.response_ids) or len(o.response_logprobs) != len(
+                o.response_ids
+            ):
+                raise ValueError(
+                    f"trajectory {rows[i].get('request_id')}: response_ids ({len(o.response_ids)}), "
+                    f"response_mask ({len(o.response_mask)}) and response_logprobs "
+                    f"({len(o.response_logprobs)}) must have the same length"
+                )
         P, R = int(plen.max()), max(1, int(rlen.max()))
         # One masked write per field (row-major order = concatenation order): no per-row tensor ops.
         prompt_am = (torch.arange(P).unsqueeze(0) >= (P - plen).unsqueeze(1)).long()  # left-padded
@@ -135,13 +145,29 @@ class AgentLoopManager:
         responses = torch.full((B, R), self.pad_id, dtype=torch.long)
         response_mask = torch.zeros(B, R, dtype=torch.long)
         logprobs = torch.zeros(B, R, dtype=torch.float32)
-        prompts[pm] = torch.tensor(list(chain.from_iterable(o.prompt_ids for o in outputs)), dtype=torch.long)
-        responses[rm] = torch.tensor(list(chain.from_iterable(o.response_ids for o in outputs)), dtype=torch.long)
-        response_mask[rm] = torch.tensor(list(chain.from_iterable(o.response_mask for o in outputs)), dtype=torch.long)
-        logprobs[rm] = torch.tensor(list(chain.from_iterable(o.response_logprobs for o in outputs)), dtype=torch.float32)
+        prompts[pm] = torch.tensor(
+            list(chain.from_iterable(o.prompt_ids for o in outputs)), dtype=torch.long
+        )
+        responses[rm] = torch.tensor(
+            list(chain.from_iterable(o.response_ids for o in outputs)), dtype=torch.long
+        )
+        response_mask[rm] = torch.tensor(
+            list(chain.from_iterable(o.response_mask for o in outputs)), dtype=torch.long
+        )
+        logprobs[rm] = torch.tensor(
+            list(chain.from_iterable(o.response_logprobs for o in outputs)), dtype=torch.float32
+        )
         attention_mask = torch.cat([prompt_am, resp_am], dim=1)
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0) * attention_mask
-        keep = ("uid", "sample_index", "data_source", "ground_truth", "extra_info", "messages", "index")
+        keep = (
+            "uid",
+            "sample_index",
+            "data_source",
+            "ground_truth",
+            "extra_info",
+            "messages",
+            "index",
+        )
         non_tensors: dict[str, Any] = {k: [r.get(k) for r in rows] for k in keep}
         non_tensors["num_turns"] = np.array([o.num_turns for o in outputs], dtype=np.int64)
         non_tensors["finish_reason"] = [o.finish_reason for o in outputs]

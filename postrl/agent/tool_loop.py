@@ -90,7 +90,9 @@ class ChatDelta:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kw: Any) -> str:
         """``apply_chat_template`` as text."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw
+        )
 
     def encode(self, text: str) -> list[int]:
         """Tokenise ``text`` without adding BOS/EOS (special tokens in the text are kept)."""
@@ -104,7 +106,9 @@ class ChatDelta:
         """
         full = self.render(self._base + tool_messages, add_generation_prompt=True)
         if not full.startswith(self._head):
-            raise ValueError("chat template rendering of earlier messages changes when tool messages are added; delta invalid")
+            raise ValueError(
+                "chat template rendering of earlier messages changes when tool messages are added; delta invalid"
+            )
         ids = self.encode(full[len(self._head) :])
         k = min(len(self.turn_suffix_ids), len(ids))
         while k > 0 and not (len(generated) >= k and generated[-k:] == ids[:k]):
@@ -203,9 +207,15 @@ class ToolAgentLoop(AgentLoopBase):
             tools = load_tools(config.tool_config_path) if config.tool_config_path else {}
         self.tools: dict[str, Any] = dict(tools)
         if not self.tools:
-            logger.warning("tool_agent loop has no tools (rollout.agent.tool_config_path is empty); every call will be an error")
+            logger.warning(
+                "tool_agent loop has no tools (rollout.agent.tool_config_path is empty); every call will be an error"
+            )
         self.parser = get_tool_parser(config.tool_parser)
-        self.executor = ToolExecutor(self.tools, timeout_s=tool_timeout_s, max_tool_response_length=config.max_tool_response_length)
+        self.executor = ToolExecutor(
+            self.tools,
+            timeout_s=tool_timeout_s,
+            max_tool_response_length=config.max_tool_response_length,
+        )
         self.delta = ChatDelta(tokenizer)
         self.max_response_length = max_response_length
         self.max_model_len = max_model_len
@@ -222,7 +232,11 @@ class ToolAgentLoop(AgentLoopBase):
         traj = self._start(sampling, row)
         state = AgentState.PENDING
         try:
-            tools_kwargs = (row.get("extra_info") or {}).get("tools_kwargs") if isinstance(row.get("extra_info"), dict) else None
+            tools_kwargs = (
+                (row.get("extra_info") or {}).get("tools_kwargs")
+                if isinstance(row.get("extra_info"), dict)
+                else None
+            )
             if tools_kwargs:
                 await self.executor.create(traj.instance_id, tools_kwargs)
             state = AgentState.GENERATING
@@ -240,13 +254,22 @@ class ToolAgentLoop(AgentLoopBase):
         cfg = self.config
         prompt_ids = [int(t) for t in row["raw_prompt_ids"]]
         budget = self.max_response_length or (
-            sampling.max_new_tokens * max(1, cfg.max_assistant_turns) + cfg.max_tool_response_length * max(0, cfg.max_user_turns)
+            sampling.max_new_tokens * max(1, cfg.max_assistant_turns)
+            + cfg.max_tool_response_length * max(0, cfg.max_user_turns)
         )
         if self.max_model_len:
             budget = min(budget, self.max_model_len - len(prompt_ids) - 1)
-        messages = [dict(m) for m in (row.get("messages") if row.get("messages") is not None else [])]
+        messages = [
+            dict(m) for m in (row.get("messages") if row.get("messages") is not None else [])
+        ]
         rid = str(row["request_id"])
-        return _Trajectory(request_id=rid, instance_id=f"{rid}-{uuid.uuid4().hex[:8]}", prompt_ids=prompt_ids, messages=messages, budget=budget)
+        return _Trajectory(
+            request_id=rid,
+            instance_id=f"{rid}-{uuid.uuid4().hex[:8]}",
+            prompt_ids=prompt_ids,
+            messages=messages,
+            budget=budget,
+        )
 
     async def _generate(self, traj: _Trajectory, sampling: Any, row: dict[str, Any]) -> AgentState:
         room = traj.budget - len(traj.response_ids)
@@ -258,7 +281,10 @@ class ToolAgentLoop(AgentLoopBase):
         if turn > 0 and sampling.seed is not None:
             sp = replace(sp, seed=derive_seed(sampling.seed, turn))
         out = await self.client.generate(
-            traj.prompt_ids + traj.response_ids, sp, request_id=f"{traj.request_id}-t{turn}", trajectory_id=traj.request_id
+            traj.prompt_ids + traj.response_ids,
+            sp,
+            request_id=f"{traj.request_id}-t{turn}",
+            trajectory_id=traj.request_id,
         )
         ids = [int(t) for t in out.token_ids]
         traj.append(ids, out.log_probs, policy=True)
@@ -266,7 +292,9 @@ class ToolAgentLoop(AgentLoopBase):
         traj.assistant_turns += 1
         traj.finish_reason = out.finish_reason
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        content = self.tokenizer.decode(ids[: len(ids) - self._eot_len(ids)], skip_special_tokens=False)
+        content = self.tokenizer.decode(
+            ids[: len(ids) - self._eot_len(ids)], skip_special_tokens=False
+        )
         traj.assistant_idx.append(len(traj.messages))
         traj.turn_contents.append(ids[: len(ids) - self._eot_len(ids)])
         traj.messages.append({"role": "assistant", "content": content})
@@ -294,10 +322,14 @@ class ToolAgentLoop(AgentLoopBase):
         limit = self.config.max_tool_response_length
         for err in traj.last_parse_errors:
             traj.tool_errors += 1
-            traj.tool_metrics["tool/errors/malformed_call"] = traj.tool_metrics.get("tool/errors/malformed_call", 0.0) + 1
+            traj.tool_metrics["tool/errors/malformed_call"] = (
+                traj.tool_metrics.get("tool/errors/malformed_call", 0.0) + 1
+            )
             if len(err) > limit:  # parse errors obey the same cap as tool responses
                 err = err[:limit]
-                traj.tool_metrics["tool/truncated"] = traj.tool_metrics.get("tool/truncated", 0.0) + 1
+                traj.tool_metrics["tool/truncated"] = (
+                    traj.tool_metrics.get("tool/truncated", 0.0) + 1
+                )
             tool_msgs.append({"role": "tool", "content": err})
         for call, (text, is_error) in zip(traj.last_calls, results, strict=True):
             traj.tool_calls += 1
@@ -328,11 +360,17 @@ class ToolAgentLoop(AgentLoopBase):
         A call counts as an error when the executor flags it (``error``), the tool follows the
         ``"Error: ..."`` text convention, or it reports a ``tool/errors/*`` metric.
         """
-        res = await self.executor.execute(call, instance_id=traj.instance_id, instances=traj.instances)
+        res = await self.executor.execute(
+            call, instance_id=traj.instance_id, instances=traj.instances
+        )
         traj.tool_reward += float(res.reward_delta or 0.0)
         for k, v in (res.metrics or {}).items():
             traj.tool_metrics[k] = traj.tool_metrics.get(k, 0.0) + float(v)
-        is_error = bool(res.error) or res.text.startswith("Error:") or any(k.startswith("tool/errors/") for k in res.metrics or {})
+        is_error = (
+            bool(res.error)
+            or res.text.startswith("Error:")
+            or any(k.startswith("tool/errors/") for k in res.metrics or {})
+        )
         return res.text, is_error
 
     async def _release(self, traj: _Trajectory) -> None:
@@ -386,7 +424,10 @@ class ToolAgentLoop(AgentLoopBase):
             return {}
         actual = traj.prompt_ids + traj.response_ids
         out: dict[str, float] = {}
-        for key, spliced in (("agent/token_drift_ratio", True), ("agent/retokenize_drift_ratio", False)):
+        for key, spliced in (
+            ("agent/token_drift_ratio", True),
+            ("agent/retokenize_drift_ratio", False),
+        ):
             best: tuple[float, int, list[int]] = (2.0, -1, [])
             for tools in [None, self.tool_schemas] if self.tools else [None]:
                 expected = self._expected_ids(traj, tools, spliced)
@@ -402,13 +443,17 @@ class ToolAgentLoop(AgentLoopBase):
                 lo = max(0, first - 16)
                 logger.warning(
                     "token drift in %s at position %d (prompt %d tokens): trained ids decode to %r, chat template gives %r",
-                    traj.request_id, first, len(traj.prompt_ids),
+                    traj.request_id,
+                    first,
+                    len(traj.prompt_ids),
                     self.tokenizer.decode(actual[lo : first + 16], skip_special_tokens=False),
                     self.tokenizer.decode(expected[lo : first + 16], skip_special_tokens=False),
                 )
         return out
 
-    def _expected_ids(self, traj: _Trajectory, tools: list[dict[str, Any]] | None, spliced: bool) -> list[int]:
+    def _expected_ids(
+        self, traj: _Trajectory, tools: list[dict[str, Any]] | None, spliced: bool
+    ) -> list[int]:
         """Token ids of ``apply_chat_template(conversation)`` (see :meth:`_check_faithfulness`)."""
         msgs = [dict(m) for m in traj.messages]
         markers = [f"\x1fPOSTRL_TURN_{k}\x1f" for k in range(len(traj.assistant_idx))]
@@ -416,7 +461,9 @@ class ToolAgentLoop(AgentLoopBase):
             for k, idx in enumerate(traj.assistant_idx):
                 msgs[idx]["content"] = markers[k]
         last_is_tool = msgs[-1].get("role") == "tool"
-        text = self.delta.render(msgs, add_generation_prompt=last_is_tool, **({"tools": tools} if tools else {}))
+        text = self.delta.render(
+            msgs, add_generation_prompt=last_is_tool, **({"tools": tools} if tools else {})
+        )
         if spliced:
             expected: list[int] = []
             for k, marker in enumerate(markers):
@@ -433,6 +480,8 @@ class ToolAgentLoop(AgentLoopBase):
                 expected = expected[: -len(closing)]
         return expected
 
-def _call_name(call: Any) -> str:
-    return str(getattr(call, "name", None) or (call.get("name") if isinstance(call, dict) else "") or "")
 
+def _call_name(call: Any) -> str:
+    return str(
+        getattr(call, "name", None) or (call.get("name") if isinstance(call, dict) else "") or ""
+    )

@@ -233,7 +233,9 @@ def compute_opo_outcome_advantage(
     scores, valid = _scores_and_valid(token_level_rewards, sample_mask)
     inv, g = group_ids(index, scores.device)
     lengths = torch.where(valid, response_mask.to(scores.dtype).sum(-1), torch.zeros_like(scores))
-    num = torch.zeros(g, dtype=scores.dtype, device=scores.device).index_add_(0, inv, lengths * scores)
+    num = torch.zeros(g, dtype=scores.dtype, device=scores.device).index_add_(
+        0, inv, lengths * scores
+    )
     den = torch.zeros_like(num).index_add_(0, inv, lengths)
     count, _, _ = group_count_mean_std(scores, inv, g, valid)
     baseline = (num / den.clamp(min=1e-8))[inv]  # (B,)

@@ -109,12 +109,18 @@ def compute_gdpo_outcome_advantage(
             a = a / (std + epsilon)
         total = total + w[j] * a
     use = valid & (count > 1)
-    tok = torch.where(use, total, torch.zeros_like(total)).unsqueeze(-1).expand_as(token_level_rewards)
+    tok = (
+        torch.where(use, total, torch.zeros_like(total))
+        .unsqueeze(-1)
+        .expand_as(token_level_rewards)
+    )
     adv = masked_whiten(tok, response_mask.bool() & use.unsqueeze(-1))
     return adv, adv
 
 
-@register_adv_est("optimal_token_baseline", needs=("old_log_probs", "sum_pi_squared"), outcome=False)
+@register_adv_est(
+    "optimal_token_baseline", needs=("old_log_probs", "sum_pi_squared"), outcome=False
+)
 def compute_optimal_token_baseline_advantage(
     *,
     token_level_rewards: torch.Tensor,
@@ -165,14 +171,18 @@ def compute_optimal_token_baseline_advantage(
     return adv * mask, returns * mask
 
 
-def _not_zero_tail(mask: torch.Tensor, inv: torch.Tensor, g: int, valid: torch.Tensor) -> torch.Tensor:
+def _not_zero_tail(
+    mask: torch.Tensor, inv: torch.Tensor, g: int, valid: torch.Tensor
+) -> torch.Tensor:
     """(B, T) 0 where a group's unique longest sample runs past the group's second length."""
     lengths = torch.where(valid, mask.sum(-1), torch.full_like(mask[:, 0], -1.0))  # (B,)
     max_g = torch.full((g,), -1.0, dtype=mask.dtype, device=mask.device).scatter_reduce(
         0, inv, lengths, reduce="amax"
     )
     is_max = valid & (lengths == max_g[inv])
-    n_max = torch.zeros(g, dtype=mask.dtype, device=mask.device).index_add_(0, inv, is_max.to(mask.dtype))
+    n_max = torch.zeros(g, dtype=mask.dtype, device=mask.device).index_add_(
+        0, inv, is_max.to(mask.dtype)
+    )
     others = torch.where(is_max, torch.full_like(lengths, -1.0), lengths)
     second_g = torch.full((g,), -1.0, dtype=mask.dtype, device=mask.device).scatter_reduce(
         0, inv, others, reduce="amax"

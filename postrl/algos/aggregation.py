@@ -149,7 +149,9 @@ def agg_loss(
     fn = AGG_MODES.get(loss_agg_mode)
     if dp_size > 1:
         given = {"global_num_tokens": global_num_tokens, "global_num_seqs": global_num_seqs}
-        missing = [k for k in AGG_MODES.meta(loss_agg_mode).get("needs", ()) if given.get(k) is None]
+        missing = [
+            k for k in AGG_MODES.meta(loss_agg_mode).get("needs", ()) if given.get(k) is None
+        ]
         if missing:
             raise ValueError(
                 f"agg_loss(loss_agg_mode={loss_agg_mode!r}, dp_size={dp_size}) needs "

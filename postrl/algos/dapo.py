@@ -37,7 +37,9 @@ def overlong_reward_penalty(
             f"overlong_buffer_len must be in (0, max_response_length={max_response_length}], "
             f"got {overlong_buffer_len}"
         )
-    length = response_length.to(torch.float32 if not response_length.is_floating_point() else response_length.dtype)
+    length = response_length.to(
+        torch.float32 if not response_length.is_floating_point() else response_length.dtype
+    )
     expected = max_response_length - overlong_buffer_len
     exceed = (length - expected).clamp(min=0.0, max=float(overlong_buffer_len))
     return -exceed / overlong_buffer_len * penalty_factor

@@ -87,7 +87,9 @@ def _denoms(
     }
 
 
-def _metrics(clipfrac: torch.Tensor, lower: torch.Tensor, kl: torch.Tensor) -> dict[str, torch.Tensor]:
+def _metrics(
+    clipfrac: torch.Tensor, lower: torch.Tensor, kl: torch.Tensor
+) -> dict[str, torch.Tensor]:
     return {
         "pg_clipfrac": clipfrac.detach(),
         "pg_clipfrac_lower": lower.detach(),
@@ -185,7 +187,9 @@ def compute_policy_loss_gpg(
 
     GPG drops the surrogate and the clip; pair it with the ``gpg`` advantage estimator.
     """
-    return compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, response_mask, **kwargs)
+    return compute_policy_loss_reinforce(
+        old_log_prob, log_prob, advantages, response_mask, **kwargs
+    )
 
 
 @register_policy_loss("gspo", agg_mode="seq-mean-token-mean")
@@ -220,7 +224,9 @@ def compute_policy_loss_gspo(
     l1 = -advantages * ratio
     l2 = -advantages * torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h)
     denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
-    loss = _agg(torch.maximum(l1, l2), response_mask, "seq-mean-token-mean", denoms, rollout_is_weights)
+    loss = _agg(
+        torch.maximum(l1, l2), response_mask, "seq-mean-token-mean", denoms, rollout_is_weights
+    )
     clipfrac = masked_mean((l2 > l1).to(ratio.dtype), response_mask)
     return loss, _metrics(clipfrac, log_prob.new_zeros(()), masked_mean(-neg_kl, response_mask))
 
@@ -294,7 +300,9 @@ def compute_policy_loss_cispo(
     ratio = torch.exp(lr).detach()
     w = torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h)
     denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
-    loss = _agg(-w * advantages * log_prob, response_mask, loss_agg_mode, denoms, rollout_is_weights)
+    loss = _agg(
+        -w * advantages * log_prob, response_mask, loss_agg_mode, denoms, rollout_is_weights
+    )
     upper = masked_mean((ratio > 1.0 + eps_h).to(ratio.dtype), response_mask)
     lower = masked_mean((ratio < 1.0 - eps_l).to(ratio.dtype), response_mask)
     return loss, _metrics(upper, lower, masked_mean(-lr, response_mask))
@@ -328,7 +336,9 @@ def compute_policy_loss_sapo(
         raise ValueError(f"SAPO needs tau_pos, tau_neg > 0, got {tau_pos}, {tau_neg}")
     lr = _log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(lr)
-    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    tau = torch.where(
+        advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg)
+    )
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
     loss = _agg(-gate * advantages, response_mask, loss_agg_mode, denoms, rollout_is_weights)

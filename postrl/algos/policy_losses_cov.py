@@ -33,7 +33,9 @@ from postrl.algos.utils import masked_mean
 __all__ = ["compute_policy_loss_clip_cov", "compute_policy_loss_kl_cov"]
 
 
-def _token_cov(advantages: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _token_cov(
+    advantages: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """(B, T) centred product of advantage and (detached) log-prob over valid tokens."""
     lp = log_prob.detach()
     return (advantages - masked_mean(advantages, mask)) * (lp - masked_mean(lp, mask))

@@ -44,7 +44,9 @@ def _ess(log_w: torch.Tensor) -> torch.Tensor:
     if log_w.numel() == 0:
         return log_w.new_ones(())
     n = math.log(log_w.numel())
-    return torch.exp(2 * torch.logsumexp(log_w, 0) - n - torch.logsumexp(2 * log_w, 0)).clamp(max=1.0)
+    return torch.exp(2 * torch.logsumexp(log_w, 0) - n - torch.logsumexp(2 * log_w, 0)).clamp(
+        max=1.0
+    )
 
 
 @torch.no_grad()
@@ -100,13 +102,17 @@ def compute_rollout_correction(
     for name, lp in (("ppl_rollout", rollout_log_prob), ("ppl_train", old_log_prob)):
         lp = torch.where(mask, lp.float(), torch.zeros_like(mf))
         ppl = torch.exp(-lp.sum(-1) / n_tok.clamp(min=1.0))
-        metrics[f"rollout_corr/{name}"] = torch.where(nonempty, ppl, torch.zeros_like(ppl)).sum() / nseq
+        metrics[f"rollout_corr/{name}"] = (
+            torch.where(nonempty, ppl, torch.zeros_like(ppl)).sum() / nseq
+        )
 
     # --- rejection sampling (whole sequences)
     keep = nonempty.clone()
     if rollout_rs is not None:
         upper = float(rollout_rs_threshold)
-        lower = 1.0 / upper if rollout_rs_threshold_lower is None else float(rollout_rs_threshold_lower)
+        lower = (
+            1.0 / upper if rollout_rs_threshold_lower is None else float(rollout_rs_threshold_lower)
+        )
         stat = seq_lr if rollout_rs == "sequence" else seq_lr / n_tok.clamp(min=1.0)  # log ratio
         inside = (stat <= math.log(upper)) & (stat >= math.log(max(lower, 1e-30)))
         keep = keep & inside
@@ -119,11 +125,19 @@ def compute_rollout_correction(
     if rollout_is is None:
         metrics["rollout_corr/is_clip_frac"] = mf.new_zeros(())
     else:
-        raw = torch.exp(lr) if rollout_is == "token" else torch.exp(seq_lr).unsqueeze(-1).expand_as(lr)
+        raw = (
+            torch.exp(lr)
+            if rollout_is == "token"
+            else torch.exp(seq_lr).unsqueeze(-1).expand_as(lr)
+        )
         weights = torch.clamp(raw, max=thr) * new_mask.to(torch.float32)
         weights = weights.to(old_log_prob.dtype)
         if rollout_is == "token":
-            metrics["rollout_corr/is_clip_frac"] = ((raw > thr).float() * mf).sum() / mf.sum().clamp(min=1.0)
+            metrics["rollout_corr/is_clip_frac"] = (
+                (raw > thr).float() * mf
+            ).sum() / mf.sum().clamp(min=1.0)
         else:
-            metrics["rollout_corr/is_clip_frac"] = ((torch.exp(seq_lr) > thr) & nonempty).float().sum() / nseq
+            metrics["rollout_corr/is_clip_frac"] = (
+                (torch.exp(seq_lr) > thr) & nonempty
+            ).float().sum() / nseq
     return weights, new_mask.to(response_mask.dtype), metrics

@@ -26,9 +26,7 @@ __all__ = [
 ]
 
 
-def compute_response_mask(
-    attention_mask: torch.Tensor, response_length: int
-) -> torch.Tensor:
+def compute_response_mask(attention_mask: torch.Tensor, response_length: int) -> torch.Tensor:
     """Response part of an ``attention_mask`` laid out as ``[prompt | response]``.
 
     Args:
@@ -49,9 +47,7 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None)
     return vals.sum() if dim is None else vals.sum(dim=dim)
 
 
-def masked_mean(
-    values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
-) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """``sum(values * mask) / max(sum(mask), 1)``: 0 (not NaN) when nothing is selected."""
     num = masked_sum(values, mask, dim)
     den = mask.to(values.dtype).sum() if dim is None else mask.to(values.dtype).sum(dim=dim)

@@ -25,8 +25,23 @@ from postrl.config.schema import (
 from postrl.config.validate import validate_config
 
 __all__ = [
-    "ActorConfig", "AgentConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig",
-    "ModelConfig", "OptimConfig", "PostRLConfig", "RefConfig", "RewardConfig", "RolloutConfig",
-    "TrainerConfig", "apply_overrides", "dump_config", "from_dict", "load_config", "to_dict",
+    "ActorConfig",
+    "AgentConfig",
+    "AlgorithmConfig",
+    "ConfigError",
+    "CriticConfig",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PostRLConfig",
+    "RefConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainerConfig",
+    "apply_overrides",
+    "dump_config",
+    "from_dict",
+    "load_config",
+    "to_dict",
     "validate_config",
 ]

@@ -102,7 +102,9 @@ def _from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
             hint = f"; did you mean {(where + '.' if where else '') + close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown config key {path!r}{hint} Valid keys here: {', '.join(names)}")
+            raise ConfigError(
+                f"unknown config key {path!r}{hint} Valid keys here: {', '.join(names)}"
+            )
         kwargs[key] = _coerce(value, hints[key], path)
     return cls(**kwargs)
 

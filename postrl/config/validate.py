@@ -24,7 +24,12 @@ def _registry_checks(cfg: PostRLConfig) -> list[str]:
         ("postrl.algos", "KL_ESTIMATORS", "actor.kl_loss_type", cfg.actor.kl_loss_type),
         ("postrl.algos", "KL_ESTIMATORS", "algorithm.kl_penalty", cfg.algorithm.kl_penalty),
         ("postrl.rollout", "ROLLOUT_BACKENDS", "rollout.backend", cfg.rollout.backend),
-        ("postrl.agent", "AGENT_LOOPS", "rollout.agent.default_agent_loop", cfg.rollout.agent.default_agent_loop),
+        (
+            "postrl.agent",
+            "AGENT_LOOPS",
+            "rollout.agent.default_agent_loop",
+            cfg.rollout.agent.default_agent_loop,
+        ),
         ("postrl.trainer", "TRAINER_MODES", "trainer.mode", cfg.trainer.mode),
     ]
     import importlib
@@ -51,38 +56,62 @@ def dtype_errors(dtype: str, compute_dtype: str) -> list[str]:
     if dtype not in _DTYPE_NAMES:
         e.append(f"model.dtype={dtype!r} is not one of {list(_DTYPE_NAMES)}")
     if compute_dtype not in _COMPUTE_NAMES:
-        why = " (float16 training needs loss scaling, which postrl does not do; use bfloat16)" if compute_dtype == "float16" else ""
+        why = (
+            " (float16 training needs loss scaling, which postrl does not do; use bfloat16)"
+            if compute_dtype == "float16"
+            else ""
+        )
         e.append(f"model.compute_dtype={compute_dtype!r} is not one of {list(_COMPUTE_NAMES)}{why}")
     elif dtype in _WIDTH and compute_dtype in _WIDTH and _WIDTH[compute_dtype] > _WIDTH[dtype]:
-        e.append(f"model.compute_dtype={compute_dtype} is wider than model.dtype={dtype}: computing in more precision "
-                 f"than the weights are stored in gains nothing; set model.dtype=float32 (mixed precision) or "
-                 f"model.compute_dtype={dtype}")
-    elif dtype in _WIDTH and compute_dtype in _WIDTH and dtype != compute_dtype and _WIDTH[dtype] == 16:
-        e.append(f"model.dtype={dtype} with model.compute_dtype={compute_dtype}: two different 16-bit formats; "
-                 f"store in float32 (model.dtype=float32) or compute in {dtype}")
+        e.append(
+            f"model.compute_dtype={compute_dtype} is wider than model.dtype={dtype}: computing in more precision "
+            f"than the weights are stored in gains nothing; set model.dtype=float32 (mixed precision) or "
+            f"model.compute_dtype={dtype}"
+        )
+    elif (
+        dtype in _WIDTH
+        and compute_dtype in _WIDTH
+        and dtype != compute_dtype
+        and _WIDTH[dtype] == 16
+    ):
+        e.append(
+            f"model.dtype={dtype} with model.compute_dtype={compute_dtype}: two different 16-bit formats; "
+            f"store in float32 (model.dtype=float32) or compute in {dtype}"
+        )
     return e
 
 
-def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_registries: bool = True) -> None:
+def validate_config(
+    cfg: PostRLConfig, *, check_files: bool = True, check_registries: bool = True
+) -> None:
     """Raise :class:`ConfigError` listing every problem found in ``cfg``."""
     e: list[str] = []
     d, a, r, t = cfg.data, cfg.actor, cfg.rollout, cfg.trainer
 
     if not cfg.model.path:
-        e.append("model.path is empty: set it to a Hugging Face model directory (create a tiny one with `postrl make-model runs/tiny`)")
+        e.append(
+            "model.path is empty: set it to a Hugging Face model directory (create a tiny one with `postrl make-model runs/tiny`)"
+        )
     elif check_files and not Path(cfg.model.path).exists():
-        e.append(f"model.path={cfg.model.path!r} does not exist: create it with `postrl make-model {cfg.model.path}` or fix the path")
+        e.append(
+            f"model.path={cfg.model.path!r} does not exist: create it with `postrl make-model {cfg.model.path}` or fix the path"
+        )
     e.extend(dtype_errors(cfg.model.dtype, cfg.model.compute_dtype))
     rm = cfg.reward.model
     if rm.enable:
         if not rm.path:
-            e.append("reward.model.enable=True but reward.model.path is empty: point it at a sequence-classification "
-                     "model directory (`postrl make-model DIR --head reward` makes a tiny one)")
+            e.append(
+                "reward.model.enable=True but reward.model.path is empty: point it at a sequence-classification "
+                "model directory (`postrl make-model DIR --head reward` makes a tiny one)"
+            )
         elif check_files and not Path(rm.path).exists():
             e.append(f"reward.model.path={rm.path!r} does not exist")
         if rm.mode not in ("replace", "add"):
             e.append(f"reward.model.mode={rm.mode!r} must be 'replace' or 'add'")
-        for key, value in (("reward.model.max_length", rm.max_length), ("reward.model.micro_batch_size", rm.micro_batch_size)):
+        for key, value in (
+            ("reward.model.max_length", rm.max_length),
+            ("reward.model.micro_batch_size", rm.micro_batch_size),
+        ):
             if value < 1:
                 e.append(f"{key}={value} must be >= 1")
     if t.checkpoint_format not in ("full", "sharded"):
@@ -91,7 +120,9 @@ def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_regist
         for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
             for f in files:
                 if not Path(f).exists():
-                    e.append(f"{key} contains {f!r}, which does not exist: write it with `postrl data addition {f}` or fix the path")
+                    e.append(
+                        f"{key} contains {f!r}, which does not exist: write it with `postrl data addition {f}` or fix the path"
+                    )
     if not d.train_files:
         e.append("data.train_files is empty: give at least one parquet file")
 
@@ -108,7 +139,11 @@ def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_regist
         if value < 1:
             e.append(f"{key}={value} must be >= 1")
 
-    if d.train_batch_size >= 1 and a.ppo_mini_batch_size >= 1 and d.train_batch_size % a.ppo_mini_batch_size:
+    if (
+        d.train_batch_size >= 1
+        and a.ppo_mini_batch_size >= 1
+        and d.train_batch_size % a.ppo_mini_batch_size
+    ):
         e.append(
             f"data.train_batch_size={d.train_batch_size} is not divisible by actor.ppo_mini_batch_size={a.ppo_mini_batch_size}: "
             f"each step must split into whole mini-batches; set actor.ppo_mini_batch_size to a divisor of "
@@ -128,14 +163,20 @@ def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_regist
     if t.backend not in ("local", "ray"):
         e.append(f"trainer.backend={t.backend!r} must be 'local' or 'ray'")
     if t.backend == "local" and t.num_workers != 1:
-        e.append(f"trainer.num_workers={t.num_workers} needs trainer.backend=ray (the local backend runs one in-process worker)")
+        e.append(
+            f"trainer.num_workers={t.num_workers} needs trainer.backend=ray (the local backend runs one in-process worker)"
+        )
     if t.device not in ("cpu", "cuda"):
         e.append(f"trainer.device={t.device!r} must be 'cpu' or 'cuda'")
     if not (0 < a.clip_ratio_low < 1 and 0 < a.clip_ratio_high):
-        e.append(f"actor.clip_ratio_low={a.clip_ratio_low}/clip_ratio_high={a.clip_ratio_high}: need 0 < low < 1 and high > 0")
+        e.append(
+            f"actor.clip_ratio_low={a.clip_ratio_low}/clip_ratio_high={a.clip_ratio_high}: need 0 < low < 1 and high > 0"
+        )
     for key, value in (("actor.strategy", a.strategy), ("critic.strategy", cfg.critic.strategy)):
         if value not in ("fsdp2", "ddp"):
-            e.append(f"{key}={value!r} must be 'fsdp2' (shard the model over dp ranks) or 'ddp' (full replica per rank)")
+            e.append(
+                f"{key}={value!r} must be 'fsdp2' (shard the model over dp ranks) or 'ddp' (full replica per rank)"
+            )
     if a.clip_ratio_c <= 1:
         e.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip lower bound)")
     if r.temperature < 0:
@@ -144,13 +185,23 @@ def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_regist
         e.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if not 0 <= cfg.reward.max_failure_ratio <= 1:
         e.append(f"reward.max_failure_ratio={cfg.reward.max_failure_ratio} must be in [0, 1]")
-    if cfg.trainer.resume_mode not in ("auto", "disable") and check_files and not Path(cfg.trainer.resume_mode).exists():
-        e.append(f"trainer.resume_mode={cfg.trainer.resume_mode!r} is neither auto/disable nor an existing checkpoint path")
+    if (
+        cfg.trainer.resume_mode not in ("auto", "disable")
+        and check_files
+        and not Path(cfg.trainer.resume_mode).exists()
+    ):
+        e.append(
+            f"trainer.resume_mode={cfg.trainer.resume_mode!r} is neither auto/disable nor an existing checkpoint path"
+        )
     if a.fuse_old_log_prob:
         for why in old_log_prob_fusion_blockers(cfg):
-            e.append(f"actor.fuse_old_log_prob=True but {why}: set actor.fuse_old_log_prob=null (auto) or false")
+            e.append(
+                f"actor.fuse_old_log_prob=True but {why}: set actor.fuse_old_log_prob=null (auto) or false"
+            )
     if t.total_steps < 0 or t.total_epochs < 1:
-        e.append(f"trainer.total_steps={t.total_steps} must be >= 0 and trainer.total_epochs={t.total_epochs} >= 1")
+        e.append(
+            f"trainer.total_steps={t.total_steps} must be >= 0 and trainer.total_epochs={t.total_epochs} >= 1"
+        )
 
     if check_registries:
         e.extend(_registry_checks(cfg))
@@ -159,7 +210,9 @@ def validate_config(cfg: PostRLConfig, *, check_files: bool = True, check_regist
 
             needs = ADV_ESTIMATORS.meta(cfg.algorithm.adv_estimator).get("needs", ())
             if "values" in needs and cfg.critic.optim.lr <= 0:
-                e.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs a critic: set critic.optim.lr > 0")
+                e.append(
+                    f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs a critic: set critic.optim.lr > 0"
+                )
         except Exception:
             pass
 
@@ -178,12 +231,20 @@ def old_log_prob_fusion_blockers(cfg: PostRLConfig) -> list[str]:
     if a.ppo_epochs != 1:
         out.append(f"actor.ppo_epochs={a.ppo_epochs} (epochs after the first are off-policy)")
     if a.ppo_mini_batch_size != cfg.data.train_batch_size:
-        out.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} != data.train_batch_size={cfg.data.train_batch_size} "
-                   "(mini-batches after the first are off-policy)")
+        out.append(
+            f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} != data.train_batch_size={cfg.data.train_batch_size} "
+            "(mini-batches after the first are off-policy)"
+        )
     if cfg.algorithm.use_kl_in_reward:
-        out.append("algorithm.use_kl_in_reward=True (the reward needs old log-probs before the update)")
+        out.append(
+            "algorithm.use_kl_in_reward=True (the reward needs old log-probs before the update)"
+        )
     if rc.rollout_is or rc.rollout_rs:
-        out.append("algorithm.rollout_correction.rollout_is/rollout_rs is set (the weights need old log-probs before the update)")
+        out.append(
+            "algorithm.rollout_correction.rollout_is/rollout_rs is set (the weights need old log-probs before the update)"
+        )
     if rc.bypass_mode:
-        out.append("algorithm.rollout_correction.bypass_mode=True (old log-probs are the rollout's)")
+        out.append(
+            "algorithm.rollout_correction.bypass_mode=True (old log-probs are the rollout's)"
+        )
     return out

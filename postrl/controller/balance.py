@@ -34,6 +34,8 @@ def balance_for_dp(
     if lens.dim() == 2:
         lens = lens.sum(dim=-1)  # (B,)
     elif lens.dim() != 1:
-        raise DataProtoError(f"balance_for_dp: batch[{length_key!r}] must be (B, T) or (B,), got {tuple(lens.shape)}")
+        raise DataProtoError(
+            f"balance_for_dp: batch[{length_key!r}] must be (B, T) or (B,), got {tuple(lens.shape)}"
+        )
     perm, metrics = balanced_permutation(lens.to(torch.long).tolist(), dp_size)
     return data.reorder(perm), metrics

@@ -50,7 +50,9 @@ def create_colocated_worker_cls(role_classes: Mapping[str, type]) -> type[Worker
     def __init__(self: Any, **role_kwargs: Mapping[str, Any]) -> None:
         unknown = sorted(set(role_kwargs) - set(roles))
         if unknown:
-            raise ControllerError(f"colocated worker got kwargs for unknown role(s) {unknown}; roles: {sorted(roles)}")
+            raise ControllerError(
+                f"colocated worker got kwargs for unknown role(s) {unknown}; roles: {sorted(roles)}"
+            )
         self.roles = {}
         for role, cls in roles.items():
             inst = cls(**dict(role_kwargs.get(role, {})))
@@ -80,7 +82,9 @@ def create_colocated_worker_cls(role_classes: Mapping[str, type]) -> type[Worker
     }
     for role, cls in roles.items():
         for method, spec in registered_methods(cls).items():
-            ns[f"{role}_{method}"] = functools.update_wrapper(_forward(role, method, spec), getattr(cls, method), updated=())
+            ns[f"{role}_{method}"] = functools.update_wrapper(
+                _forward(role, method, spec), getattr(cls, method), updated=()
+            )
             setattr(ns[f"{role}_{method}"], SPEC_ATTR, spec)
             ns[f"{role}_{method}"].__name__ = f"{role}_{method}"
     return type("Colocated_" + "_".join(roles), (Worker,), ns)

@@ -209,7 +209,9 @@ def register(
     if execute_mode not in (Execute.ALL, Execute.RANK_ZERO):
         raise ControllerError(f"execute_mode={execute_mode!r}; choose 'all' or 'rank_zero'")
     if timeout_s is not None and timeout_s <= 0:
-        raise ControllerError(f"timeout_s={timeout_s} must be positive (or None for the group default)")
+        raise ControllerError(
+            f"timeout_s={timeout_s} must be positive (or None for the group default)"
+        )
     spec = DispatchSpec(dispatch_mode, execute_mode, blocking, timeout_s)
 
     def deco(fn: Callable) -> Callable:
@@ -271,7 +273,9 @@ def split_proto(ctx: DispatchContext, value: Any, n: int, arg_name: str) -> tupl
     return padded.chunk(n), pad
 
 
-def _split_args(ctx: DispatchContext, args: tuple, kwargs: dict, n: int) -> tuple[list[tuple], list[dict], int]:
+def _split_args(
+    ctx: DispatchContext, args: tuple, kwargs: dict, n: int
+) -> tuple[list[tuple], list[dict], int]:
     """Split every DataProto/future arg into ``n`` shards; broadcast the others."""
     pads: set[int] = set()
     split_args: list[list[Any]] = []
@@ -291,7 +295,9 @@ def _split_args(ctx: DispatchContext, args: tuple, kwargs: dict, n: int) -> tupl
         else:
             split_kwargs[k] = [v] * n
     if len(pads) > 1:
-        raise ControllerError(f"{ctx.role}.{ctx.method}: DataProto arguments have different lengths")
+        raise ControllerError(
+            f"{ctx.role}.{ctx.method}: DataProto arguments have different lengths"
+        )
     per_args = [tuple(s[j] for s in split_args) for j in range(n)]
     per_kwargs = [{k: s[j] for k, s in split_kwargs.items()} for j in range(n)]
     return per_args, per_kwargs, (pads.pop() if pads else 0)
@@ -354,7 +360,11 @@ register_dispatch_mode(Dispatch.ALL_TO_ALL, _per_rank_lists, _collect_list)
 register_dispatch_mode(Dispatch.RANK_ZERO, _rank_zero, _collect_first)
 register_dispatch_mode(Dispatch.DP_COMPUTE, _per_rank_lists, _collect_list)
 register_dispatch_mode(
-    Dispatch.DP_COMPUTE_PROTO, _dp_proto, _collect_dp_proto, shards_fn=_shards_dp_proto, accepts_futures=True
+    Dispatch.DP_COMPUTE_PROTO,
+    _dp_proto,
+    _collect_dp_proto,
+    shards_fn=_shards_dp_proto,
+    accepts_futures=True,
 )
 
 
@@ -362,12 +372,16 @@ register_dispatch_mode(
 def _check_layout(ctx: DispatchContext, mesh: str, infos: list[DpInfo]) -> int:
     sizes = {i.dp_size for i in infos}
     if len(sizes) != 1:
-        raise ControllerError(f"{ctx.role}: workers registered different dp sizes {sorted(sizes)} for mesh {mesh!r}")
+        raise ControllerError(
+            f"{ctx.role}: workers registered different dp sizes {sorted(sizes)} for mesh {mesh!r}"
+        )
     dp = sizes.pop()
     collectors = [0] * dp
     for r, info in enumerate(infos):
         if not 0 <= info.dp_rank < dp:
-            raise ControllerError(f"{ctx.role} rank {r}: dp_rank {info.dp_rank} outside [0, {dp}) for mesh {mesh!r}")
+            raise ControllerError(
+                f"{ctx.role} rank {r}: dp_rank {info.dp_rank} outside [0, {dp}) for mesh {mesh!r}"
+            )
         collectors[info.dp_rank] += int(info.is_collect)
     bad = [d for d, c in enumerate(collectors) if c != 1]
     if bad:
@@ -414,7 +428,12 @@ def make_nd_compute_dispatch(mesh_name: str) -> DispatchMode:
         return [handles[j] for j in _collect_order(ctx, ranks)], ctx.state.get("pad_size", 0)
 
     mode = register_dispatch_mode(
-        f"nd_compute_proto:{mesh_name}", dispatch, collect, shards_fn=shards, accepts_futures=True, override=True
+        f"nd_compute_proto:{mesh_name}",
+        dispatch,
+        collect,
+        shards_fn=shards,
+        accepts_futures=True,
+        override=True,
     )
     _ND_CACHE[mesh_name] = mode
     return mode

@@ -52,7 +52,15 @@ class WorkerError(RuntimeError):
     def __reduce__(self):  # keep keyword-only fields through pickling
         return (
             _rebuild,
-            (type(self), self.message, self.role, self.rank, self.method, self.remote_traceback, self.exc_type),
+            (
+                type(self),
+                self.message,
+                self.role,
+                self.rank,
+                self.method,
+                self.remote_traceback,
+                self.exc_type,
+            ),
         )
 
 

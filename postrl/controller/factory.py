@@ -52,7 +52,10 @@ def create_worker_group(
             f"holds {resource_pool.world_size} processes; make them equal"
         )
     opts: dict[str, Any] = dict(
-        world_size=world_size, name=name, timeouts=timeouts, shutdown_on_error=shutdown_on_error,
+        world_size=world_size,
+        name=name,
+        timeouts=timeouts,
+        shutdown_on_error=shutdown_on_error,
         resource_pool=resource_pool,
     )
     if init_dist is not None:

@@ -51,7 +51,9 @@ class GroupFuture:
         Raises :class:`~postrl.controller.errors.WorkerError` (or its timeout/died subclasses).
         """
         if self._value is _UNSET:
-            outputs = self.group._wait_checked(self.handles, self.ranks, self.method, timeout_s or self.timeout_s)
+            outputs = self.group._wait_checked(
+                self.handles, self.ranks, self.method, timeout_s or self.timeout_s
+            )
             self._value = self.mode.collect_fn(self.ctx, outputs)
         return self._value
 

@@ -40,12 +40,16 @@ class WorkerContext:
         """Read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``POSTRL_ROLE`` (defaults 0/1/0)."""
         env = os.environ
         return cls(
-            int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)),
+            int(env.get("RANK", 0)),
+            int(env.get("WORLD_SIZE", 1)),
+            int(env.get("LOCAL_RANK", 0)),
             env.get("POSTRL_ROLE", "worker"),
         )
 
 
-_CONTEXT: contextvars.ContextVar[WorkerContext | None] = contextvars.ContextVar("postrl_worker_ctx", default=None)
+_CONTEXT: contextvars.ContextVar[WorkerContext | None] = contextvars.ContextVar(
+    "postrl_worker_ctx", default=None
+)
 
 
 @contextlib.contextmanager
@@ -99,14 +103,18 @@ class Worker:
         return torch.device("cpu")
 
     # ------------------------------------------------------------------ topology
-    def register_dp_info(self, mesh_name: str, *, dp_rank: int, dp_size: int, is_collect: bool = True) -> None:
+    def register_dp_info(
+        self, mesh_name: str, *, dp_rank: int, dp_size: int, is_collect: bool = True
+    ) -> None:
         """Declare this worker's data-parallel coordinates for ``mesh_name`` (e.g. ``"actor"``).
 
         Call in ``__init__`` (or after building a device mesh). ``is_collect`` marks the one
         replica per dp rank whose output the driver keeps (e.g. tp rank 0).
         """
         if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"register_dp_info({mesh_name!r}): dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+            raise ValueError(
+                f"register_dp_info({mesh_name!r}): dp_rank={dp_rank} must be in [0, dp_size={dp_size})"
+            )
         self._postrl_dp[mesh_name] = DpInfo(dp_rank, dp_size, is_collect)
 
     def _postrl_get_dp_info(self, mesh_name: str) -> DpInfo:
@@ -118,7 +126,11 @@ class Worker:
         """Liveness probe: rank, pid and whether torch.distributed is initialised."""
         import torch.distributed as dist
 
-        return {"rank": self.rank, "pid": os.getpid(), "dist": dist.is_available() and dist.is_initialized()}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "dist": dist.is_available() and dist.is_initialized(),
+        }
 
 
 @dataclass
@@ -143,8 +155,12 @@ class RemoteFailure:
     def to_error(self) -> WorkerError:
         """The driver-side :class:`WorkerError`."""
         err = WorkerError(
-            self.message, role=self.role, rank=self.rank, method=self.method,
-            remote_traceback=self.traceback, exc_type=self.exc_type,
+            self.message,
+            role=self.role,
+            rank=self.rank,
+            method=self.method,
+            remote_traceback=self.traceback,
+            exc_type=self.exc_type,
         )
         if self.exc is not None:
             err.__cause__ = self.exc
@@ -159,4 +175,6 @@ def invoke(worker: Any, method: str, args: tuple, kwargs: dict, *, role: str, ra
     try:
         return getattr(worker, method)(*args, **kwargs)
     except Exception as e:
-        return RemoteFailure(role, rank, method, type(e).__name__, str(e), traceback.format_exc(), e)
+        return RemoteFailure(
+            role, rank, method, type(e).__name__, str(e), traceback.format_exc(), e
+        )

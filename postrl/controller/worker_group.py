@@ -58,7 +58,9 @@ class Timeouts:
     per_method: Mapping[str, float] = field(default_factory=dict)
 
     def __hash__(self) -> int:
-        return hash((self.call_s, self.init_s, self.collective_s, tuple(sorted(self.per_method.items()))))
+        return hash(
+            (self.call_s, self.init_s, self.collective_s, tuple(sorted(self.per_method.items())))
+        )
 
 
 class _RoleView:
@@ -71,7 +73,9 @@ class _RoleView:
         if name.startswith("_"):
             raise AttributeError(name)
         if name not in self._methods:
-            raise AttributeError(f"role {self._role!r} has no registered method {name!r}; it has {self._methods}")
+            raise AttributeError(
+                f"role {self._role!r} has no registered method {name!r}; it has {self._methods}"
+            )
         return getattr(self._group, f"{self._role}_{name}")
 
     def __dir__(self) -> list[str]:
@@ -123,9 +127,11 @@ class WorkerGroup:
             setattr(self, method, self._make_method(method, spec))
         for role in getattr(self.worker_cls, "_postrl_roles", ()):
             prefix = f"{role}_"
-            methods = [m[len(prefix):] for m in self._specs if m.startswith(prefix)]
+            methods = [m[len(prefix) :] for m in self._specs if m.startswith(prefix)]
             if hasattr(self, role):
-                raise ControllerError(f"role name {role!r} clashes with a group attribute; rename the role")
+                raise ControllerError(
+                    f"role name {role!r} clashes with a group attribute; rename the role"
+                )
             setattr(self, role, _RoleView(self, role, methods))
 
     def _make_method(self, method: str, spec: DispatchSpec) -> Callable[..., Any]:
@@ -146,7 +152,9 @@ class WorkerGroup:
     def submit(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
         """Call registered ``method`` without blocking, whatever its spec says."""
         if method not in self._specs:
-            raise ControllerError(f"{self.name}: {method!r} is not a registered method; registered: {sorted(self._specs)}")
+            raise ControllerError(
+                f"{self.name}: {method!r} is not a registered method; registered: {sorted(self._specs)}"
+            )
         return self._call(method, self._specs[method], args, kwargs)
 
     def execute(
@@ -185,9 +193,15 @@ class WorkerGroup:
             raise ControllerError(
                 f"dispatch mode {mode.name!r} returned {len(calls)} calls for world size {self.world_size}"
             )
-        ranks = [r for r, c in enumerate(calls) if c is not None and (spec.execute_mode == Execute.ALL or r == 0)]
+        ranks = [
+            r
+            for r, c in enumerate(calls)
+            if c is not None and (spec.execute_mode == Execute.ALL or r == 0)
+        ]
         if not ranks:
-            raise ControllerError(f"{self.name}.{method}: dispatch mode {mode.name!r} addressed no rank")
+            raise ControllerError(
+                f"{self.name}.{method}: dispatch mode {mode.name!r} addressed no rank"
+            )
         ctx.ranks = ranks
         handles = [self._launch(r, method, calls[r][0], calls[r][1]) for r in ranks]  # type: ignore[index]
         return GroupFuture(self, method, ranks, handles, mode, ctx, self.timeout_for(method, spec))
@@ -197,23 +211,31 @@ class WorkerGroup:
         if mesh_name not in self._dp_cache:
             ranks = list(range(self.world_size))
             handles = [self._launch(r, "_postrl_get_dp_info", (mesh_name,), {}) for r in ranks]
-            self._dp_cache[mesh_name] = self._wait_checked(handles, ranks, "_postrl_get_dp_info", self.timeouts.init_s)
+            self._dp_cache[mesh_name] = self._wait_checked(
+                handles, ranks, "_postrl_get_dp_info", self.timeouts.init_s
+            )
         return list(self._dp_cache[mesh_name])
 
-    def _wait_checked(self, handles: list[Any], ranks: list[int], method: str, timeout_s: float) -> list[Any]:
+    def _wait_checked(
+        self, handles: list[Any], ranks: list[int], method: str, timeout_s: float
+    ) -> list[Any]:
         try:
             return self._wait(handles, ranks, method, timeout_s)
         except WorkerError as e:
             fatal = isinstance(e, (WorkerDiedError, WorkerTimeoutError)) or self.shutdown_on_error
             if fatal and not self._closed:
-                logger.error("%s: %s failed on rank %s; shutting the group down", self.name, method, e.rank)
+                logger.error(
+                    "%s: %s failed on rank %s; shutting the group down", self.name, method, e.rank
+                )
                 self.shutdown()
             raise
 
     # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
         if self._closed:
-            raise ControllerError(f"worker group {self.name!r} is shut down (after an error or shutdown()); create a new one")
+            raise ControllerError(
+                f"worker group {self.name!r} is shut down (after an error or shutdown()); create a new one"
+            )
 
     @property
     def closed(self) -> bool:
@@ -234,13 +256,17 @@ class WorkerGroup:
         self.shutdown()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, {self.worker_cls.__name__} x {self.world_size})"
+        return (
+            f"{type(self).__name__}({self.name!r}, {self.worker_cls.__name__} x {self.world_size})"
+        )
 
     # ------------------------------------------------------------------ backend hooks
     def _launch(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError
 
-    def _wait(self, handles: list[Any], ranks: list[int], method: str, timeout_s: float) -> list[Any]:
+    def _wait(
+        self, handles: list[Any], ranks: list[int], method: str, timeout_s: float
+    ) -> list[Any]:
         raise NotImplementedError
 
     def _handles_done(self, handles: list[Any]) -> bool:

@@ -12,6 +12,16 @@ from postrl.data.tasks import (
 )
 
 __all__ = [
-    "TASKS", "DatasetError", "PromptLoader", "RLDataset", "convert_gsm8k", "generate_addition",
-    "generate_countdown", "load_tokenizer", "read_rows", "sft_rows_from_rl_rows", "validate_row", "write_parquet",
+    "TASKS",
+    "DatasetError",
+    "PromptLoader",
+    "RLDataset",
+    "convert_gsm8k",
+    "generate_addition",
+    "generate_countdown",
+    "load_tokenizer",
+    "read_rows",
+    "sft_rows_from_rl_rows",
+    "validate_row",
+    "write_parquet",
 ]

@@ -37,8 +37,14 @@ from typing import Any
 
 from postrl.tools.sandbox import Sandbox, SandboxConfig
 
-__all__ = ["SandboxUnavailableError", "code_reward", "compute_code_score", "compute_code_score_async", "extract_code",
-           "generate_code_tasks"]
+__all__ = [
+    "SandboxUnavailableError",
+    "code_reward",
+    "compute_code_score",
+    "compute_code_score_async",
+    "extract_code",
+    "generate_code_tasks",
+]
 
 # (description template, reference source template, input generator)
 _Spec = tuple[str, str, Callable[[random.Random], list[Any]]]
@@ -59,28 +65,52 @@ def _intlist(rng: random.Random) -> list[Any]:
 _SPECS: list[_Spec] = [
     ("returns x * x + {k}", "def f(x):\n    return x * x + {k}\n", _ints),
     ("returns {k} * x - {m}", "def f(x):\n    return {k} * x - {m}\n", _ints),
-    ("returns the sum of the decimal digits of abs(x)",
-     "def f(x):\n    return sum(int(c) for c in str(abs(x)))\n", lambda r: _ints(r, -10**6, 10**6)),
+    (
+        "returns the sum of the decimal digits of abs(x)",
+        "def f(x):\n    return sum(int(c) for c in str(abs(x)))\n",
+        lambda r: _ints(r, -(10**6), 10**6),
+    ),
     ("returns the string s reversed", "def f(s):\n    return s[::-1]\n", _word),
-    ("returns the number of vowels (a, e, i, o, u) in the string s",
-     "def f(s):\n    return sum(c in 'aeiou' for c in s)\n", _word),
-    ("returns how many times the character '{c}' occurs in the string s",
-     "def f(s):\n    return s.count('{c}')\n", _word),
-    ("returns the largest element of the non-empty list xs",
-     "def f(xs):\n    return max(xs)\n", _intlist),
-    ("returns the list xs sorted in descending order",
-     "def f(xs):\n    return sorted(xs, reverse=True)\n", _intlist),
-    ("returns the sum of the elements of xs that are divisible by {k}",
-     "def f(xs):\n    return sum(x for x in xs if x % {k} == 0)\n", _intlist),
-    ("returns True if x is a prime number and False otherwise",
-     "def f(x):\n    return x > 1 and all(x % d for d in range(2, int(x ** 0.5) + 1))\n",
-     lambda r: _ints(r, -5, 100)),
-    ("returns the x-th Fibonacci number, with f(0) = 0 and f(1) = 1",
-     "def f(x):\n    a, b = 0, 1\n    for _ in range(x):\n        a, b = b, a + b\n    return a\n",
-     lambda r: _ints(r, 0, 40)),
-    ("returns x with its decimal digits reversed, keeping the sign (e.g. -120 -> -21)",
-     "def f(x):\n    s = -1 if x < 0 else 1\n    return s * int(str(abs(x))[::-1])\n",
-     lambda r: _ints(r, -10**5, 10**5)),
+    (
+        "returns the number of vowels (a, e, i, o, u) in the string s",
+        "def f(s):\n    return sum(c in 'aeiou' for c in s)\n",
+        _word,
+    ),
+    (
+        "returns how many times the character '{c}' occurs in the string s",
+        "def f(s):\n    return s.count('{c}')\n",
+        _word,
+    ),
+    (
+        "returns the largest element of the non-empty list xs",
+        "def f(xs):\n    return max(xs)\n",
+        _intlist,
+    ),
+    (
+        "returns the list xs sorted in descending order",
+        "def f(xs):\n    return sorted(xs, reverse=True)\n",
+        _intlist,
+    ),
+    (
+        "returns the sum of the elements of xs that are divisible by {k}",
+        "def f(xs):\n    return sum(x for x in xs if x % {k} == 0)\n",
+        _intlist,
+    ),
+    (
+        "returns True if x is a prime number and False otherwise",
+        "def f(x):\n    return x > 1 and all(x % d for d in range(2, int(x ** 0.5) + 1))\n",
+        lambda r: _ints(r, -5, 100),
+    ),
+    (
+        "returns the x-th Fibonacci number, with f(0) = 0 and f(1) = 1",
+        "def f(x):\n    a, b = 0, 1\n    for _ in range(x):\n        a, b = b, a + b\n    return a\n",
+        lambda r: _ints(r, 0, 40),
+    ),
+    (
+        "returns x with its decimal digits reversed, keeping the sign (e.g. -120 -> -21)",
+        "def f(x):\n    s = -1 if x < 0 else 1\n    return s * int(str(abs(x))[::-1])\n",
+        lambda r: _ints(r, -(10**5), 10**5),
+    ),
 ]
 
 
@@ -90,8 +120,9 @@ def _run_reference(src: str, args: list[Any]) -> Any:
     return ns["f"](*args)
 
 
-def generate_code_tasks(n: int, seed: int = 0, split: str = "train", num_tests: int = 5
-                        ) -> list[dict[str, Any]]:
+def generate_code_tasks(
+    n: int, seed: int = 0, split: str = "train", num_tests: int = 5
+) -> list[dict[str, Any]]:
     """``n`` seeded programming tasks with ``num_tests`` test cases each (see module docstring).
 
     Train and test use different random streams (different constants and inputs)."""
@@ -111,22 +142,30 @@ def generate_code_tasks(n: int, seed: int = 0, split: str = "train", num_tests: 
             tests.append({"input": args, "output": _run_reference(ref, args)})
             if len(tests) == num_tests:
                 break
-        prompt = (f"Write a Python function f that {desc}.\n"
-                  "Answer with the complete function in a ```python code block.")
-        rows.append({
-            "data_source": "code",
-            "prompt": [{"role": "user", "content": prompt}],
-            "ability": "code",
-            "reward_model": {"style": "rule", "ground_truth": json.dumps(tests)},
-            "extra_info": {"split": split, "index": i, "fn_name": "f",
-                           "reference_solution": ref},
-        })
+        prompt = (
+            f"Write a Python function f that {desc}.\n"
+            "Answer with the complete function in a ```python code block."
+        )
+        rows.append(
+            {
+                "data_source": "code",
+                "prompt": [{"role": "user", "content": prompt}],
+                "ability": "code",
+                "reward_model": {"style": "rule", "ground_truth": json.dumps(tests)},
+                "extra_info": {
+                    "split": split,
+                    "index": i,
+                    "fn_name": "f",
+                    "reference_solution": ref,
+                },
+            }
+        )
     return rows
 
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 
-_HARNESS = '''import json, os, sys
+_HARNESS = """import json, os, sys
 sys.path.insert(0, os.getcwd())
 sys.setrecursionlimit(10000)
 try:
@@ -142,7 +181,7 @@ for args in {inputs!r}:
     except BaseException as e:
         out.append(["error", type(e).__name__ + ": " + str(e)[:200]])
 print({marker!r} + json.dumps({{"results": out}}), flush=True)
-'''
+"""
 
 
 def extract_code(text: str) -> str | None:
@@ -165,13 +204,19 @@ def _equal(got: Any, want: Any) -> bool:
     return type(got) is type(want) and got == want
 
 
-async def compute_code_score_async(solution_str: str, ground_truth: str | list,
-                                   sandbox: Sandbox, fn_name: str = "f") -> dict[str, Any]:
+async def compute_code_score_async(
+    solution_str: str, ground_truth: str | list, sandbox: Sandbox, fn_name: str = "f"
+) -> dict[str, Any]:
     """Async version of :func:`compute_code_score`."""
     tests = json.loads(ground_truth) if isinstance(ground_truth, str) else list(ground_truth)
     total = len(tests)
-    result: dict[str, Any] = {"score": 0.0, "passed": 0, "total": total, "error": None,
-                              "infra_error": 0.0}
+    result: dict[str, Any] = {
+        "score": 0.0,
+        "passed": 0,
+        "total": total,
+        "error": None,
+        "infra_error": 0.0,
+    }
     code = extract_code(solution_str)
     if code is None:
         result["error"] = "no ```python code block in the response"
@@ -179,8 +224,9 @@ async def compute_code_score_async(solution_str: str, ground_truth: str | list,
     marker = f"@@postrl-results-{secrets.token_hex(8)}@@"
     inputs = [json.dumps(t["input"]) for t in tests]
     harness = _HARNESS.format(fn_name=fn_name, marker=marker, inputs=inputs)
-    res = await sandbox.run([sandbox.python, "-I", "-S", "main.py"],
-                            {"main.py": harness, "solution.py": code})
+    res = await sandbox.run(
+        [sandbox.python, "-I", "-S", "main.py"], {"main.py": harness, "solution.py": code}
+    )
     if res.status in ("refused", "setup_failed"):
         result.update(error=res.describe(), infra_error=1.0)
         return result
@@ -188,7 +234,7 @@ async def compute_code_score_async(solution_str: str, ground_truth: str | list,
     if not lines:
         result["error"] = f"{res.describe()} {res.stderr[-300:]}".strip()
         return result
-    payload = json.loads(lines[-1][len(marker):])
+    payload = json.loads(lines[-1][len(marker) :])
     if "import_error" in payload:
         result["error"] = f"solution failed to load: {payload['import_error']}"
         return result
@@ -197,13 +243,15 @@ async def compute_code_score_async(solution_str: str, ground_truth: str | list,
     errors = [val for st, val in outcomes if st == "error"]
     result.update(score=passed / max(total, 1), passed=passed)
     if passed < total:
-        result["error"] = (f"{total - passed} of {total} tests failed"
-                           + (f"; first exception: {errors[0]}" if errors else ""))
+        result["error"] = f"{total - passed} of {total} tests failed" + (
+            f"; first exception: {errors[0]}" if errors else ""
+        )
     return result
 
 
-def compute_code_score(solution_str: str, ground_truth: str | list,
-                       sandbox: Sandbox | None = None, fn_name: str = "f") -> dict[str, Any]:
+def compute_code_score(
+    solution_str: str, ground_truth: str | list, sandbox: Sandbox | None = None, fn_name: str = "f"
+) -> dict[str, Any]:
     """Fraction of test cases the response's program passes, run in ``sandbox``.
 
     Synchronous wrapper; safe to call from inside a running event loop (it then runs on a
@@ -245,9 +293,14 @@ def _default_sandbox(sandbox_config: dict[str, Any] | None = None) -> Sandbox:
     return _SANDBOXES[cfg]
 
 
-def code_reward(data_source: str, solution_str: str, ground_truth: Any,
-                extra_info: dict[str, Any] | None = None,
-                sandbox_config: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+def code_reward(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+    sandbox_config: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """verl-signature reward for ``data_source="code"`` (a process-wide sandbox).
 
     Args:
@@ -262,10 +315,13 @@ def code_reward(data_source: str, solution_str: str, ground_truth: Any,
             score (the reward loop counts it as failed, with this message as the detail).
     """
     fn_name = (extra_info or {}).get("fn_name", "f")
-    out = compute_code_score(solution_str, ground_truth, sandbox=_default_sandbox(sandbox_config),
-                             fn_name=fn_name)
+    out = compute_code_score(
+        solution_str, ground_truth, sandbox=_default_sandbox(sandbox_config), fn_name=fn_name
+    )
     if out["infra_error"]:
-        raise SandboxUnavailableError(f"code reward not computed, sandbox unavailable: {out['error']}")
+        raise SandboxUnavailableError(
+            f"code reward not computed, sandbox unavailable: {out['error']}"
+        )
     if out["error"]:
         import logging
 

@@ -42,29 +42,49 @@ def validate_row(row: Any, where: str, prompt_key: str = "prompt") -> None:
         raise DatasetError(f"{where}: row is {type(row).__name__}, expected a mapping")
     for key in ("data_source", prompt_key, "reward_model"):
         if key not in row or row[key] is None:
-            raise DatasetError(f"{where}: missing field {key!r} (verl schema needs data_source, {prompt_key}, reward_model)")
+            raise DatasetError(
+                f"{where}: missing field {key!r} (verl schema needs data_source, {prompt_key}, reward_model)"
+            )
     if not isinstance(row["data_source"], str) or not row["data_source"]:
-        raise DatasetError(f"{where}: field 'data_source' must be a non-empty string, got {row['data_source']!r}")
+        raise DatasetError(
+            f"{where}: field 'data_source' must be a non-empty string, got {row['data_source']!r}"
+        )
     msgs = row[prompt_key]
     if isinstance(msgs, np.ndarray):
         msgs = msgs.tolist()
     if not isinstance(msgs, list) or not msgs:
-        raise DatasetError(f"{where}: field {prompt_key!r} must be a non-empty list of chat messages, got {msgs!r:.80}")
+        raise DatasetError(
+            f"{where}: field {prompt_key!r} must be a non-empty list of chat messages, got {msgs!r:.80}"
+        )
     for j, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DatasetError(f"{where}: field {prompt_key}[{j}] must be {{'role': str, 'content': str}}, got {m!r:.80}")
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise DatasetError(
+                f"{where}: field {prompt_key}[{j}] must be {{'role': str, 'content': str}}, got {m!r:.80}"
+            )
         if m["role"] not in _ROLES:
-            raise DatasetError(f"{where}: field {prompt_key}[{j}].role={m['role']!r} is not one of {sorted(_ROLES)}")
+            raise DatasetError(
+                f"{where}: field {prompt_key}[{j}].role={m['role']!r} is not one of {sorted(_ROLES)}"
+            )
     if not any(m["content"].strip() for m in msgs):
-        raise DatasetError(f"{where}: field {prompt_key!r} is empty (all messages have empty content)")
+        raise DatasetError(
+            f"{where}: field {prompt_key!r} is empty (all messages have empty content)"
+        )
     rm = row["reward_model"]
     if not isinstance(rm, dict) or "ground_truth" not in rm:
-        raise DatasetError(f"{where}: field 'reward_model' must be a mapping with 'ground_truth', got {rm!r:.80}")
+        raise DatasetError(
+            f"{where}: field 'reward_model' must be a mapping with 'ground_truth', got {rm!r:.80}"
+        )
     if rm["ground_truth"] is None:
         raise DatasetError(f"{where}: field 'reward_model.ground_truth' is null")
     ei = row.get("extra_info")
     if ei is not None and not isinstance(ei, dict):
-        raise DatasetError(f"{where}: field 'extra_info' must be a mapping or null, got {type(ei).__name__}")
+        raise DatasetError(
+            f"{where}: field 'extra_info' must be a mapping or null, got {type(ei).__name__}"
+        )
 
 
 @dataclass
@@ -104,7 +124,9 @@ class RLDataset:
         if self.max_samples:
             rows = rows[: self.max_samples]
         texts = [
-            self.tokenizer.apply_chat_template(_messages(r[self.prompt_key]), add_generation_prompt=True, tokenize=False)
+            self.tokenizer.apply_chat_template(
+                _messages(r[self.prompt_key]), add_generation_prompt=True, tokenize=False
+            )
             for r in rows
         ]
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
@@ -121,9 +143,15 @@ class RLDataset:
             kept_rows.append(r)
             kept_ids.append(list(p))
         if self.num_filtered:
-            logger.warning("filtered %d prompts longer than max_prompt_length=%d", self.num_filtered, self.max_prompt_length)
+            logger.warning(
+                "filtered %d prompts longer than max_prompt_length=%d",
+                self.num_filtered,
+                self.max_prompt_length,
+            )
         if not kept_rows:
-            raise DatasetError(f"no usable rows in {self.files} (filtered {self.num_filtered} over-long prompts)")
+            raise DatasetError(
+                f"no usable rows in {self.files} (filtered {self.num_filtered} over-long prompts)"
+            )
         self.rows, self.prompt_ids = kept_rows, kept_ids
 
     def __len__(self) -> int:

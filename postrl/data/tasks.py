@@ -31,7 +31,9 @@ def _split_seed(seed: int, split: str) -> int:
     return seed * 1_000_003 + {"train": 0, "test": 7919, "val": 7919}.get(split, 104729)
 
 
-def generate_addition(n: int, seed: int = 0, split: str = "train", max_digits: int = 2) -> list[dict[str, Any]]:
+def generate_addition(
+    n: int, seed: int = 0, split: str = "train", max_digits: int = 2
+) -> list[dict[str, Any]]:
     """Rows asking "What is A+B?" with 0 <= A, B < 10**max_digits; ground truth "A+B".
 
     Train and test splits are disjoint: the (A, B) pairs are partitioned by a hash of the pair.
@@ -44,7 +46,9 @@ def generate_addition(n: int, seed: int = 0, split: str = "train", max_digits: i
     while len(rows) < n:
         attempts += 1
         if attempts > 100 * n + 1000:
-            raise ValueError(f"cannot draw {n} distinct-split addition problems with max_digits={max_digits}")
+            raise ValueError(
+                f"cannot draw {n} distinct-split addition problems with max_digits={max_digits}"
+            )
         a, b = rng.randrange(hi), rng.randrange(hi)
         if ((a * 131 + b * 17) % 5 == 0) != want_test:  # 20% of pairs are test-only
             continue
@@ -71,11 +75,15 @@ def _countdown_solve(numbers: list[int], rng: random.Random) -> tuple[int, str]:
             ops.append("/")
         op = rng.choice(ops)
         expr = f"({expr}{op}{x})"
-        value = {"+": value + x, "-": value - x, "*": value * x, "/": value // x if x else value}[op]
+        value = {"+": value + x, "-": value - x, "*": value * x, "/": value // x if x else value}[
+            op
+        ]
     return value, expr
 
 
-def generate_countdown(n: int, seed: int = 0, split: str = "train", num_count: int = 3, max_num: int = 20) -> list[dict[str, Any]]:
+def generate_countdown(
+    n: int, seed: int = 0, split: str = "train", num_count: int = 3, max_num: int = 20
+) -> list[dict[str, Any]]:
     """Countdown rows: reach ``target`` using each of ``numbers`` once with + - * /.
 
     Targets are built from a random expression so every row is solvable; the reference
@@ -97,7 +105,10 @@ def generate_countdown(n: int, seed: int = 0, split: str = "train", num_count: i
                 "data_source": "countdown",
                 "prompt": [{"role": "user", "content": content}],
                 "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": {"target": target, "numbers": numbers}},
+                "reward_model": {
+                    "style": "rule",
+                    "ground_truth": {"target": target, "numbers": numbers},
+                },
                 "extra_info": {"split": split, "index": len(rows), "solution": expr},
             }
         )
@@ -107,17 +118,21 @@ def generate_countdown(n: int, seed: int = 0, split: str = "train", num_count: i
 _GSM_ANSWER = re.compile(r"####\s*(.+)$", re.S)
 
 
-def convert_gsm8k(input_path: str | Path, split: str = "train", data_source: str = "gsm8k") -> list[dict[str, Any]]:
+def convert_gsm8k(
+    input_path: str | Path, split: str = "train", data_source: str = "gsm8k"
+) -> list[dict[str, Any]]:
     """Convert a local GSM8K (``question``/``answer`` with ``#### N``) or MATH-style
     (``problem``/``solution`` or ``answer``) jsonl/parquet file to verl rows."""
     src = read_rows(input_path)
     rows = []
-    instruction = "Let's think step by step and output the final answer after \"####\"."
+    instruction = 'Let\'s think step by step and output the final answer after "####".'
     for i, r in enumerate(src):
         q = r.get("question", r.get("problem"))
         a = r.get("answer", r.get("solution"))
         if not isinstance(q, str) or not q.strip():
-            raise ValueError(f"{input_path}: row {i} has no non-empty 'question' (or 'problem') field")
+            raise ValueError(
+                f"{input_path}: row {i} has no non-empty 'question' (or 'problem') field"
+            )
         if not isinstance(a, str):
             raise ValueError(f"{input_path}: row {i} has no string 'answer' (or 'solution') field")
         m = _GSM_ANSWER.search(a)

@@ -29,8 +29,16 @@ from typing import Any
 from postrl.tools.base import ToolResponse
 from postrl.tools.calculator import CalculatorTool
 
-__all__ = ["KINDS", "PROMPT_STYLES", "ProblemCalculatorTool", "SYSTEM_PROMPT", "compute_tool_arith_score", "final_answer_text",
-           "generate_tool_arith", "tool_arith_demonstrations"]
+__all__ = [
+    "KINDS",
+    "PROMPT_STYLES",
+    "ProblemCalculatorTool",
+    "SYSTEM_PROMPT",
+    "compute_tool_arith_score",
+    "final_answer_text",
+    "generate_tool_arith",
+    "tool_arith_demonstrations",
+]
 
 SYSTEM_PROMPT = (
     "You can use a calculator tool. To call it, write exactly:\n"
@@ -65,8 +73,9 @@ def _split_seed(seed: int, split: str) -> int:
     return seed * 1_000_003 + {"train": 0, "test": 7919, "val": 7919}.get(split, 104729) + 17
 
 
-def _problem(rng: random.Random, min_digits: int, max_digits: int,
-             kinds: tuple[str, ...] = KINDS) -> tuple[str, int]:
+def _problem(
+    rng: random.Random, min_digits: int, max_digits: int, kinds: tuple[str, ...] = KINDS
+) -> tuple[str, int]:
     def num() -> int:
         d = rng.randint(min_digits, max_digits)
         return rng.randrange(10 ** (d - 1), 10**d)
@@ -82,8 +91,13 @@ def _problem(rng: random.Random, min_digits: int, max_digits: int,
     return f"{a} * {b} - {c}", a * b - c
 
 
-def _check_options(min_digits: int, max_digits: int, kinds: tuple[str, ...], prompt_style: str,
-                   result_digits: int = 0) -> None:
+def _check_options(
+    min_digits: int,
+    max_digits: int,
+    kinds: tuple[str, ...],
+    prompt_style: str,
+    result_digits: int = 0,
+) -> None:
     if not 1 <= min_digits <= max_digits:
         raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
     if result_digits < 0:
@@ -95,8 +109,15 @@ def _check_options(min_digits: int, max_digits: int, kinds: tuple[str, ...], pro
         raise ValueError(f"prompt_style={prompt_style!r}: choose one of {list(PROMPT_STYLES)}")
 
 
-def _problems(n: int, seed: int, split: str, min_digits: int, max_digits: int,
-              kinds: tuple[str, ...] = KINDS, result_digits: int = 0) -> list[tuple[str, int]]:
+def _problems(
+    n: int,
+    seed: int,
+    split: str,
+    min_digits: int,
+    max_digits: int,
+    kinds: tuple[str, ...] = KINDS,
+    result_digits: int = 0,
+) -> list[tuple[str, int]]:
     rng = random.Random(_split_seed(seed, split))
     want_test = split != "train"
     out: list[tuple[str, int]] = []
@@ -104,9 +125,11 @@ def _problems(n: int, seed: int, split: str, min_digits: int, max_digits: int,
     while len(out) < n:
         attempts += 1
         if attempts > 100 * n + 1000:
-            raise ValueError(f"could not draw {n} {split}-split problems with {min_digits}-"
-                             f"{max_digits} digits, kinds {list(kinds)} and result_digits="
-                             f"{result_digits}; allow more digits or set result_digits=0")
+            raise ValueError(
+                f"could not draw {n} {split}-split problems with {min_digits}-"
+                f"{max_digits} digits, kinds {list(kinds)} and result_digits="
+                f"{result_digits}; allow more digits or set result_digits=0"
+            )
         expr, value = _problem(rng, min_digits, max_digits, kinds)
         if result_digits and len(str(value)) != result_digits:
             continue
@@ -123,13 +146,22 @@ def hash_split(expr: str) -> str:
 def _prompt(expr: str, prompt_style: str) -> list[dict[str, str]]:
     if prompt_style != "full":
         return [{"role": "user", "content": f"What is {expr}?"}]
-    return [{"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"What is {expr}? Use the calculator."}]
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": f"What is {expr}? Use the calculator."},
+    ]
 
 
-def generate_tool_arith(n: int, seed: int = 0, split: str = "train", min_digits: int = 6,
-                        max_digits: int = 9, kinds: tuple[str, ...] | list[str] = KINDS,
-                        prompt_style: str = "full", result_digits: int = 0) -> list[dict[str, Any]]:
+def generate_tool_arith(
+    n: int,
+    seed: int = 0,
+    split: str = "train",
+    min_digits: int = 6,
+    max_digits: int = 9,
+    kinds: tuple[str, ...] | list[str] = KINDS,
+    prompt_style: str = "full",
+    result_digits: int = 0,
+) -> list[dict[str, Any]]:
     """``n`` RL rows in verl's schema (see module docstring).
 
     ``min_digits``/``max_digits`` bound each operand, ``kinds`` picks the problem kinds (a subset
@@ -141,23 +173,39 @@ def generate_tool_arith(n: int, seed: int = 0, split: str = "train", min_digits:
     kinds = tuple(kinds)
     _check_options(min_digits, max_digits, kinds, prompt_style, result_digits)
     rows = []
-    for i, (expr, value) in enumerate(_problems(n, seed, split, min_digits, max_digits, kinds, result_digits)):
-        rows.append({
-            "data_source": "tool_arith",
-            "prompt": _prompt(expr, prompt_style),
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(value)},
-            "extra_info": {"split": split, "index": i, "expression": expr, "answer": str(value),
-                           "tools_kwargs": {"calculator": {"create_kwargs": {"expression": expr}}}},
-            "agent_name": "tool_agent",
-        })
+    for i, (expr, value) in enumerate(
+        _problems(n, seed, split, min_digits, max_digits, kinds, result_digits)
+    ):
+        rows.append(
+            {
+                "data_source": "tool_arith",
+                "prompt": _prompt(expr, prompt_style),
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(value)},
+                "extra_info": {
+                    "split": split,
+                    "index": i,
+                    "expression": expr,
+                    "answer": str(value),
+                    "tools_kwargs": {"calculator": {"create_kwargs": {"expression": expr}}},
+                },
+                "agent_name": "tool_agent",
+            }
+        )
     return rows
 
 
-def tool_arith_demonstrations(n: int, seed: int = 0, min_digits: int = 6, max_digits: int = 9,
-                              kinds: tuple[str, ...] | list[str] = KINDS, prompt_style: str = "full",
-                              tool_fraction: float = 1.0, result_digits: int = 0,
-                              copy_fraction: float = 0.0) -> list[dict[str, Any]]:
+def tool_arith_demonstrations(
+    n: int,
+    seed: int = 0,
+    min_digits: int = 6,
+    max_digits: int = 9,
+    kinds: tuple[str, ...] | list[str] = KINDS,
+    prompt_style: str = "full",
+    tool_fraction: float = 1.0,
+    result_digits: int = 0,
+    copy_fraction: float = 0.0,
+) -> list[dict[str, Any]]:
     """``n`` SFT rows ``{"messages": [...]}``: one correct conversation each.
 
     A ``copy_fraction`` of them (rounded) are *tool-reading* rows: a tool message holding a
@@ -189,27 +237,46 @@ def tool_arith_demonstrations(n: int, seed: int = 0, min_digits: int = 6, max_di
     rows = []
     for (expr, value), row_kind in zip(problems, kind):
         bound = prompt_style == "bound"
-        answer = {"role": "assistant", "content": str(value) if bound else f"The answer is {value}."}
+        answer = {
+            "role": "assistant",
+            "content": str(value) if bound else f"The answer is {value}.",
+        }
         if row_kind == "copy":
-            rows.append({"messages": [{"role": "tool", "name": "calculator", "content": str(value)}, answer]})
+            rows.append(
+                {
+                    "messages": [
+                        {"role": "tool", "name": "calculator", "content": str(value)},
+                        answer,
+                    ]
+                }
+            )
             continue
         if row_kind == "direct":
             rows.append({"messages": [*_prompt(expr, prompt_style), answer]})
             continue
-        call = json.dumps({"name": "calculator", "arguments": {} if bound else {"expression": expr}})
-        rows.append({"messages": [
-            *_prompt(expr, prompt_style),
-            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
-            {"role": "tool", "name": "calculator", "content": str(value)},
-            answer,
-        ]})
+        call = json.dumps(
+            {"name": "calculator", "arguments": {} if bound else {"expression": expr}}
+        )
+        rows.append(
+            {
+                "messages": [
+                    *_prompt(expr, prompt_style),
+                    {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                    {"role": "tool", "name": "calculator", "content": str(value)},
+                    answer,
+                ]
+            }
+        )
     return rows
 
 
-_BLOCKS = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)|<tool_response>.*?(?:</tool_response>|\Z)",
-                     re.DOTALL)
-_ASSISTANT_START = re.compile(r"<\|im_start\|>assistant|<\|start_header_id\|>assistant"
-                              r"<\|end_header_id\|>")
+_BLOCKS = re.compile(
+    r"<tool_call>.*?(?:</tool_call>|\Z)|<tool_response>.*?(?:</tool_response>|\Z)", re.DOTALL
+)
+_ASSISTANT_START = re.compile(
+    r"<\|im_start\|>assistant|<\|start_header_id\|>assistant"
+    r"<\|end_header_id\|>"
+)
 _INT = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)")
 
 
@@ -219,13 +286,18 @@ def final_answer_text(solution_str: str) -> str:
     Turn boundaries are recognised for ChatML (Qwen) and Llama-3 templates; text without any
     marker is taken whole (single-turn responses)."""
     starts = [m.end() for m in _ASSISTANT_START.finditer(solution_str)]
-    tail = solution_str[starts[-1]:] if starts else solution_str
+    tail = solution_str[starts[-1] :] if starts else solution_str
     return _BLOCKS.sub(" ", tail)
 
 
-def compute_tool_arith_score(data_source: str, solution_str: str, ground_truth: Any,
-                             extra_info: dict[str, Any] | None = None, partial_credit: float = 0.0,
-                             **kwargs: Any) -> dict[str, float]:
+def compute_tool_arith_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+    partial_credit: float = 0.0,
+    **kwargs: Any,
+) -> dict[str, float]:
     """verl-signature reward: ``score`` = 1.0 iff the final turn's last integer is the answer.
 
     ``partial_credit`` (a reward kwarg, default 0): a wrong answer scores ``partial_credit ×``
@@ -268,8 +340,10 @@ class ProblemCalculatorTool(CalculatorTool):
         """``calculator(expression: str = <this problem>)``."""
         schema = copy.deepcopy(CalculatorTool.default_schema())
         fn = schema["function"]
-        fn["description"] = ("Evaluate an arithmetic expression exactly; without an expression, "
-                             "evaluate the current problem.")
+        fn["description"] = (
+            "Evaluate an arithmetic expression exactly; without an expression, "
+            "evaluate the current problem."
+        )
         fn["parameters"]["required"] = []
         return schema
 
@@ -278,9 +352,12 @@ class ProblemCalculatorTool(CalculatorTool):
         if "expression" not in parameters:
             expr = self._instances.get(instance_id, {}).get("expression")
             if not isinstance(expr, str):
-                return ToolResponse("Error: no expression given and this episode has no problem "
-                                    "(tools_kwargs.calculator.create_kwargs.expression)",
-                                    metrics={"tool/errors/bad_arguments": 1.0}, error="bad_arguments")
+                return ToolResponse(
+                    "Error: no expression given and this episode has no problem "
+                    "(tools_kwargs.calculator.create_kwargs.expression)",
+                    metrics={"tool/errors/bad_arguments": 1.0},
+                    error="bad_arguments",
+                )
             parameters = {**parameters, "expression": expr}
         return await super().execute(instance_id, parameters)
 

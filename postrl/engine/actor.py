@@ -45,7 +45,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["Actor", "prompt_groups"]
 
 
-def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt_groups(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Group rows with identical prompts: (group id per row (B,), duplicated prompt tokens per group (G,))."""
     p = input_ids.shape[1] - response_length
     pm = attention_mask[:, :p].bool()
@@ -70,8 +72,17 @@ class Actor:
         seed: shuffling seed.
     """
 
-    def __init__(self, policy: PolicyModel, cfg, *, rollout_n: int = 1, device: str | torch.device = "cpu",
-                 group: dist.ProcessGroup | None = None, total_steps: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        policy: PolicyModel,
+        cfg,
+        *,
+        rollout_n: int = 1,
+        device: str | torch.device = "cpu",
+        group: dist.ProcessGroup | None = None,
+        total_steps: int = 0,
+        seed: int = 0,
+    ) -> None:
         self.policy = policy
         self.cfg = cfg
         self.rollout_n = rollout_n
@@ -100,14 +111,28 @@ class Actor:
         units = extra = None
         if self.share_prefix():
             units, extra = prompt_groups(data.batch["input_ids"], am, r)
-        micro = make_micro_batches(am.sum(1), use_dynamic_bsz=self.cfg.use_dynamic_bsz, max_tokens=max_tokens,
-                                   micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu, unit_ids=units, unit_extra=extra)
-        return self.policy.align_micro_batches(micro, am.sum(1), units)  # FSDP2: same count on every rank
+        micro = make_micro_batches(
+            am.sum(1),
+            use_dynamic_bsz=self.cfg.use_dynamic_bsz,
+            max_tokens=max_tokens,
+            micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu,
+            unit_ids=units,
+            unit_extra=extra,
+        )
+        return self.policy.align_micro_batches(
+            micro, am.sum(1), units
+        )  # FSDP2: same count on every rank
 
     def _forward(self, mb: dict[str, torch.Tensor], temperature: float, entropy: bool):
         r = mb["responses"].shape[1]
-        return self.policy.logprobs(mb["input_ids"], mb["attention_mask"], r,  # the FSDP2 root's forward
-                                    temperature=temperature, calculate_entropy=entropy, share_prefix=self.share_prefix())
+        return self.policy.logprobs(
+            mb["input_ids"],
+            mb["attention_mask"],
+            r,  # the FSDP2 root's forward
+            temperature=temperature,
+            calculate_entropy=entropy,
+            share_prefix=self.share_prefix(),
+        )
 
     def _to_dev(self, data: DataProto, idx: list[int], keys: list[str]) -> dict[str, torch.Tensor]:
         ix = torch.tensor(idx, dtype=torch.long)
@@ -151,17 +176,31 @@ class Actor:
         size = max(1, self.cfg.ppo_mini_batch_size * self.rollout_n // self.dp_size)
         order = torch.arange(b)
         if self.cfg.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.update_count * 101 + epoch)
+            g = torch.Generator().manual_seed(
+                self.seed * 1_000_003 + self.update_count * 101 + epoch
+            )
             order = torch.randperm(b, generator=g)
         return split_mini_batches(data, size, order, self.group)
 
     def _loss_terms(self, mb, lp, ent, denoms: dict):
-        hp = dict(clip_ratio_low=self.cfg.clip_ratio_low, clip_ratio_high=self.cfg.clip_ratio_high,
-                  clip_ratio_c=self.cfg.clip_ratio_c, **self.cfg.policy_loss_kwargs)
+        hp = dict(
+            clip_ratio_low=self.cfg.clip_ratio_low,
+            clip_ratio_high=self.cfg.clip_ratio_high,
+            clip_ratio_c=self.cfg.clip_ratio_c,
+            **self.cfg.policy_loss_kwargs,
+        )
         mask = mb["response_mask"].to(lp.dtype)
-        pg, m = self.loss_fn(mb["old_log_probs"], lp, mb["advantages"], mask, loss_agg_mode=self.cfg.loss_agg_mode,
-                             rollout_log_prob=mb.get("rollout_log_probs"), rollout_is_weights=mb.get("rollout_is_weights"),
-                             **denoms, **hp)
+        pg, m = self.loss_fn(
+            mb["old_log_probs"],
+            lp,
+            mb["advantages"],
+            mask,
+            loss_agg_mode=self.cfg.loss_agg_mode,
+            rollout_log_prob=mb.get("rollout_log_probs"),
+            rollout_is_weights=mb.get("rollout_is_weights"),
+            **denoms,
+            **hp,
+        )
         loss = pg
         ent_loss = agg_loss(ent, mask, self.cfg.loss_agg_mode, **denoms)
         if self.cfg.entropy_coeff:
@@ -169,8 +208,15 @@ class Actor:
         terms = {"pg_loss": pg.detach(), "entropy": ent_loss.detach()}
         if self.cfg.use_kl_loss:
             if "ref_log_prob" not in mb:
-                raise KeyError("actor.use_kl_loss=True needs batch['ref_log_prob']; enable the reference policy")
-            kl = agg_loss(kl_penalty(lp, mb["ref_log_prob"], self.cfg.kl_loss_type), mask, self.cfg.loss_agg_mode, **denoms)
+                raise KeyError(
+                    "actor.use_kl_loss=True needs batch['ref_log_prob']; enable the reference policy"
+                )
+            kl = agg_loss(
+                kl_penalty(lp, mb["ref_log_prob"], self.cfg.kl_loss_type),
+                mask,
+                self.cfg.loss_agg_mode,
+                **denoms,
+            )
             loss = loss + self.cfg.kl_loss_coef * kl
             terms["kl_loss"] = kl.detach()
         return loss, terms, m
@@ -190,47 +236,76 @@ class Actor:
         pass).
         """
         temperature = float(data.meta_info.get("temperature", 1.0))
-        keys = ["input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages",
-                "ref_log_prob", "rollout_log_probs", "rollout_is_weights"]
+        keys = [
+            "input_ids",
+            "attention_mask",
+            "responses",
+            "response_mask",
+            "old_log_probs",
+            "advantages",
+            "ref_log_prob",
+            "rollout_log_probs",
+            "rollout_is_weights",
+        ]
         fused = "old_log_probs" not in data.batch
         self.fused_old_log_probs = None
-        if fused:  # on-policy: old log-probs come from this update's own forward (see fuse_old_log_prob)
+        if (
+            fused
+        ):  # on-policy: old log-probs come from this update's own forward (see fuse_old_log_prob)
             if self.cfg.ppo_epochs != 1:
-                raise ValueError(f"update_policy without batch['old_log_probs'] needs actor.ppo_epochs=1 (on-policy), "
-                                 f"got {self.cfg.ppo_epochs}: compute old log-probs first")
+                raise ValueError(
+                    f"update_policy without batch['old_log_probs'] needs actor.ppo_epochs=1 (on-policy), "
+                    f"got {self.cfg.ppo_epochs}: compute old log-probs first"
+                )
             data = data.union(DataProto.from_dict({"_row": torch.arange(len(data))}))
             keys.append("_row")
-            self.fused_old_log_probs = torch.zeros(data.batch["responses"].shape, dtype=torch.float32)
+            self.fused_old_log_probs = torch.zeros(
+                data.batch["responses"].shape, dtype=torch.float32
+            )
         sums: dict[str, list[torch.Tensor]] = defaultdict(list)
         self.policy.module.train()
         for epoch in range(self.cfg.ppo_epochs):
             minis = self._mini_batches(data, epoch)
             if fused and len(minis) != 1:
-                raise ValueError(f"update_policy without batch['old_log_probs'] needs one mini-batch per update (on-policy), "
-                                 f"got {len(minis)}: set actor.ppo_mini_batch_size=data.train_batch_size or compute old log-probs first")
+                raise ValueError(
+                    f"update_policy without batch['old_log_probs'] needs one mini-batch per update (on-policy), "
+                    f"got {len(minis)}: set actor.ppo_mini_batch_size=data.train_batch_size or compute old log-probs first"
+                )
             for mini in minis:
                 rm = mini.batch["response_mask"].float()
-                counts = allreduce_sum(torch.stack([rm.sum(), (rm.sum(-1) > 0).float().sum()]), self.group)
+                counts = allreduce_sum(
+                    torch.stack([rm.sum(), (rm.sum(-1) > 0).float().sum()]), self.group
+                )
                 if not bool(counts[0] > 0):  # no valid token on any rank: nothing to learn, no step
                     continue
-                denoms = dict(global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=self.dp_size)
+                denoms = dict(
+                    global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=self.dp_size
+                )
                 step: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
                 for idx in self._micro(mini, self.cfg.ppo_max_token_len_per_gpu):
                     mb = self._to_dev(mini, idx, keys)
                     lp, ent = self._forward(mb, temperature, True)
-                    if fused:  # π_old = π_θ at this point: ratio exactly 1, gradient of the on-policy loss
+                    if (
+                        fused
+                    ):  # π_old = π_θ at this point: ratio exactly 1, gradient of the on-policy loss
                         mb["old_log_probs"] = lp.detach()
-                        self.fused_old_log_probs[mb["_row"].cpu()] = mb["old_log_probs"].float().cpu()
+                        self.fused_old_log_probs[mb["_row"].cpu()] = (
+                            mb["old_log_probs"].float().cpu()
+                        )
                     loss, terms, m = self._loss_terms(mb, lp, ent, denoms)
                     loss.backward()
-                    w = mb["response_mask"].sum().float().cpu() / counts[0].clamp(min=1)  # token share of the mini-batch
+                    w = mb["response_mask"].sum().float().cpu() / counts[0].clamp(
+                        min=1
+                    )  # token share of the mini-batch
                     for k, v in terms.items():
                         step[k] = step[k] + v.cpu()
                     for k, v in m.items():
                         step[k] = step[k] + v.cpu() * w
                 allreduce_grads(self.params, self.group)
                 lr = self.optimizer.param_groups[0]["lr"]
-                norm, ok = guarded_step(self.params, self.optimizer, self.scheduler, self.cfg.optim.grad_clip)
+                norm, ok = guarded_step(
+                    self.params, self.optimizer, self.scheduler, self.cfg.optim.grad_clip
+                )
                 self.nonfinite_skips += int(not ok)
                 for k in sorted(step):  # every value is an additive share: sum over ranks
                     sums[k].append(allreduce_sum(step[k], self.group))

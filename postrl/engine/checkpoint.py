@@ -56,8 +56,14 @@ from torch.distributed.tensor import DTensor
 
 from postrl.engine.fsdp import full_tensor, is_sharded, shard_like
 
-__all__ = ["iter_hf_params", "save_engine_checkpoint", "load_engine_checkpoint", "export_hf", "save_hf",
-           "CHECKPOINT_FORMATS"]
+__all__ = [
+    "iter_hf_params",
+    "save_engine_checkpoint",
+    "load_engine_checkpoint",
+    "export_hf",
+    "save_hf",
+    "CHECKPOINT_FORMATS",
+]
 
 CHECKPOINT_FORMATS = ("full", "sharded")
 """Values of ``trainer.checkpoint_format``."""
@@ -118,7 +124,9 @@ def iter_hf_params(policy) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, b.detach()
 
 
-def _optim_items(opt: torch.optim.Optimizer) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any]]:
+def _optim_items(
+    opt: torch.optim.Optimizer,
+) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any]]:
     sd = opt.state_dict()
     scalars: dict[str, dict[str, Any]] = {}
     tensors = []
@@ -131,7 +139,9 @@ def _optim_items(opt: torch.optim.Optimizer) -> tuple[Iterator[tuple[str, torch.
     return iter(tensors), {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def _optim_split(opt: torch.optim.Optimizer, keep: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _optim_split(
+    opt: torch.optim.Optimizer, keep: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Full optimizer state tensors keyed ``<pid>.<name>`` (gathered from shards) + JSON meta."""
     items, meta = _optim_items(opt)
     tensors: dict[str, torch.Tensor] = {}
@@ -142,7 +152,9 @@ def _optim_split(opt: torch.optim.Optimizer, keep: bool = True) -> tuple[dict[st
     return tensors, meta
 
 
-def _optim_join(tensors: dict[str, torch.Tensor], meta: dict[str, Any], opt: torch.optim.Optimizer) -> dict[str, Any]:
+def _optim_join(
+    tensors: dict[str, torch.Tensor], meta: dict[str, Any], opt: torch.optim.Optimizer
+) -> dict[str, Any]:
     """Inverse of :func:`_optim_split`; moments of sharded parameters become this rank's shard
     (values that already are ``DTensor`` s are used as they are)."""
     params = [p for g in opt.param_groups for p in g["params"]]  # index = pid of state_dict()
@@ -194,8 +206,10 @@ def _load_model_state(module: nn.Module, on_disk: dict[str, torch.Tensor], path:
         new.update(dict.fromkeys(names, value))
     unexpected = sorted(set(on_disk) - set(sd))
     if missing or unexpected:
-        raise KeyError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
-                       "was it written for another model.path or LoRA setting?")
+        raise KeyError(
+            f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+            "was it written for another model.path or LoRA setting?"
+        )
     module.load_state_dict(new, strict=True)
 
 
@@ -230,7 +244,9 @@ def _sharded_group(module: nn.Module):
     return mesh.get_group(), mesh.get_local_rank(), mesh.size()
 
 
-def _local_tensors(items: Iterator[tuple[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+def _local_tensors(
+    items: Iterator[tuple[str, torch.Tensor]],
+) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
     """This rank's part of each tensor (``to_local()`` of a ``DTensor``, else the tensor) and
     the full shapes of the sharded ones."""
     local: dict[str, torch.Tensor] = {}
@@ -273,8 +289,14 @@ def _save_sharded(final: Path, module: nn.Module, optimizer, scheduler, model_cf
         rtensors, rmeta = _rng_state()
         save_file(rtensors, str(tmp / "rng.safetensors"))
         state = {
-            "format": "sharded", "world_size": world, "model_shapes": mshapes, "optim_shapes": oshapes,
-            "optimizer": ometa, "scheduler": _sched_state(scheduler), "rng": rmeta, "extra": dict(extra or {}),
+            "format": "sharded",
+            "world_size": world,
+            "model_shapes": mshapes,
+            "optim_shapes": oshapes,
+            "optimizer": ometa,
+            "scheduler": _sched_state(scheduler),
+            "rng": rmeta,
+            "extra": dict(extra or {}),
             "model_cfg": dataclasses.asdict(model_cfg) if model_cfg is not None else None,
         }
         (tmp / "state.json").write_text(json.dumps(state))
@@ -287,7 +309,9 @@ def _rank_file(ck: Path, kind: str, rank: int) -> Path:
     return ck / f"{kind}-rank{rank:05d}.safetensors"
 
 
-def _merged(ck: Path, kind: str, world: int, shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+def _merged(
+    ck: Path, kind: str, world: int, shapes: dict[str, list[int]]
+) -> dict[str, torch.Tensor]:
     """Full tensors from the per-rank files: sharded ones concatenated along dim 0 in rank order,
     the replicated ones from rank 0."""
     parts = [load_file(str(_rank_file(ck, kind, r))) for r in range(world)]
@@ -295,24 +319,42 @@ def _merged(ck: Path, kind: str, world: int, shapes: dict[str, list[int]]) -> di
     for name, shape in shapes.items():
         full = torch.cat([p[name] for p in parts], 0)
         if list(full.shape) != shape:
-            raise ValueError(f"{ck}: the {world} shards of {name} concatenate to {list(full.shape)}, not {shape}")
+            raise ValueError(
+                f"{ck}: the {world} shards of {name} concatenate to {list(full.shape)}, not {shape}"
+            )
         out[name] = full
     return out
 
 
-def _own_shards(ck: Path, kind: str, rank: int, shapes: dict[str, list[int]],
-                like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _own_shards(
+    ck: Path, kind: str, rank: int, shapes: dict[str, list[int]], like: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """This rank's file as ``DTensor`` s laid out like the live tensors in ``like`` (same dp size)."""
     out = load_file(str(_rank_file(ck, kind, rank)))
     for name in shapes:
         ref = like[name]
-        out[name] = DTensor.from_local(out[name].to(device=ref.to_local().device, dtype=ref.dtype), ref.device_mesh,
-                                       ref.placements, run_check=False, shape=ref.shape, stride=ref.stride())
+        out[name] = DTensor.from_local(
+            out[name].to(device=ref.to_local().device, dtype=ref.dtype),
+            ref.device_mesh,
+            ref.placements,
+            run_check=False,
+            shape=ref.shape,
+            stride=ref.stride(),
+        )
     return out
 
 
-def save_engine_checkpoint(path: str | Path, module: nn.Module, optimizer, scheduler, *, model_cfg=None,
-                           extra: dict[str, Any] | None = None, write: bool = True, sharded: bool = False) -> Path:
+def save_engine_checkpoint(
+    path: str | Path,
+    module: nn.Module,
+    optimizer,
+    scheduler,
+    *,
+    model_cfg=None,
+    extra: dict[str, Any] | None = None,
+    write: bool = True,
+    sharded: bool = False,
+) -> Path:
     """Atomically write ``module`` + optimizer + scheduler + RNG (+ ``extra`` JSON) to ``path``.
 
     With an FSDP2-sharded ``module`` every rank of its dp group must call this; pass ``write=True``
@@ -350,7 +392,9 @@ def save_engine_checkpoint(path: str | Path, module: nn.Module, optimizer, sched
     return final
 
 
-def load_engine_checkpoint(path: str | Path, module: nn.Module, optimizer, scheduler) -> dict[str, Any]:
+def load_engine_checkpoint(
+    path: str | Path, module: nn.Module, optimizer, scheduler
+) -> dict[str, Any]:
     """Restore what :func:`save_engine_checkpoint` wrote; returns the ``extra`` dict.
 
     Works for any strategy/dp size and either format: sharded parameters and optimizer moments
@@ -368,7 +412,9 @@ def load_engine_checkpoint(path: str | Path, module: nn.Module, optimizer, sched
             sd, groups = _aliases(module)
             live = {sorted(names)[0]: sd[names[0]] for names in groups}
             params = [q for g in optimizer.param_groups for q in g["params"]]
-            olive = {k: params[int(k.partition(".")[0])] for k in os_}  # moments are laid out like their param
+            olive = {
+                k: params[int(k.partition(".")[0])] for k in os_
+            }  # moments are laid out like their param
             model_t = _own_shards(p, "model", rank, ms, live)
             optim_t = _own_shards(p, "optim", rank, os_, olive)
         else:
@@ -426,7 +472,17 @@ def save_hf(policy, source_path: str | Path, out_dir: str | Path) -> Path:
     finally:
         lm.config._attn_implementation = prev
     for f in Path(source_path).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config", "chat_template", "postrl_model")):
+        if f.name.startswith(
+            (
+                "tokenizer",
+                "special_tokens",
+                "vocab",
+                "merges",
+                "generation_config",
+                "chat_template",
+                "postrl_model",
+            )
+        ):
             shutil.copy2(f, tmp / f.name)
     if out.exists():
         shutil.rmtree(out)

@@ -45,8 +45,16 @@ class Critic:
         total_steps: optimizer steps of the run (cosine schedule).
     """
 
-    def __init__(self, model: CriticModel, cfg, *, rollout_n: int = 1, device: str | torch.device = "cpu",
-                 group: dist.ProcessGroup | None = None, total_steps: int = 0) -> None:
+    def __init__(
+        self,
+        model: CriticModel,
+        cfg,
+        *,
+        rollout_n: int = 1,
+        device: str | torch.device = "cpu",
+        group: dist.ProcessGroup | None = None,
+        total_steps: int = 0,
+    ) -> None:
         self.model = model
         self.cfg = cfg
         self.rollout_n = rollout_n
@@ -60,9 +68,12 @@ class Critic:
 
     def _micro(self, data: DataProto) -> list[list[int]]:
         seqlens = data.batch["attention_mask"].sum(1)
-        micro = make_micro_batches(seqlens, use_dynamic_bsz=self.cfg.use_dynamic_bsz,
-                                   max_tokens=self.cfg.ppo_max_token_len_per_gpu,
-                                   micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu)
+        micro = make_micro_batches(
+            seqlens,
+            use_dynamic_bsz=self.cfg.use_dynamic_bsz,
+            max_tokens=self.cfg.ppo_max_token_len_per_gpu,
+            micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu,
+        )
         return self.model.align_micro_batches(micro, seqlens)  # FSDP2: same count on every rank
 
     def _values(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -77,7 +88,12 @@ class Critic:
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` (B, R) of the responses (0 on padding)."""
         micro = self._micro(data)
-        outs = [self._values(self._to_dev(data, idx, ["input_ids", "attention_mask", "responses"])).cpu() for idx in micro]
+        outs = [
+            self._values(
+                self._to_dev(data, idx, ["input_ids", "attention_mask", "responses"])
+            ).cpu()
+            for idx in micro
+        ]
         return DataProto.from_dict({"values": restore_order(outs, micro)})
 
     def update_critic(self, data: DataProto) -> dict[str, float]:
@@ -91,28 +107,44 @@ class Critic:
         sums: dict[str, list[torch.Tensor]] = defaultdict(list)
         self.model.train()
         for _ in range(self.cfg.ppo_epochs):
-            for mini in split_mini_batches(data, size, group=self.group):  # same count on every dp rank
+            for mini in split_mini_batches(
+                data, size, group=self.group
+            ):  # same count on every dp rank
                 rm = mini.batch["response_mask"].float()
-                counts = allreduce_sum(torch.stack([rm.sum(), (rm.sum(-1) > 0).float().sum()]), self.group)
+                counts = allreduce_sum(
+                    torch.stack([rm.sum(), (rm.sum(-1) > 0).float().sum()]), self.group
+                )
                 if not bool(counts[0] > 0):  # no valid token on any rank: no step
                     continue
-                den = dict(global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=self.dp_size)
+                den = dict(
+                    global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=self.dp_size
+                )
                 step = {k: torch.zeros(()) for k in ("vf_loss", "vf_clipfrac", "vpred_mean")}
                 for idx in self._micro(mini):
                     mb = self._to_dev(mini, idx, keys)
                     mask = mb["response_mask"].float()
                     vpred = self._values(mb)
-                    loss, m = compute_value_loss(vpred, mb["returns"], mb["values"], mask,
-                                                 cliprange_value=self.cfg.cliprange_value,
-                                                 loss_agg_mode=self.cfg.loss_agg_mode, **den)
+                    loss, m = compute_value_loss(
+                        vpred,
+                        mb["returns"],
+                        mb["values"],
+                        mask,
+                        cliprange_value=self.cfg.cliprange_value,
+                        loss_agg_mode=self.cfg.loss_agg_mode,
+                        **den,
+                    )
                     loss.backward()
                     w = mask.sum().cpu() / counts[0].clamp(min=1)
                     step["vf_loss"] += loss.detach().cpu()
                     step["vf_clipfrac"] += m["vf_clipfrac"].cpu() * w
-                    step["vpred_mean"] += (vpred.detach() * mask).sum().cpu() / counts[0].clamp(min=1)
+                    step["vpred_mean"] += (vpred.detach() * mask).sum().cpu() / counts[0].clamp(
+                        min=1
+                    )
                 allreduce_grads(self.params, self.group)
                 lr = self.optimizer.param_groups[0]["lr"]
-                norm, ok = guarded_step(self.params, self.optimizer, self.scheduler, self.cfg.optim.grad_clip)
+                norm, ok = guarded_step(
+                    self.params, self.optimizer, self.scheduler, self.cfg.optim.grad_clip
+                )
                 self.nonfinite_skips += int(not ok)
                 for k in sorted(step):
                     sums[k].append(allreduce_sum(step[k], self.group))

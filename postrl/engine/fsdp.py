@@ -104,8 +104,12 @@ def transformer_layers(module: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard_model(root: nn.Module, group: dist.ProcessGroup, device: torch.device | str,
-                compute_dtype: torch.dtype | None = None) -> list[FSDPModule]:
+def shard_model(
+    root: nn.Module,
+    group: dist.ProcessGroup,
+    device: torch.device | str,
+    compute_dtype: torch.dtype | None = None,
+) -> list[FSDPModule]:
     """Apply FSDP2 to each decoder layer under ``root`` and to ``root``; gradients are SUMMED.
 
     ``root`` must be the module whose forward encloses every use of the non-layer parameters
@@ -128,7 +132,9 @@ def shard_model(root: nn.Module, group: dist.ProcessGroup, device: torch.device 
     if compute_dtype is not None:
         store = next(root.parameters()).dtype
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=store)
-    for layer in reversed(transformer_layers(root)):  # innermost first, should such layers ever nest
+    for layer in reversed(
+        transformer_layers(root)
+    ):  # innermost first, should such layers ever nest
         fully_shard(layer, mesh=mesh, reshard_after_forward=True, **kw)
     fully_shard(root, mesh=mesh, reshard_after_forward=True, **kw)
     units = [m for m in root.modules() if isinstance(m, FSDPModule)]
@@ -156,7 +162,9 @@ def shard_like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     if not isinstance(ref, DTensor):
         return full
     if tuple(full.shape) != tuple(ref.shape):
-        raise ValueError(f"cannot shard a tensor of shape {tuple(full.shape)} like one of shape {tuple(ref.shape)}")
+        raise ValueError(
+            f"cannot shard a tensor of shape {tuple(full.shape)} like one of shape {tuple(ref.shape)}"
+        )
     local = full.to(device=ref.to_local().device, dtype=ref.dtype)
     return distribute_tensor(local, ref.device_mesh, ref.placements, src_data_rank=None)
 
@@ -171,7 +179,9 @@ def param_numel(module: nn.Module) -> dict[str, int]:
     return {"local": local, "full": full}
 
 
-def _split_in_two(rows: list[int], seqlens: list[int], unit_of: list[int] | None) -> tuple[list[int], list[int]]:
+def _split_in_two(
+    rows: list[int], seqlens: list[int], unit_of: list[int] | None
+) -> tuple[list[int], list[int]]:
     """Two token-balanced halves of a micro-batch, keeping prefix-sharing units together if possible."""
     units = sorted({unit_of[r] for r in rows}) if unit_of is not None else []
     if len(units) >= 2:

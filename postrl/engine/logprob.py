@@ -59,7 +59,9 @@ class Packed:
     num_tokens: int
 
 
-def _prefix_layout(group, g, gplen, pstart, rlen, rstart, tok_kind, tok_group, tok_row, within, n) -> PrefixLayout:
+def _prefix_layout(
+    group, g, gplen, pstart, rlen, rstart, tok_kind, tok_group, tok_row, within, n
+) -> PrefixLayout:
     """The two-pass prompt-shared attention layout (see :class:`~postrl.engine.varlen.PrefixLayout`)."""
     dev = group.device
     b = group.shape[0]
@@ -67,18 +69,33 @@ def _prefix_layout(group, g, gplen, pstart, rlen, rstart, tok_kind, tok_group, t
     lr = int(rlen.max()) if b else 0
     jp = torch.arange(lp, device=dev)
     ir = torch.arange(lr, device=dev)
-    prompt_idx = (pstart.unsqueeze(1) + torch.minimum(jp.unsqueeze(0), (gplen - 1).clamp(min=0).unsqueeze(1))).clamp(0, n - 1)
-    resp_q_idx = (rstart.unsqueeze(1) + torch.minimum(ir.unsqueeze(0), (rlen - 1).clamp(min=0).unsqueeze(1))).clamp(0, n - 1)
+    prompt_idx = (
+        pstart.unsqueeze(1) + torch.minimum(jp.unsqueeze(0), (gplen - 1).clamp(min=0).unsqueeze(1))
+    ).clamp(0, n - 1)
+    resp_q_idx = (
+        rstart.unsqueeze(1) + torch.minimum(ir.unsqueeze(0), (rlen - 1).clamp(min=0).unsqueeze(1))
+    ).clamp(0, n - 1)
     resp_k_idx = torch.cat([prompt_idx[group], resp_q_idx], dim=1)  # (B, Lp + Lr)
     see_prompt = (jp.view(1, 1, lp) < gplen[group].view(b, 1, 1)).expand(b, lr, lp)
     see_resp = (ir.view(1, 1, lr) <= ir.view(1, lr, 1)).expand(b, lr, lr)
     resp_mask = torch.cat([see_prompt, see_resp], dim=2).unsqueeze(1)  # (B, 1, Lr, Lp + Lr)
     out_idx = torch.where(tok_kind == 0, tok_group * lp + within, g * lp + tok_row * lr + within)
-    return PrefixLayout(prompt_idx=prompt_idx, resp_q_idx=resp_q_idx, resp_k_idx=resp_k_idx, resp_mask=resp_mask,
-                        out_idx=out_idx)
+    return PrefixLayout(
+        prompt_idx=prompt_idx,
+        resp_q_idx=resp_q_idx,
+        resp_k_idx=resp_k_idx,
+        resp_mask=resp_mask,
+        out_idx=out_idx,
+    )
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *, share_prefix: bool = False) -> Packed:
+def pack(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    *,
+    share_prefix: bool = False,
+) -> Packed:
     """Remove padding and pack a micro-batch into one row.
 
     Each row is a prompt segment (its valid tokens, contiguous because prompts are left-padded)
@@ -97,12 +114,16 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length:
     b, t = input_ids.shape
     p = t - response_length
     if p < 1:
-        raise ValueError(f"need at least one prompt column, got input width {t} and response_length {response_length}")
+        raise ValueError(
+            f"need at least one prompt column, got input width {t} and response_length {response_length}"
+        )
     mask = attention_mask.bool()
     plen = mask[:, :p].sum(1)  # (B,)
     rlen = mask[:, p:].sum(1)  # (B,)
     if bool(((plen == 0) & (rlen > 0)).any()):
-        raise ValueError("a row has response tokens but an empty prompt; every response needs >= 1 prompt token")
+        raise ValueError(
+            "a row has response tokens but an empty prompt; every response needs >= 1 prompt token"
+        )
     rows = torch.arange(b, device=dev)
     if share_prefix:
         key = torch.where(mask[:, :p], input_ids[:, :p], torch.full_like(input_ids[:, :p], -1))
@@ -110,15 +131,21 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length:
     else:
         group = rows
     g = int(group.max()) + 1 if b else 0
-    owner = torch.full((g,), b, device=dev, dtype=torch.long).scatter_reduce(0, group, rows, "amin")  # (G,)
+    owner = torch.full((g,), b, device=dev, dtype=torch.long).scatter_reduce(
+        0, group, rows, "amin"
+    )  # (G,)
     # Segments: G prompt segments then B response segments, ordered (group, kind, row).
     seg_row = torch.cat([owner, rows])  # (G+B,)
-    seg_kind = torch.cat([torch.zeros(g, dtype=torch.long, device=dev), torch.ones(b, dtype=torch.long, device=dev)])
+    seg_kind = torch.cat(
+        [torch.zeros(g, dtype=torch.long, device=dev), torch.ones(b, dtype=torch.long, device=dev)]
+    )
     seg_group = torch.cat([torch.arange(g, device=dev), group])
     seg_len = torch.cat([plen[owner], rlen])
     seg_col0 = torch.cat([p - plen[owner], torch.full((b,), p, device=dev, dtype=torch.long)])
     order = torch.argsort(seg_group * (2 * (b + 1)) + seg_kind * (b + 1) + seg_row)
-    seg_row, seg_kind, seg_group, seg_len, seg_col0 = (x[order] for x in (seg_row, seg_kind, seg_group, seg_len, seg_col0))
+    seg_row, seg_kind, seg_group, seg_len, seg_col0 = (
+        x[order] for x in (seg_row, seg_kind, seg_group, seg_len, seg_col0)
+    )
     seg_start = torch.cumsum(seg_len, 0) - seg_len
     n = int(seg_len.sum())
     seg_of_tok = torch.repeat_interleave(torch.arange(len(seg_len), device=dev), seg_len)  # (N,)
@@ -133,8 +160,19 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length:
     tok_plen = gplen[seg_group[seg_of_tok]]  # (N,)
     pos = within + seg_kind[seg_of_tok] * tok_plen  # (N,)
     if share_prefix:
-        layout = _prefix_layout(group, g, gplen, pstart, rlen, rstart, seg_kind[seg_of_tok], seg_group[seg_of_tok],
-                                seg_row[seg_of_tok], within, n)
+        layout = _prefix_layout(
+            group,
+            g,
+            gplen,
+            pstart,
+            rlen,
+            rstart,
+            seg_kind[seg_of_tok],
+            seg_group[seg_of_tok],
+            seg_row[seg_of_tok],
+            within,
+            n,
+        )
     else:
         # One virtual sequence per row: [its prompt, its response], causal.
         vlen = gplen[group] + rlen  # (B,)
@@ -142,10 +180,16 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length:
         j = torch.arange(width, device=dev).unsqueeze(0)  # (1, L)
         jc = torch.minimum(j, (vlen - 1).clamp(min=0).unsqueeze(1))  # (B, L) clamp padding slots
         in_prompt = jc < gplen[group].unsqueeze(1)
-        gather = torch.where(in_prompt, pstart[group].unsqueeze(1) + jc, rstart.unsqueeze(1) + jc - gplen[group].unsqueeze(1))
+        gather = torch.where(
+            in_prompt,
+            pstart[group].unsqueeze(1) + jc,
+            rstart.unsqueeze(1) + jc - gplen[group].unsqueeze(1),
+        )
         gather = gather.clamp(0, max(n - 1, 0))
         # Outputs: prompt tokens read the owner's virtual sequence, response tokens their own.
-        tok_row = torch.where(seg_kind[seg_of_tok] == 0, owner[seg_group[seg_of_tok]], seg_row[seg_of_tok])
+        tok_row = torch.where(
+            seg_kind[seg_of_tok] == 0, owner[seg_group[seg_of_tok]], seg_row[seg_of_tok]
+        )
         layout = AttnLayout(gather_idx=gather, out_idx=tok_row * width + pos)
     # Response targets and the hidden states predicting them.
     resp_valid = mask[:, p:]  # (B, R)
@@ -166,7 +210,13 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length:
     )
 
 
-def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, inv_temp: float):
+def _chunk_stats(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    inv_temp: float,
+):
     logits = (h @ weight.t()).float()  # (C, V)
     if bias is not None:
         logits = logits + bias.float()
@@ -205,19 +255,30 @@ def chunked_token_logprobs(
     grad = torch.is_grad_enabled()
     lps, ents = [], []
     for s in range(0, m, chunk_size):
-        args = (hidden[s : s + chunk_size], head.weight, head.bias, targets[s : s + chunk_size], inv)
-        lp, en = checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args)
+        args = (
+            hidden[s : s + chunk_size],
+            head.weight,
+            head.bias,
+            targets[s : s + chunk_size],
+            inv,
+        )
+        lp, en = (
+            checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args)
+        )
         lps.append(lp)
         ents.append(en)
     return torch.cat(lps), torch.cat(ents)
 
 
-def _padded_pred_hidden(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        response_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _padded_pred_hidden(
+    decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The padded fallback: ``(hidden states predicting the valid response tokens (M, H), their
     targets (M,), resp_valid (B, R))`` from one ordinary masked forward over (B, P+R)."""
     pos = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+    out = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False
+    )
     t = input_ids.shape[1]
     p = t - response_length
     resp_valid = attention_mask[:, p:].bool()
@@ -226,7 +287,12 @@ def _padded_pred_hidden(decoder: nn.Module, input_ids: torch.Tensor, attention_m
 
 
 def _decoder_hidden(decoder: nn.Module, pk: Packed) -> torch.Tensor:
-    out = decoder(input_ids=pk.input_ids, position_ids=pk.position_ids, postrl_layout=pk.layout, use_cache=False)
+    out = decoder(
+        input_ids=pk.input_ids,
+        position_ids=pk.position_ids,
+        postrl_layout=pk.layout,
+        use_cache=False,
+    )
     return out.last_hidden_state[0]  # (N, H)
 
 
@@ -266,8 +332,12 @@ def policy_logprobs(
             return z, (z if calculate_entropy else None)
         hidden, targets = _decoder_hidden(decoder, pk)[pk.pred_idx], pk.targets
     else:
-        hidden, targets, resp_valid = _padded_pred_hidden(decoder, input_ids, attention_mask, response_length)
-    lp, ent = chunked_token_logprobs(hidden, head, targets, temperature=temperature, chunk_size=chunk_size)
+        hidden, targets, resp_valid = _padded_pred_hidden(
+            decoder, input_ids, attention_mask, response_length
+        )
+    lp, ent = chunked_token_logprobs(
+        hidden, head, targets, temperature=temperature, chunk_size=chunk_size
+    )
     return _scatter(lp, resp_valid), (_scatter(ent, resp_valid) if calculate_entropy else None)
 
 
@@ -287,7 +357,9 @@ def critic_values(
     ``packed=False``: the padded fallback (see :func:`policy_logprobs`).
     """
     if not packed:
-        hidden, _, resp_valid = _padded_pred_hidden(decoder, input_ids, attention_mask, response_length)
+        hidden, _, resp_valid = _padded_pred_hidden(
+            decoder, input_ids, attention_mask, response_length
+        )
         return _scatter(value_head(hidden).squeeze(-1).float(), resp_valid)
     pk = pack(input_ids, attention_mask, response_length, share_prefix=share_prefix)
     if pk.num_tokens == 0:

@@ -53,7 +53,9 @@ def pad_masked_rows(data: DataProto, divisor: int) -> DataProto:
     if divisor <= 1 or len(data) % divisor == 0:
         return data
     if len(data) == 0:
-        raise ValueError("pad_masked_rows: cannot pad an empty batch; check the batch before the update")
+        raise ValueError(
+            "pad_masked_rows: cannot pad an empty batch; check the batch before the update"
+        )
     pad = (-len(data)) % divisor
     idx = torch.arange(pad) % len(data)
     return DataProto.concat([data, mask_rows(data[idx])])
@@ -68,7 +70,10 @@ def _allreduce_max(n: int, group: dist.ProcessGroup | None) -> int:
 
 
 def split_mini_batches(
-    data: DataProto, size: int, order: torch.Tensor | None = None, group: dist.ProcessGroup | None = None
+    data: DataProto,
+    size: int,
+    order: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> list[DataProto]:
     """This rank's mini-batches: the same count on every rank of ``group``, none empty.
 
@@ -83,7 +88,9 @@ def split_mini_batches(
         mini-batch (or a rank with fewer rows than others) has no valid row.
     """
     if len(data) == 0:
-        raise ValueError("split_mini_batches: the shard has no rows (a dp dispatch never sends an empty shard)")
+        raise ValueError(
+            "split_mini_batches: the shard has no rows (a dp dispatch never sends an empty shard)"
+        )
     b = len(data)
     order = torch.arange(b) if order is None else order
     chunks = [order[s : s + size] for s in range(0, b, max(1, size))]

@@ -39,8 +39,15 @@ from postrl.engine.varlen import ATTN_NAME, register_varlen_attention, varlen_ca
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PolicyModel", "PolicyLogProbs", "CriticModel", "resolve_dtype", "resolve_dtypes", "load_policy",
-           "load_critic"]
+__all__ = [
+    "PolicyModel",
+    "PolicyLogProbs",
+    "CriticModel",
+    "resolve_dtype",
+    "resolve_dtypes",
+    "load_policy",
+    "load_critic",
+]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,11 +57,15 @@ def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
     if dtype == "auto":
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     if dtype not in _DTYPES:
-        raise ValueError(f"model.dtype={dtype!r} is not supported; use one of ['auto', *{sorted(_DTYPES)}]")
+        raise ValueError(
+            f"model.dtype={dtype!r} is not supported; use one of ['auto', *{sorted(_DTYPES)}]"
+        )
     return _DTYPES[dtype]
 
 
-def resolve_dtypes(model_cfg, device: torch.device | str, *, trainable: bool = True) -> tuple[torch.dtype, torch.dtype]:
+def resolve_dtypes(
+    model_cfg, device: torch.device | str, *, trainable: bool = True
+) -> tuple[torch.dtype, torch.dtype]:
     """``(storage, compute)`` dtypes of a model (``ModelConfig.dtype`` / ``compute_dtype``).
 
     compute ``auto``: fp32 on CPU, bf16 on GPU. storage ``auto``: fp32 for a trained model (fp32
@@ -103,7 +114,9 @@ def _causal_lm(module: nn.Module, is_lora: bool) -> nn.Module:
 def _lm_head(causal_lm: nn.Module) -> nn.Linear:
     head = causal_lm.get_output_embeddings()
     if not isinstance(head, nn.Linear):
-        raise TypeError(f"lm head of {type(causal_lm).__name__} is {type(head).__name__}, need nn.Linear")
+        raise TypeError(
+            f"lm head of {type(causal_lm).__name__} is {type(head).__name__}, need nn.Linear"
+        )
     return head
 
 
@@ -139,8 +152,9 @@ class _DataParallelRoot:
         root.autocast_dtype = None  # FSDP2 casts the gathered parameters instead
         self.dp_group = group
 
-    def align_micro_batches(self, micro: list[list[int]], seqlens: torch.Tensor,
-                            unit_ids: torch.Tensor | None = None) -> list[list[int]]:
+    def align_micro_batches(
+        self, micro: list[list[int]], seqlens: torch.Tensor, unit_ids: torch.Tensor | None = None
+    ) -> list[list[int]]:
         """Same micro-batch count on every rank when sharded (:func:`postrl.engine.fsdp.align_micro_batches`);
         unchanged otherwise."""
         if self.dp_group is None:
@@ -166,8 +180,13 @@ class PolicyLogProbs(nn.Module):
         is_lora: whether ``module`` is a ``PeftModel``.
     """
 
-    def __init__(self, module: nn.Module, is_lora: bool, packed: bool = True,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        is_lora: bool,
+        packed: bool = True,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.module = module
         self.is_lora = is_lora
@@ -175,14 +194,30 @@ class PolicyLogProbs(nn.Module):
         self.autocast_dtype = autocast_dtype
         """Mixed precision without FSDP2: the forward runs under ``torch.autocast`` to this dtype."""
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *,
-                temperature: float = 1.0, calculate_entropy: bool = False, share_prefix: bool = False):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_length: int,
+        *,
+        temperature: float = 1.0,
+        calculate_entropy: bool = False,
+        share_prefix: bool = False,
+    ):
         """``(log_probs (B, R), entropy (B, R) or None)``; see :func:`postrl.engine.logprob.policy_logprobs`."""
         lm = _causal_lm(self.module, self.is_lora)
         with _autocast(input_ids.device, self.autocast_dtype):
-            return policy_logprobs(lm.base_model, _lm_head(lm), input_ids, attention_mask, response_length,
-                                   temperature=temperature, calculate_entropy=calculate_entropy,
-                                   share_prefix=share_prefix, packed=self.packed)
+            return policy_logprobs(
+                lm.base_model,
+                _lm_head(lm),
+                input_ids,
+                attention_mask,
+                response_length,
+                temperature=temperature,
+                calculate_entropy=calculate_entropy,
+                share_prefix=share_prefix,
+                packed=self.packed,
+            )
 
 
 @dataclass
@@ -226,18 +261,34 @@ class PolicyModel(_DataParallelRoot):
     def runner(self) -> PolicyLogProbs:
         """The :class:`PolicyLogProbs` module over :attr:`module` (created on first use)."""
         if self._runner is None:
-            self._runner = PolicyLogProbs(self.module, self.is_lora, self.packed, self.compute_dtype)
+            self._runner = PolicyLogProbs(
+                self.module, self.is_lora, self.packed, self.compute_dtype
+            )
         return self._runner
 
-    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *,
-                 temperature: float = 1.0, calculate_entropy: bool = False, share_prefix: bool = False):
+    def logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_length: int,
+        *,
+        temperature: float = 1.0,
+        calculate_entropy: bool = False,
+        share_prefix: bool = False,
+    ):
         """Padding-free ``(log_probs (B, R), entropy (B, R) or None)`` of one micro-batch.
 
         Always call the model through this (not ``decoder`` + ``lm_head``) in engines that may run
         sharded: it is the FSDP2 root's forward.
         """
-        return self.runner(input_ids, attention_mask, response_length, temperature=temperature,
-                           calculate_entropy=calculate_entropy, share_prefix=share_prefix)
+        return self.runner(
+            input_ids,
+            attention_mask,
+            response_length,
+            temperature=temperature,
+            calculate_entropy=calculate_entropy,
+            share_prefix=share_prefix,
+        )
 
     def _fsdp_root(self) -> nn.Module:
         return self.runner
@@ -245,7 +296,9 @@ class PolicyModel(_DataParallelRoot):
     def reference(self) -> contextlib.AbstractContextManager:
         """Context in which the module computes the reference policy (LoRA: adapters disabled)."""
         if not self.is_lora:
-            raise RuntimeError("reference() needs LoRA (model.lora_rank > 0); otherwise use a RefWorker copy")
+            raise RuntimeError(
+                "reference() needs LoRA (model.lora_rank > 0); otherwise use a RefWorker copy"
+            )
         return self.module.disable_adapter()
 
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
@@ -271,19 +324,34 @@ class CriticModel(_DataParallelRoot, nn.Module):
         self.dp_group: dist.ProcessGroup | None = None
         self.dummy_passes = 0
         self.packed = True  # False: padded fallback (see load_critic)
-        self.autocast_dtype: torch.dtype | None = None  # mixed precision without FSDP2 (see load_critic)
+        self.autocast_dtype: torch.dtype | None = (
+            None  # mixed precision without FSDP2 (see load_critic)
+        )
 
     @property
     def decoder(self) -> nn.Module:
         """The backbone (same role as :attr:`PolicyModel.decoder`)."""
         return self.backbone
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, *,
-                share_prefix: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_length: int,
+        *,
+        share_prefix: bool = False,
+    ) -> torch.Tensor:
         """Values (B, R) fp32 of the response tokens (:func:`postrl.engine.logprob.critic_values`)."""
         with _autocast(input_ids.device, self.autocast_dtype):
-            return critic_values(self.backbone, self.value_head, input_ids, attention_mask, response_length,
-                                 share_prefix=share_prefix, packed=self.packed)
+            return critic_values(
+                self.backbone,
+                self.value_head,
+                input_ids,
+                attention_mask,
+                response_length,
+                share_prefix=share_prefix,
+                packed=self.packed,
+            )
 
     def _fsdp_root(self) -> nn.Module:
         return self
@@ -306,8 +374,12 @@ def _from_pretrained(auto_cls, path: Path, kw: dict) -> nn.Module:
     except ValueError as e:
         if ATTN_NAME not in str(e) and "attn_implementation" not in str(e):
             raise
-        logger.warning("%s: %s; loading with the default attention (padded training forward)", path, e)
-        return auto_cls.from_pretrained(str(path), **{k: v for k, v in kw.items() if k != "attn_implementation"})
+        logger.warning(
+            "%s: %s; loading with the default attention (padded training forward)", path, e
+        )
+        return auto_cls.from_pretrained(
+            str(path), **{k: v for k, v in kw.items() if k != "attn_implementation"}
+        )
 
 
 def _use_varlen(model: nn.Module, decoder: nn.Module) -> bool:
@@ -321,24 +393,36 @@ def _use_varlen(model: nn.Module, decoder: nn.Module) -> bool:
     if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
         return False
     dev = next(model.parameters()).device
-    ids = torch.tensor([[1, 2, 1, 3]], device=dev) % max(int(getattr(model.config, "vocab_size", 4) or 4), 1)
+    ids = torch.tensor([[1, 2, 1, 3]], device=dev) % max(
+        int(getattr(model.config, "vocab_size", 4) or 4), 1
+    )
     pk = pack(ids, torch.ones_like(ids), 2)
     before = varlen_calls()
     with torch.no_grad():
         try:
-            decoder(input_ids=pk.input_ids, position_ids=pk.position_ids, postrl_layout=pk.layout, use_cache=False)
+            decoder(
+                input_ids=pk.input_ids,
+                position_ids=pk.position_ids,
+                postrl_layout=pk.layout,
+                use_cache=False,
+            )
             ok = varlen_calls() > before
         except Exception as e:  # a forward that rejects the layout kwarg cannot pack either
             logger.warning("varlen probe failed for %s: %r", type(model).__name__, e)
             ok = False
     if not ok:
-        logger.warning("%s does not run postrl's varlen attention; training uses the padded forward "
-                       "(slower: no padding removal or prompt sharing)", type(model).__name__)
+        logger.warning(
+            "%s does not run postrl's varlen attention; training uses the padded forward "
+            "(slower: no padding removal or prompt sharing)",
+            type(model).__name__,
+        )
         model.set_attn_implementation("sdpa")
     return ok
 
 
-def load_policy(model_cfg, device: torch.device | str = "cpu", *, trainable: bool = True) -> PolicyModel:
+def load_policy(
+    model_cfg, device: torch.device | str = "cpu", *, trainable: bool = True
+) -> PolicyModel:
     """Load ``model_cfg.path`` as a :class:`PolicyModel` on ``device``.
 
     Args:
@@ -351,7 +435,9 @@ def load_policy(model_cfg, device: torch.device | str = "cpu", *, trainable: boo
     path = _check_path(model_cfg.path)
     store, compute = resolve_dtypes(model_cfg, device, trainable=trainable)
     mixed = compute if compute != store else None
-    model = _from_pretrained(AutoModelForCausalLM, path, _common_kwargs(model_cfg, store)).to(device)
+    model = _from_pretrained(AutoModelForCausalLM, path, _common_kwargs(model_cfg, store)).to(
+        device
+    )
     model.config.use_cache = False
     packed = _use_varlen(model, model.base_model)
     if not trainable:
@@ -368,7 +454,9 @@ def load_policy(model_cfg, device: torch.device | str = "cpu", *, trainable: boo
         lcfg = LoraConfig(
             r=model_cfg.lora_rank,
             lora_alpha=model_cfg.lora_alpha,
-            target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+            target_modules=targets
+            if targets == "all-linear"
+            else [t.strip() for t in targets.split(",")],
             lora_dropout=0.0,
             bias="none",
             task_type="CAUSAL_LM",
@@ -411,7 +499,9 @@ def load_critic(model_cfg, device: torch.device | str = "cpu") -> CriticModel:
     backbone.config.use_cache = False
     packed = _use_varlen(backbone, backbone)
     if model_cfg.gradient_checkpointing:
-        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        backbone.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
     critic = CriticModel(backbone, backbone.config.hidden_size).to(device=device, dtype=kw["dtype"])
     critic.packed = packed
     critic.autocast_dtype = compute if compute != store else None
@@ -419,7 +509,8 @@ def load_critic(model_cfg, device: torch.device | str = "cpu") -> CriticModel:
     if head.exists():
         critic.value_head.load_state_dict(load_file(str(head)))
     elif getattr(backbone.config, "num_labels", None) == 1 and "score.weight" in (
-            score := _checkpoint_tensors(path, ("score.weight", "score.bias"))):  # a reward model: its head is the value head
+        score := _checkpoint_tensors(path, ("score.weight", "score.bias"))
+    ):  # a reward model: its head is the value head
         with torch.no_grad():
             critic.value_head.weight.copy_(score["score.weight"])
             if "score.bias" in score:

@@ -50,10 +50,19 @@ def build_optimizer(params: Iterable[nn.Parameter], optim_cfg) -> torch.optim.Ad
         raise ValueError(f"optim.betas must have two values, got {optim_cfg.betas}")
     plain = all(type(p) is nn.Parameter and p.is_floating_point() for p in params)
     impl = {"fused": True} if plain else {"foreach": True}
-    return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=betas, eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay, **impl)
+    return torch.optim.AdamW(
+        params,
+        lr=optim_cfg.lr,
+        betas=betas,
+        eps=optim_cfg.eps,
+        weight_decay=optim_cfg.weight_decay,
+        **impl,
+    )
 
 
-def build_scheduler(opt: torch.optim.Optimizer, optim_cfg, total_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    opt: torch.optim.Optimizer, optim_cfg, total_steps: int = 0
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup + constant/cosine ``LambdaLR``; cosine needs ``total_steps`` > warmup."""
     warm = int(optim_cfg.warmup_steps)
     kind = optim_cfg.lr_scheduler

@@ -27,7 +27,9 @@ __all__ = ["RewardModel", "render_conversations", "sequence_scores"]
 logger = logging.getLogger(__name__)
 
 
-def render_conversations(tokenizer: Any, messages: list[list[dict[str, str]]], responses: list[str]) -> list[str]:
+def render_conversations(
+    tokenizer: Any, messages: list[list[dict[str, str]]], responses: list[str]
+) -> list[str]:
     """Each prompt's messages + ``{"role": "assistant", "content": response}`` as text in the
     tokenizer's chat template (``role: content`` lines when it has none)."""
     out = []
@@ -40,7 +42,9 @@ def render_conversations(tokenizer: Any, messages: list[list[dict[str, str]]], r
     return out
 
 
-def sequence_scores(model: torch.nn.Module, ids: list[list[int]], pad_id: int, device: torch.device | str) -> torch.Tensor:
+def sequence_scores(
+    model: torch.nn.Module, ids: list[list[int]], pad_id: int, device: torch.device | str
+) -> torch.Tensor:
     """(B,) float32 scores of a sequence classifier over right-padded ``ids`` (differentiable).
 
     For decoder RMs (a linear ``score`` head) the hidden state of each sequence's last real token
@@ -77,29 +81,44 @@ class RewardModel:
             neither a pad nor an EOS token to pad with.
     """
 
-    def __init__(self, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 max_length: int = 1024, micro_batch_size: int = 16) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_length: int = 1024,
+        micro_batch_size: int = 16,
+    ) -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         from postrl.engine.varlen import ATTN_NAME
 
         path = Path(path)
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"reward.model.path={str(path)!r} is not a Hugging Face model directory (no config.json)")
+            raise FileNotFoundError(
+                f"reward.model.path={str(path)!r} is not a Hugging Face model directory (no config.json)"
+            )
         hf_cfg = AutoConfig.from_pretrained(str(path))
         if getattr(hf_cfg, "num_labels", None) != 1:
             raise ValueError(
                 f"reward model {path} has num_labels={getattr(hf_cfg, 'num_labels', None)}; a reward model outputs one "
                 f"score (a *ForSequenceClassification checkpoint with num_labels=1, e.g. from `postrl make-model --head "
-                f"reward` or `postrl rm`)")
+                f"reward` or `postrl rm`)"
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         if self.tokenizer.pad_token_id is None:
             if self.tokenizer.eos_token_id is None:
-                raise ValueError(f"reward model tokenizer at {path} has no pad or eos token to pad batches with")
+                raise ValueError(
+                    f"reward model tokenizer at {path} has no pad or eos token to pad batches with"
+                )
             self.tokenizer.pad_token = self.tokenizer.eos_token
         from postrl.engine.model import CriticModel, _from_pretrained, _use_varlen
 
-        self.model = _from_pretrained(AutoModelForSequenceClassification, path, {"dtype": dtype, "attn_implementation": ATTN_NAME})
+        self.model = _from_pretrained(
+            AutoModelForSequenceClassification,
+            path,
+            {"dtype": dtype, "attn_implementation": ATTN_NAME},
+        )
         self.model = self.model.to(device).eval()
         self.model.requires_grad_(False)
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -124,19 +143,27 @@ class RewardModel:
     def encode(self, texts: list[str]) -> tuple[list[list[int]], list[bool]]:
         """Token ids of each conversation (its last ``max_length`` kept) and whether it was cut."""
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [x[-self.max_length:] for x in ids], [len(x) > self.max_length for x in ids]
+        return [x[-self.max_length :] for x in ids], [len(x) > self.max_length for x in ids]
 
     @torch.inference_mode()
     def score_ids(self, ids: list[list[int]]) -> torch.Tensor:
         """(B,) float32 scores of whole token-id sequences (no prompt sharing)."""
         if self.shared:
             return self.score_split([x[:1] for x in ids], [x[1:] for x in ids])
-        out = [sequence_scores(self.model, ids[s : s + self.micro_batch_size], self.tokenizer.pad_token_id, self.device).cpu()
-               for s in range(0, len(ids), self.micro_batch_size)]
+        out = [
+            sequence_scores(
+                self.model,
+                ids[s : s + self.micro_batch_size],
+                self.tokenizer.pad_token_id,
+                self.device,
+            ).cpu()
+            for s in range(0, len(ids), self.micro_batch_size)
+        ]
         return torch.cat(out) if out else torch.zeros(0)
 
-    def split_encode(self, messages: list[list[dict[str, str]]],
-                     responses: list[str]) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+    def split_encode(
+        self, messages: list[list[dict[str, str]]], responses: list[str]
+    ) -> tuple[list[list[int]], list[list[int]], list[bool]]:
         """``(prompt ids, response ids, cut)`` per conversation.
 
         The prompt part is the rendering of the messages with the generation prompt — the same for
@@ -146,28 +173,32 @@ class RewardModel:
         scored as one unshared sequence. Over ``max_length``, tokens are dropped from the left.
         """
         tok = self.tokenizer
-        ids = tok(render_conversations(tok, messages, responses), add_special_tokens=False)["input_ids"]
+        ids = tok(render_conversations(tok, messages, responses), add_special_tokens=False)[
+            "input_ids"
+        ]
         cache: dict[str, list[int]] = {}
         prompts, resps, cut = [], [], []
         for msgs, x in zip(messages, ids, strict=True):
             key = json.dumps(msgs, sort_keys=True)
             if key not in cache:
                 if getattr(tok, "chat_template", None):
-                    text = tok.apply_chat_template([dict(m) for m in msgs], add_generation_prompt=True, tokenize=False)
+                    text = tok.apply_chat_template(
+                        [dict(m) for m in msgs], add_generation_prompt=True, tokenize=False
+                    )
                 else:
                     text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant: "
                 cache[key] = tok(text, add_special_tokens=False)["input_ids"]
             p = cache[key]
             if not (0 < len(p) < len(x) and x[: len(p)] == p):
                 p = x[:1]  # not prefix-consistent: one sequence, no sharing
-            r = x[len(p):]
+            r = x[len(p) :]
             cut.append(len(x) > self.max_length)
             if len(x) > self.max_length:
                 excess = len(x) - self.max_length
                 if excess < len(p):
                     p = p[excess:]
                 else:
-                    keep = x[-self.max_length:]
+                    keep = x[-self.max_length :]
                     p, r = keep[:1], keep[1:]
             prompts.append(p)
             resps.append(r)
@@ -178,7 +209,9 @@ class RewardModel:
         keeps ``1/dp`` of the weights; every rank must then score in the same collective steps
         (:meth:`score_split` aligns its micro-batch count over the group)."""
         if self.root is None:
-            raise ValueError("only decoder reward models (a linear `score` head) can be FSDP2-sharded")
+            raise ValueError(
+                "only decoder reward models (a linear `score` head) can be FSDP2-sharded"
+            )
         self.root.shard(group, device)
 
     @torch.inference_mode()
@@ -188,9 +221,16 @@ class RewardModel:
         prefix sharing). The score is read at the last response token: one extra column after it
         turns "the state that predicts the next token" into "the state at the last token"."""
         n, pad = len(prompts), self.tokenizer.pad_token_id
-        micro = [list(range(s, min(s + self.micro_batch_size, n))) for s in range(0, n, self.micro_batch_size)]
-        lens = torch.tensor([len(p) + len(r) + 1 for p, r in zip(prompts, responses, strict=True)], dtype=torch.long)
-        micro = self.root.align_micro_batches(micro, lens)  # sharded: the same number of passes on every rank
+        micro = [
+            list(range(s, min(s + self.micro_batch_size, n)))
+            for s in range(0, n, self.micro_batch_size)
+        ]
+        lens = torch.tensor(
+            [len(p) + len(r) + 1 for p, r in zip(prompts, responses, strict=True)], dtype=torch.long
+        )
+        micro = self.root.align_micro_batches(
+            micro, lens
+        )  # sharded: the same number of passes on every rank
         out = torch.zeros(n)
         for rows in micro:
             ps, rs = [prompts[i] for i in rows], [responses[i] for i in rows]
@@ -206,7 +246,9 @@ class RewardModel:
             out[rows] = v[torch.arange(len(ps), device=v.device), last].float().cpu()
         return out
 
-    def score_rows(self, messages: list[list[dict[str, str]]], responses: list[str]) -> tuple[torch.Tensor, list[bool]]:
+    def score_rows(
+        self, messages: list[list[dict[str, str]]], responses: list[str]
+    ) -> tuple[torch.Tensor, list[bool]]:
         """Scores of ``responses`` to the prompts ``messages`` and, per row, whether it was truncated."""
         if self.shared:
             p, r, cut = self.split_encode(messages, responses)
@@ -214,7 +256,9 @@ class RewardModel:
         ids, cut = self.encode(render_conversations(self.tokenizer, messages, responses))
         return self.score_ids(ids), cut
 
-    def score(self, messages: list[list[dict[str, str]]], responses: list[str]) -> tuple[torch.Tensor, int]:
+    def score(
+        self, messages: list[list[dict[str, str]]], responses: list[str]
+    ) -> tuple[torch.Tensor, int]:
         """Scores of ``responses`` to the prompts ``messages`` and the number of truncated ones."""
         scores, cut = self.score_rows(messages, responses)
         return scores, sum(cut)

@@ -60,7 +60,9 @@ def _prompt_messages(prompt: Any) -> list[dict[str, str]]:
     return [dict(m) for m in prompt]
 
 
-def preference_pairs(rows: list[dict[str, Any]], seed: int = 0, max_offset: int = 9) -> list[dict[str, Any]]:
+def preference_pairs(
+    rows: list[dict[str, Any]], seed: int = 0, max_offset: int = 9
+) -> list[dict[str, Any]]:
     """Preference pairs from RL rows with a numeric ``reward_model.ground_truth`` (e.g. addition):
     ``chosen`` is the correct answer, ``rejected`` a wrong one (off by 1..``max_offset``)."""
     rng = random.Random(seed)
@@ -68,7 +70,9 @@ def preference_pairs(rows: list[dict[str, Any]], seed: int = 0, max_offset: int 
     for i, r in enumerate(rows):
         gt = str(r["reward_model"]["ground_truth"])
         if not gt.lstrip("-").isdigit():
-            raise ValueError(f"row {i}: ground_truth {gt!r} is not an integer; preference_pairs needs numeric answers")
+            raise ValueError(
+                f"row {i}: ground_truth {gt!r} is not an integer; preference_pairs needs numeric answers"
+            )
         wrong = int(gt) + rng.choice([-1, 1]) * rng.randint(1, max_offset)
         if wrong < 0:
             wrong = int(gt) + rng.randint(1, max_offset)
@@ -81,7 +85,9 @@ def _encode(tok, rows: list[dict[str, Any]], max_length: int) -> list[tuple[list
     for i, r in enumerate(rows):
         for k in ("chosen", "rejected"):
             if not isinstance(r.get(k), str):
-                raise ValueError(f"preference row {i}: field {k!r} must be a string, got {type(r.get(k)).__name__}")
+                raise ValueError(
+                    f"preference row {i}: field {k!r} must be a string, got {type(r.get(k)).__name__}"
+                )
     texts_c = render_conversations(tok, msgs, [r["chosen"] for r in rows])
     texts_r = render_conversations(tok, msgs, [r["rejected"] for r in rows])
     ids_c = tok(texts_c, add_special_tokens=False)["input_ids"]
@@ -92,7 +98,7 @@ def _encode(tok, rows: list[dict[str, Any]], max_length: int) -> list[tuple[list
 def _margins(model, pairs: list[tuple[list[int], list[int]]], pad: int) -> torch.Tensor:
     """r(chosen) − r(rejected) per pair (one forward over both sides)."""
     scores = sequence_scores(model, [c for c, _ in pairs] + [r for _, r in pairs], pad, "cpu")
-    return scores[: len(pairs)] - scores[len(pairs):]
+    return scores[: len(pairs)] - scores[len(pairs) :]
 
 
 @torch.no_grad()
@@ -130,22 +136,32 @@ def run_rm(model_path: str, train_file: str, out_dir: str, **options: Any) -> di
     rows = read_rows(cfg.train_file)
     missing = [k for k in ("prompt", "chosen", "rejected") if rows and k not in rows[0]]
     if missing:
-        raise ValueError(f"{cfg.train_file}: preference rows need prompt, chosen, rejected; missing {missing} "
-                         "(write them with `postrl data addition OUT --pairs`)")
+        raise ValueError(
+            f"{cfg.train_file}: preference rows need prompt, chosen, rejected; missing {missing} "
+            "(write them with `postrl data addition OUT --pairs`)"
+        )
     pairs = _encode(tok, rows, cfg.max_length)
     rng = random.Random(cfg.seed)
     rng.shuffle(pairs)
     n_eval = int(len(pairs) * cfg.eval_fraction)
     evals, train = pairs[:n_eval], pairs[n_eval:]
     if not train:
-        raise ValueError(f"{cfg.train_file}: no training pairs left after holding out eval_fraction={cfg.eval_fraction}")
-    model = AutoModelForSequenceClassification.from_pretrained(cfg.model_path, num_labels=1, dtype=torch.float32)
+        raise ValueError(
+            f"{cfg.train_file}: no training pairs left after holding out eval_fraction={cfg.eval_fraction}"
+        )
+    model = AutoModelForSequenceClassification.from_pretrained(
+        cfg.model_path, num_labels=1, dtype=torch.float32
+    )
     model.config.pad_token_id = tok.pad_token_id
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
-    total = cfg.epochs * steps_per_epoch if not cfg.max_steps else min(cfg.max_steps, cfg.epochs * steps_per_epoch)
+    total = (
+        cfg.epochs * steps_per_epoch
+        if not cfg.max_steps
+        else min(cfg.max_steps, cfg.epochs * steps_per_epoch)
+    )
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(total, cfg.warmup_steps))
     pad = tok.pad_token_id
@@ -168,7 +184,9 @@ def run_rm(model_path: str, train_file: str, out_dir: str, **options: Any) -> di
             losses.append(float(loss.detach()))
             accs.append(float((margin.detach() > 0).float().mean()))
             if cfg.log_every and len(losses) % cfg.log_every == 0:
-                logger.info("rm step %d/%d loss %.4f acc %.3f", len(losses), total, losses[-1], accs[-1])
+                logger.info(
+                    "rm step %d/%d loss %.4f acc %.3f", len(losses), total, losses[-1], accs[-1]
+                )
     wall = time.perf_counter() - t0
     metrics = {
         "rm/first_loss": losses[0],
@@ -181,7 +199,9 @@ def run_rm(model_path: str, train_file: str, out_dir: str, **options: Any) -> di
         "rm/wall_s": wall,
     }
     _save(model, tok, cfg.out_dir)
-    (Path(cfg.out_dir) / "rm_metrics.json").write_text(json.dumps({**metrics, "config": asdict(cfg)}, indent=1, default=str))
+    (Path(cfg.out_dir) / "rm_metrics.json").write_text(
+        json.dumps({**metrics, "config": asdict(cfg)}, indent=1, default=str)
+    )
     return metrics
 
 
@@ -200,9 +220,13 @@ def _save(model, tok, out_dir: str) -> None:
 
 def rm_main(argv: list[str]) -> int:
     """``postrl rm [CONFIG.yaml] [key=value ...]`` with the keys of :class:`RMConfig`."""
-    opts = parse_options(argv, RMConfig, "rm", "model_path=runs/sft train_file=pairs.parquet out_dir=runs/rm")
+    opts = parse_options(
+        argv, RMConfig, "rm", "model_path=runs/sft train_file=pairs.parquet out_dir=runs/rm"
+    )
     m = run_rm(opts.pop("model_path"), opts.pop("train_file"), opts.pop("out_dir"), **opts)
     logger.info("rm done: %s", json.dumps(m))
-    sys.stdout.write(f"reward model: eval preference accuracy {m['rm/eval_acc_before']:.3f} -> {m['rm/eval_acc']:.3f} "
-          f"({int(m['rm/eval_pairs'])} held-out pairs), loss {m['rm/first_loss']:.3f} -> {m['rm/final_loss']:.3f}\n")
+    sys.stdout.write(
+        f"reward model: eval preference accuracy {m['rm/eval_acc_before']:.3f} -> {m['rm/eval_acc']:.3f} "
+        f"({int(m['rm/eval_pairs'])} held-out pairs), loss {m['rm/first_loss']:.3f} -> {m['rm/final_loss']:.3f}\n"
+    )
     return 0

@@ -35,7 +35,15 @@ from postrl.engine.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SFTConfig", "TrainFileOptions", "tokenize_rows", "run_sft", "sft_main", "parse_options", "warmup_cosine"]
+__all__ = [
+    "SFTConfig",
+    "TrainFileOptions",
+    "tokenize_rows",
+    "run_sft",
+    "sft_main",
+    "parse_options",
+    "warmup_cosine",
+]
 
 
 @dataclass
@@ -106,7 +114,9 @@ def _render(tok, msgs, gen_prompt: bool) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def tokenize_rows(tok, rows: list[dict[str, Any]], max_length: int) -> list[tuple[list[int], list[int]]]:
+def tokenize_rows(
+    tok, rows: list[dict[str, Any]], max_length: int
+) -> list[tuple[list[int], list[int]]]:
     """``(input_ids, loss_mask)`` per row; mask 1 on assistant tokens (incl. end-of-turn)."""
     out = []
     for row in rows:
@@ -119,7 +129,9 @@ def tokenize_rows(tok, rows: list[dict[str, Any]], max_length: int) -> list[tupl
             start = len(_render(tok, msgs[:i], True)) if i else 0
             end = len(_render(tok, msgs[: i + 1], False))
             if end > len(ids) or ids[:end] != _render(tok, msgs[: i + 1], False):
-                raise ValueError("chat template renders prefixes inconsistently; cannot mask assistant turns")
+                raise ValueError(
+                    "chat template renders prefixes inconsistently; cannot mask assistant turns"
+                )
             mask[start:end] = [1] * (end - start)
         if sum(mask[1:max_length]) > 0:
             out.append((ids[:max_length], mask[:max_length]))
@@ -176,13 +188,21 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     data = tokenize_rows(tok, read_rows(cfg.train_file), cfg.max_length)
     if not data:
-        raise ValueError(f"{cfg.train_file}: no row with assistant tokens within max_length={cfg.max_length}")
+        raise ValueError(
+            f"{cfg.train_file}: no row with assistant tokens within max_length={cfg.max_length}"
+        )
     policy = load_policy(ModelConfig(path=cfg.model_path, lora_rank=cfg.lora_rank))
     params = list(policy.trainable_parameters())
-    opt = build_optimizer(params, OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay))  # fused AdamW on CPU
+    opt = build_optimizer(
+        params, OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay)
+    )  # fused AdamW on CPU
     rng = random.Random(cfg.seed)
     epochs = [_batches([len(x) for x, _ in data], cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
-    total = sum(len(e) for e in epochs) if not cfg.max_steps else min(cfg.max_steps, sum(len(e) for e in epochs))
+    total = (
+        sum(len(e) for e in epochs)
+        if not cfg.max_steps
+        else min(cfg.max_steps, sum(len(e) for e in epochs))
+    )
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(total, cfg.warmup_steps))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -214,14 +234,18 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
         "sft/wall_s": wall,
     }
     out = save_hf(policy, cfg.model_path, cfg.out_dir)
-    (out / "sft_metrics.json").write_text(json.dumps({**metrics, "config": asdict(cfg)}, indent=1, default=str))
+    (out / "sft_metrics.json").write_text(
+        json.dumps({**metrics, "config": asdict(cfg)}, indent=1, default=str)
+    )
     return metrics
 
 
 def _coerce(cls: type, cmd: str, name: str, value: str) -> Any:
     typ = {f.name: f.type for f in fields(cls)}.get(name)
     if typ is None:
-        raise SystemExit(f"unknown {cmd} option {name!r}; choose from {[f.name for f in fields(cls)]}")
+        raise SystemExit(
+            f"unknown {cmd} option {name!r}; choose from {[f.name for f in fields(cls)]}"
+        )
     return {"int": int, "float": float}.get(str(typ), str)(value)
 
 
@@ -249,7 +273,9 @@ def parse_options(argv: list[str], cls: type, cmd: str, example: str) -> dict[st
 
 def sft_main(argv: list[str]) -> int:
     """``postrl sft [CONFIG.yaml] [key=value ...]`` with the keys of :class:`SFTConfig`."""
-    opts = parse_options(argv, SFTConfig, "sft", "model_path=runs/tiny train_file=sft.parquet out_dir=runs/sft")
+    opts = parse_options(
+        argv, SFTConfig, "sft", "model_path=runs/tiny train_file=sft.parquet out_dir=runs/sft"
+    )
     m = run_sft(opts.pop("model_path"), opts.pop("train_file"), opts.pop("out_dir"), **opts)
     logger.info("sft done: %s", json.dumps(m))
     return 0

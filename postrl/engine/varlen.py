@@ -28,7 +28,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTN_NAME", "AttnLayout", "PrefixLayout", "register_varlen_attention", "varlen_attention", "varlen_calls"]
+__all__ = [
+    "ATTN_NAME",
+    "AttnLayout",
+    "PrefixLayout",
+    "register_varlen_attention",
+    "varlen_attention",
+    "varlen_calls",
+]
 
 ATTN_NAME = "postrl_varlen"
 
@@ -85,13 +92,19 @@ def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     faster on CPU than the accumulating ``index_put_`` advanced indexing falls back to.
     """
     s, length = idx.shape
-    return x.index_select(0, idx.reshape(-1)).view(s, length, x.shape[1], x.shape[2]).transpose(1, 2)
+    return (
+        x.index_select(0, idx.reshape(-1)).view(s, length, x.shape[1], x.shape[2]).transpose(1, 2)
+    )
 
 
-def _sdpa(q, k, v, *, scaling, causal: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
+def _sdpa(
+    q, k, v, *, scaling, causal: bool = False, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """SDPA with grouped-query heads (no key/value repeat), (S, H, L, D) -> (S·L, H, D)."""
     gqa = q.shape[1] != k.shape[1]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa
+    )
     return out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[-1])
 
 
@@ -120,7 +133,9 @@ def varlen_attention(
             "postrl.engine.logprob (or load it with attn_implementation='sdpa' for plain use)"
         )
     if query.shape[0] != 1:
-        raise ValueError(f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}")
+        raise ValueError(
+            f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}"
+        )
     _CALLS[0] += 1
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, h, D), token-major
     lay = postrl_layout
@@ -129,11 +144,21 @@ def varlen_attention(
         parts = [_sdpa(_take(q, pi), _take(k, pi), _take(v, pi), scaling=scaling, causal=True)]
         if lay.resp_q_idx.shape[1]:
             ki = lay.resp_k_idx
-            parts.append(_sdpa(_take(q, lay.resp_q_idx), _take(k, ki), _take(v, ki), scaling=scaling, mask=lay.resp_mask))
+            parts.append(
+                _sdpa(
+                    _take(q, lay.resp_q_idx),
+                    _take(k, ki),
+                    _take(v, ki),
+                    scaling=scaling,
+                    mask=lay.resp_mask,
+                )
+            )
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
     else:
         gi = lay.gather_idx
-        out = _sdpa(_take(q, gi), _take(k, gi), _take(v, gi), scaling=scaling, causal=True)  # (S*L, H, D)
+        out = _sdpa(
+            _take(q, gi), _take(k, gi), _take(v, gi), scaling=scaling, causal=True
+        )  # (S*L, H, D)
     return out.index_select(0, lay.out_idx).unsqueeze(0), None  # (1, N, H, D)
 
 

@@ -89,8 +89,15 @@ class ActorWorker(Worker):
         self.dev, self.group = _setup(cfg)
         self.policy = load_policy(cfg.model, self.dev)
         _shard_if(cfg.actor.strategy, self.policy, self.group, self.dev)
-        self.actor = Actor(self.policy, cfg.actor, rollout_n=cfg.rollout.n, device=self.dev, group=self.group,
-                           total_steps=total_steps, seed=cfg.trainer.seed)
+        self.actor = Actor(
+            self.policy,
+            cfg.actor,
+            rollout_n=cfg.rollout.n,
+            device=self.dev,
+            group=self.group,
+            total_steps=total_steps,
+            seed=cfg.trainer.seed,
+        )
         self.register_dp_info("actor", dp_rank=self.rank, dp_size=self.world_size)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -113,14 +120,18 @@ class ActorWorker(Worker):
         metrics = self.actor.update_policy(data)
         if self.actor.fused_old_log_probs is None:
             return _metrics(metrics)
-        return DataProto.from_dict({"old_log_probs": self.actor.fused_old_log_probs}, meta_info={"metrics": metrics})
+        return DataProto.from_dict(
+            {"old_log_probs": self.actor.fused_old_log_probs}, meta_info={"metrics": metrics}
+        )
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
     def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) one at a time (an iterator: in-process backends only)."""
         if self.policy.dp_group is not None:
-            raise RuntimeError("get_per_tensor_param runs on rank 0 only, but the model is FSDP2-sharded over "
-                               f"{self.world_size} ranks (gathering needs all of them): use get_weight_frames")
+            raise RuntimeError(
+                "get_per_tensor_param runs on rank 0 only, but the model is FSDP2-sharded over "
+                f"{self.world_size} ranks (gathering needs all of them): use get_weight_frames"
+            )
         return iter_hf_params(self.policy)
 
     @register(dispatch_mode=ALL_RANKS_RANK0_OUT)
@@ -152,17 +163,27 @@ class ActorWorker(Worker):
         """Write the checkpoint atomically: rank 0 writes full tensors (every rank takes part in
         the gathers of a sharded model; replicas hold identical state), or with
         ``trainer.checkpoint_format=sharded`` every FSDP2 rank writes its own shards."""
-        save_engine_checkpoint(path, self.policy.module, self.actor.optimizer, self.actor.scheduler,
-                               model_cfg=self.cfg.model, write=self.rank == 0,
-                               sharded=self.cfg.trainer.checkpoint_format == "sharded",
-                               extra={"update_count": self.actor.update_count,
-                                      "nonfinite_skips": self.actor.nonfinite_skips})
+        save_engine_checkpoint(
+            path,
+            self.policy.module,
+            self.actor.optimizer,
+            self.actor.scheduler,
+            model_cfg=self.cfg.model,
+            write=self.rank == 0,
+            sharded=self.cfg.trainer.checkpoint_format == "sharded",
+            extra={
+                "update_count": self.actor.update_count,
+                "nonfinite_skips": self.actor.nonfinite_skips,
+            },
+        )
         _barrier(self.group)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimizer, scheduler, RNG and counters from ``path``."""
-        extra = load_engine_checkpoint(path, self.policy.module, self.actor.optimizer, self.actor.scheduler)
+        extra = load_engine_checkpoint(
+            path, self.policy.module, self.actor.optimizer, self.actor.scheduler
+        )
         self.actor.update_count = int(extra.get("update_count", 0))
         self.actor.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
 
@@ -176,7 +197,11 @@ class RefWorker(Worker):
         self.policy = load_policy(cfg.model, self.dev, trainable=False)
         _shard_if(cfg.actor.strategy, self.policy, self.group, self.dev)
         self.engine = Actor.__new__(Actor)  # log-prob path only: no optimizer for a frozen model
-        self.engine.policy, self.engine.cfg, self.engine.rollout_n = self.policy, cfg.actor, cfg.rollout.n
+        self.engine.policy, self.engine.cfg, self.engine.rollout_n = (
+            self.policy,
+            cfg.actor,
+            cfg.rollout.n,
+        )
         self.engine.device = self.dev
         self.register_dp_info("ref", dp_rank=self.rank, dp_size=self.world_size)
 
@@ -189,7 +214,9 @@ class RefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, R) under the reference policy."""
         out = self.engine.compute_log_prob(data)
-        return DataProto.from_dict({"ref_log_prob": out.batch["old_log_probs"]}, meta_info=out.meta_info)
+        return DataProto.from_dict(
+            {"ref_log_prob": out.batch["old_log_probs"]}, meta_info=out.meta_info
+        )
 
 
 class CriticWorker(Worker):
@@ -198,11 +225,21 @@ class CriticWorker(Worker):
     def __init__(self, cfg, total_steps: int = 0) -> None:
         self.cfg = cfg
         self.dev, self.group = _setup(cfg)
-        mcfg = dataclasses.replace(cfg.model, path=cfg.critic.model_path) if cfg.critic.model_path else cfg.model
+        mcfg = (
+            dataclasses.replace(cfg.model, path=cfg.critic.model_path)
+            if cfg.critic.model_path
+            else cfg.model
+        )
         self.model = load_critic(mcfg, self.dev)
         _shard_if(cfg.critic.strategy, self.model, self.group, self.dev)
-        self.critic = Critic(self.model, cfg.critic, rollout_n=cfg.rollout.n, device=self.dev, group=self.group,
-                             total_steps=total_steps)
+        self.critic = Critic(
+            self.model,
+            cfg.critic,
+            rollout_n=cfg.rollout.n,
+            device=self.dev,
+            group=self.group,
+            total_steps=total_steps,
+        )
         self.register_dp_info("critic", dp_rank=self.rank, dp_size=self.world_size)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -223,9 +260,15 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """Rank 0 writes the critic checkpoint atomically (every rank gathers when sharded)."""
-        save_engine_checkpoint(path, self.model, self.critic.optimizer, self.critic.scheduler, write=self.rank == 0,
-                               sharded=self.cfg.trainer.checkpoint_format == "sharded",
-                               extra={"nonfinite_skips": self.critic.nonfinite_skips})
+        save_engine_checkpoint(
+            path,
+            self.model,
+            self.critic.optimizer,
+            self.critic.scheduler,
+            write=self.rank == 0,
+            sharded=self.cfg.trainer.checkpoint_format == "sharded",
+            extra={"nonfinite_skips": self.critic.nonfinite_skips},
+        )
         if self.rank == 0:
             Path(path).mkdir(parents=True, exist_ok=True)
         _barrier(self.group)
@@ -233,7 +276,9 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
         """Restore the critic from ``path``."""
-        extra = load_engine_checkpoint(path, self.model, self.critic.optimizer, self.critic.scheduler)
+        extra = load_engine_checkpoint(
+            path, self.model, self.critic.optimizer, self.critic.scheduler
+        )
         self.critic.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
 
 
@@ -257,7 +302,9 @@ class RewardModelWorker(Worker):
         _, compute = resolve_dtypes(cfg.model, self.dev, trainable=False)
         self.rm = RewardModel(rcfg.path, self.dev, compute, rcfg.max_length, rcfg.micro_batch_size)
         if self.group is not None and cfg.actor.strategy == "fsdp2" and self.rm.root is not None:
-            self.rm.shard(self.group, self.dev)  # like the reference model: 1/dp of the weights per rank
+            self.rm.shard(
+                self.group, self.dev
+            )  # like the reference model: 1/dp of the weights per rank
         self.policy_tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.register_dp_info("reward_model", dp_rank=self.rank, dp_size=self.world_size)
 
@@ -273,10 +320,18 @@ class RewardModelWorker(Worker):
 
         Needs ``responses``, ``attention_mask`` and the prompt chat ``messages`` (non-tensor)."""
         if "messages" not in data.non_tensor_batch:
-            raise KeyError("compute_rm_score needs the prompts' chat messages (non_tensor_batch['messages'])")
+            raise KeyError(
+                "compute_rm_score needs the prompts' chat messages (non_tensor_batch['messages'])"
+            )
         R = data.batch["responses"].shape[1]
         valid = data.batch["attention_mask"][:, -R:].bool()
         texts = self.policy_tokenizer.batch_decode(
-            [row[m].tolist() for row, m in zip(data.batch["responses"], valid, strict=True)], skip_special_tokens=True)
-        scores, cut = self.rm.score_rows([list(m) for m in data.non_tensor_batch["messages"]], texts)
-        return DataProto.from_dict({"rm_scores": scores, "rm_truncated": torch.tensor(cut, dtype=torch.bool)})
+            [row[m].tolist() for row, m in zip(data.batch["responses"], valid, strict=True)],
+            skip_special_tokens=True,
+        )
+        scores, cut = self.rm.score_rows(
+            [list(m) for m in data.non_tensor_batch["messages"]], texts
+        )
+        return DataProto.from_dict(
+            {"rm_scores": scores, "rm_truncated": torch.tensor(cut, dtype=torch.bool)}
+        )

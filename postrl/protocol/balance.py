@@ -104,7 +104,9 @@ def _capacity_lpt(seqlens: Sequence[int], sizes: Sequence[int]) -> list[list[int
     parts: list[list[int]] = [[] for _ in sizes]
     loads = [0] * len(sizes)
     for i in sorted(range(len(seqlens)), key=lambda i: (-seqlens[i], i)):
-        j = min((j for j in range(len(sizes)) if len(parts[j]) < sizes[j]), key=lambda j: (loads[j], j))
+        j = min(
+            (j for j in range(len(sizes)) if len(parts[j]) < sizes[j]), key=lambda j: (loads[j], j)
+        )
         parts[j].append(i)
         loads[j] += int(seqlens[i])
     return [sorted(p) for p in parts]

@@ -68,11 +68,15 @@ class DataProto:
 
     def check(self) -> None:
         """Raise ``DataProtoError`` unless every tensor and array has the same batch size."""
-        sizes = {f"batch[{k!r}]": (v.shape[0] if v.dim() > 0 else None) for k, v in self.batch.items()}
+        sizes = {
+            f"batch[{k!r}]": (v.shape[0] if v.dim() > 0 else None) for k, v in self.batch.items()
+        }
         sizes.update({f"non_tensor_batch[{k!r}]": len(v) for k, v in self.non_tensor_batch.items()})
         for k, v in self.non_tensor_batch.items():
             if not isinstance(v, np.ndarray):
-                raise DataProtoError(f"non_tensor_batch[{k!r}] must be a numpy array, got {type(v).__name__}")
+                raise DataProtoError(
+                    f"non_tensor_batch[{k!r}] must be a numpy array, got {type(v).__name__}"
+                )
         distinct = set(sizes.values())
         if None in distinct:
             bad = [k for k, s in sizes.items() if s is None]
@@ -89,7 +93,9 @@ class DataProto:
         return 0
 
     # ------------------------------------------------------------------ indexing
-    def __getitem__(self, item: int | slice | Sequence[int] | torch.Tensor | np.ndarray) -> DataProto:
+    def __getitem__(
+        self, item: int | slice | Sequence[int] | torch.Tensor | np.ndarray
+    ) -> DataProto:
         """Index or slice rows; an int returns a batch of one row (dimension kept)."""
         if isinstance(item, int):
             item = slice(item, item + 1 if item != -1 else None)
@@ -99,7 +105,11 @@ class DataProto:
                 {k: v[item] for k, v in self.non_tensor_batch.items()},
                 dict(self.meta_info),
             )
-        idx = item if isinstance(item, torch.Tensor) else torch.as_tensor(np.asarray(item), dtype=torch.long)
+        idx = (
+            item
+            if isinstance(item, torch.Tensor)
+            else torch.as_tensor(np.asarray(item), dtype=torch.long)
+        )
         if idx.dtype == torch.bool:
             idx = idx.nonzero(as_tuple=True)[0]
         idx_np = idx.cpu().numpy()
@@ -116,6 +126,7 @@ class DataProto:
         meta_keys: Iterable[str] | None = None,
     ) -> DataProto:
         """Keep only the named keys (``None`` keeps all of that kind)."""
+
         def pick(d: dict, keys: Iterable[str] | None, what: str) -> dict:
             if keys is None:
                 return dict(d)
@@ -152,8 +163,12 @@ class DataProto:
             raise DataProtoError(f"cannot union batches of size {len(self)} and {len(other)}")
         batch = dict(self.batch)
         for k, v in other.batch.items():
-            if k in batch and not (batch[k] is v or (batch[k].shape == v.shape and torch.equal(batch[k], v))):
-                raise DataProtoError(f"union conflict on batch[{k!r}]: both sides have different values")
+            if k in batch and not (
+                batch[k] is v or (batch[k].shape == v.shape and torch.equal(batch[k], v))
+            ):
+                raise DataProtoError(
+                    f"union conflict on batch[{k!r}]: both sides have different values"
+                )
             batch[k] = v
         nt = dict(self.non_tensor_batch)
         for k, v in other.non_tensor_batch.items():
@@ -182,7 +197,10 @@ class DataProto:
                     f"part 0 has {sorted(keys)}+{sorted(nt_keys)}"
                 )
         batch = {k: torch.cat([p.batch[k] for p in parts], dim=0) for k in parts[0].batch}
-        nt = {k: np.concatenate([p.non_tensor_batch[k] for p in parts], axis=0) for k in parts[0].non_tensor_batch}
+        nt = {
+            k: np.concatenate([p.non_tensor_batch[k] for p in parts], axis=0)
+            for k in parts[0].non_tensor_batch
+        }
         return DataProto(batch, nt, dict(parts[0].meta_info))
 
     def split(self, size: int) -> list[DataProto]:
@@ -203,7 +221,9 @@ class DataProto:
         """Return rows in the order ``idx`` (a permutation)."""
         idx_t = torch.as_tensor(idx, dtype=torch.long)
         if idx_t.numel() != len(self):
-            raise DataProtoError(f"reorder index has {idx_t.numel()} entries for a batch of {len(self)}")
+            raise DataProtoError(
+                f"reorder index has {idx_t.numel()} entries for a batch of {len(self)}"
+            )
         return self[idx_t]
 
     def repeat(self, n: int, interleave: bool = True) -> DataProto:
@@ -233,20 +253,28 @@ class DataProto:
     # ------------------------------------------------------------------ devices / IO
     def to(self, device: str | torch.device) -> DataProto:
         """Move tensors to ``device`` (non-tensor data stays on the host)."""
-        return DataProto({k: v.to(device) for k, v in self.batch.items()}, dict(self.non_tensor_batch), dict(self.meta_info))
+        return DataProto(
+            {k: v.to(device) for k, v in self.batch.items()},
+            dict(self.non_tensor_batch),
+            dict(self.meta_info),
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # Tensors pickle via torch's storage sharing path; object arrays as lists (cheap).
         return {
             "batch": self.batch,
-            "non_tensor_batch": {k: (v.dtype.str, v.tolist()) if v.dtype == object else v for k, v in self.non_tensor_batch.items()},
+            "non_tensor_batch": {
+                k: (v.dtype.str, v.tolist()) if v.dtype == object else v
+                for k, v in self.non_tensor_batch.items()
+            },
             "meta_info": self.meta_info,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.batch = state["batch"]
         self.non_tensor_batch = {
-            k: _as_object_array(v[1], k) if isinstance(v, tuple) else v for k, v in state["non_tensor_batch"].items()
+            k: _as_object_array(v[1], k) if isinstance(v, tuple) else v
+            for k, v in state["non_tensor_batch"].items()
         }
         self.meta_info = state["meta_info"]
 
@@ -256,7 +284,10 @@ class DataProto:
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous().cpu() for k, v in self.batch.items()}, str(path / "batch.safetensors"))
+        save_file(
+            {k: v.contiguous().cpu() for k, v in self.batch.items()},
+            str(path / "batch.safetensors"),
+        )
         payload = {
             "n": len(self),
             "non_tensor_batch": {k: v.tolist() for k, v in self.non_tensor_batch.items()},

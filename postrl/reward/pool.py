@@ -271,7 +271,9 @@ class WorkerPool:
                 # replace before resolving: whoever waits on the result sees the new worker
                 self._replace(i, slot, reason=None)
                 if not task.future.done():
-                    task.future.set_result(Outcome("timeout", error=f"exceeded timeout_s={task.timeout_s:g}"))
+                    task.future.set_result(
+                        Outcome("timeout", error=f"exceeded timeout_s={task.timeout_s:g}")
+                    )
             elif not slot.ready and now >= self._start_deadlines.get(id(slot), float("inf")):
                 self._start_failures += 1
                 log.warning("reward worker %d did not start within %ss", i, self.start_timeout_s)

@@ -93,7 +93,9 @@ def _register_builtins() -> None:
         REWARD_FNS.add_lazy(name, f"{rules}.math_answer:compute_score", batch=False, inline=False)
     # agentic tasks (their modules register eagerly on import; these lazy entries make them
     # available without that import)
-    REWARD_FNS.add_lazy("tool_arith", "postrl.data.tool_arith:compute_tool_arith_score", batch=False, inline=True)
+    REWARD_FNS.add_lazy(
+        "tool_arith", "postrl.data.tool_arith:compute_tool_arith_score", batch=False, inline=True
+    )
     REWARD_FNS.add_lazy("code", "postrl.data.code_tasks:code_reward", batch=False, inline=False)
 
 

@@ -21,14 +21,20 @@ T = TypeVar("T")
 ROLLOUT_BACKENDS: Registry[Any] = Registry("rollout backend")
 ROLLOUT_BACKENDS.add_lazy("native", "postrl.rollout.native.engine:NativeBackend", device="cpu|cuda")
 ROLLOUT_BACKENDS.add_lazy("hf", "postrl.rollout.hf_backend:HFBackend", device="cpu|cuda")
-ROLLOUT_BACKENDS.add_lazy("vllm", "postrl.rollout.vllm_backend:VLLMBackend", extra="vllm", device="cuda")
-ROLLOUT_BACKENDS.add_lazy("sglang", "postrl.rollout.sglang_backend:SGLangBackend", extra="sglang", device="cuda")
+ROLLOUT_BACKENDS.add_lazy(
+    "vllm", "postrl.rollout.vllm_backend:VLLMBackend", extra="vllm", device="cuda"
+)
+ROLLOUT_BACKENDS.add_lazy(
+    "sglang", "postrl.rollout.sglang_backend:SGLangBackend", extra="sglang", device="cuda"
+)
 
 
 def register_rollout_backend(name: str, **meta: Any) -> Callable[[T], T]:
     """Class decorator registering a rollout backend under ``name`` (constructor
     ``cls(model_path, **options)``)."""
-    return ROLLOUT_BACKENDS.register(name, override=name in ("native", "hf", "vllm", "sglang"), **meta)
+    return ROLLOUT_BACKENDS.register(
+        name, override=name in ("native", "hf", "vllm", "sglang"), **meta
+    )
 
 
 def create_rollout_backend(name: str, model_path: str | Path, **options: Any) -> Any:

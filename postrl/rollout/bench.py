@@ -30,8 +30,12 @@ __all__ = ["main", "run_bench"]
 def _prompts(kind: str, batch: int, n: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     distinct = batch // n if kind == "w1" else batch
-    base = [torch.randint(0, min(vocab, 256), (int(torch.randint(24, 41, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(distinct)]
+    base = [
+        torch.randint(
+            0, min(vocab, 256), (int(torch.randint(24, 41, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(distinct)
+    ]
     return [p for p in base for _ in range(batch // distinct)]
 
 
@@ -40,9 +44,16 @@ def _native_runner(backend: Any, prompts: list[list[int]]) -> Callable[[int], in
     from postrl.rollout.types import SamplingParams
 
     async def once(n: int) -> int:
-        outs = await asyncio.gather(*[
-            backend.generate(p, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=i), f"b{i}")
-            for i, p in enumerate(prompts)])
+        outs = await asyncio.gather(
+            *[
+                backend.generate(
+                    p,
+                    SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=i),
+                    f"b{i}",
+                )
+                for i, p in enumerate(prompts)
+            ]
+        )
         return sum(len(o.token_ids) for o in outs)
 
     return lambda n: asyncio.run(once(n))
@@ -54,19 +65,30 @@ def _hf_runner(model: Any, prompts: list[list[int]], pad_id: int) -> Callable[[i
     ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(p)
-        mask[i, L - len(p):] = 1
+        ids[i, L - len(p) :] = torch.tensor(p)
+        mask[i, L - len(p) :] = 1
 
     def once(n: int) -> int:
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                           max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=pad_id,
+            )
         return len(prompts) * n
 
     return once
 
 
-def _time_interleaved(runners: list[Callable[[int], int]], new_tokens: int, repeats: int) -> list[float]:
+def _time_interleaved(
+    runners: list[Callable[[int], int]], new_tokens: int, repeats: int
+) -> list[float]:
     """Best tokens/s of each runner over ``repeats`` rounds; each round times every runner once, in
     turn, so all of them are measured under the same machine conditions (on a shared VM the
     throughput of either side drifts by ~10% between minutes; timing one side's repeats after the
@@ -90,18 +112,33 @@ def decode_path(backend: Any) -> str:
     return "c-step" if backend._decode_step() is not None else "c-ops"
 
 
-def run_bench(model_dir: str, batch: int = 128, group: int = 8, new_tokens: tuple[int, ...] = (16, 128),
-              scenarios: tuple[str, ...] = ("w1", "distinct"), repeats: int = 1, seed: int = 0,
-              kernels: str = "auto", compare_torch: bool = False) -> list[dict]:
+def run_bench(
+    model_dir: str,
+    batch: int = 128,
+    group: int = 8,
+    new_tokens: tuple[int, ...] = (16, 128),
+    scenarios: tuple[str, ...] = ("w1", "distinct"),
+    repeats: int = 1,
+    seed: int = 0,
+    kernels: str = "auto",
+    compare_torch: bool = False,
+) -> list[dict]:
     """Measure and return rows ``{scenario, new_tokens, native_tok_s, hf_tok_s, ratio, path}``
     (+ ``torch_path_tok_s`` with ``compare_torch``: the native engine on torch ops, same run)."""
     from transformers import AutoModelForCausalLM
 
     from postrl.rollout.native.engine import NativeBackend
 
-    native = NativeBackend(model_dir, max_num_seqs=batch, max_model_len=64 + max(new_tokens), kernels=kernels)
-    plain = (NativeBackend(model_dir, max_num_seqs=batch, max_model_len=64 + max(new_tokens), kernels="torch")
-             if compare_torch else None)
+    native = NativeBackend(
+        model_dir, max_num_seqs=batch, max_model_len=64 + max(new_tokens), kernels=kernels
+    )
+    plain = (
+        NativeBackend(
+            model_dir, max_num_seqs=batch, max_model_len=64 + max(new_tokens), kernels="torch"
+        )
+        if compare_torch
+        else None
+    )
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad = hf.generation_config.pad_token_id
     pad = pad if pad is not None else 0
@@ -113,8 +150,14 @@ def run_bench(model_dir: str, batch: int = 128, group: int = 8, new_tokens: tupl
             runners.append(_native_runner(plain, prompts))
         for n in new_tokens:
             tok_s = _time_interleaved(runners, n, repeats)
-            row = dict(scenario=kind, new_tokens=n, native_tok_s=tok_s[0], hf_tok_s=tok_s[1], ratio=tok_s[0] / tok_s[1],
-                       path=decode_path(native))
+            row = dict(
+                scenario=kind,
+                new_tokens=n,
+                native_tok_s=tok_s[0],
+                hf_tok_s=tok_s[1],
+                ratio=tok_s[0] / tok_s[1],
+                path=decode_path(native),
+            )
             if plain is not None:
                 row["torch_path_tok_s"] = tok_s[2]
             rows.append(row)
@@ -127,31 +170,61 @@ def run_bench(model_dir: str, batch: int = 128, group: int = 8, new_tokens: tupl
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: ``postrl bench rollout --model DIR [--batch 128] [--new-tokens 16,128]``."""
     p = argparse.ArgumentParser(prog="postrl bench rollout", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="HF model directory (e.g. from `postrl make-model`)")
+    p.add_argument(
+        "--model", required=True, help="HF model directory (e.g. from `postrl make-model`)"
+    )
     p.add_argument("--batch", type=int, default=128, help="sequences per measurement")
     p.add_argument("--group", type=int, default=8, help="samples per prompt in the w1 scenario")
     p.add_argument("--new-tokens", default="16,128", help="comma-separated completion lengths")
     p.add_argument("--scenarios", default="w1,distinct", help="comma-separated: w1, distinct")
-    p.add_argument("--repeats", type=int, default=1, help="timed rounds; each round times every engine once, in turn (best is reported)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--kernels", default="auto", choices=["auto", "fused", "torch"],
-                   help="native decode implementation (see NativeBackend)")
-    p.add_argument("--compare-torch", action="store_true",
-                   help="also time the native engine on torch ops (kernels=torch) in the same run")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed rounds; each round times every engine once, in turn (best is reported)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "fused", "torch"],
+        help="native decode implementation (see NativeBackend)",
+    )
+    p.add_argument(
+        "--compare-torch",
+        action="store_true",
+        help="also time the native engine on torch ops (kernels=torch) in the same run",
+    )
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    rows = run_bench(a.model, a.batch, a.group, tuple(int(x) for x in a.new_tokens.split(",")),
-                     tuple(a.scenarios.split(",")), a.repeats, kernels=a.kernels, compare_torch=a.compare_torch)
+    rows = run_bench(
+        a.model,
+        a.batch,
+        a.group,
+        tuple(int(x) for x in a.new_tokens.split(",")),
+        tuple(a.scenarios.split(",")),
+        a.repeats,
+        kernels=a.kernels,
+        compare_torch=a.compare_torch,
+    )
     out = sys.stdout
-    out.write(f"rollout benchmark  model={a.model}  batch={a.batch}  threads={torch.get_num_threads()}  "
-              f"decode={rows[0]['path'] if rows else '?'}\n")
+    out.write(
+        f"rollout benchmark  model={a.model}  batch={a.batch}  threads={torch.get_num_threads()}  "
+        f"decode={rows[0]['path'] if rows else '?'}\n"
+    )
     extra = f"{'torch-path tok/s':>18}{'kernels gain':>14}" if a.compare_torch else ""
-    out.write(f"{'scenario':<10}{'new_tok':>8}{'native tok/s':>14}{'hf tok/s':>12}{'ratio':>8}{extra}\n")
+    out.write(
+        f"{'scenario':<10}{'new_tok':>8}{'native tok/s':>14}{'hf tok/s':>12}{'ratio':>8}{extra}\n"
+    )
     for r in rows:
         line = f"{r['scenario']:<10}{r['new_tokens']:>8}{r['native_tok_s']:>14.0f}{r['hf_tok_s']:>12.0f}{r['ratio']:>7.2f}x"
         if "torch_path_tok_s" in r:
-            line += f"{r['torch_path_tok_s']:>18.0f}{r['native_tok_s'] / r['torch_path_tok_s']:>13.2f}x"
+            line += (
+                f"{r['torch_path_tok_s']:>18.0f}{r['native_tok_s'] / r['torch_path_tok_s']:>13.2f}x"
+            )
         out.write(line + "\n")
     return 0
 

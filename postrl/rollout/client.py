@@ -57,14 +57,17 @@ class RolloutReplica:
         """Number of in-flight requests (the load balancer's metric)."""
         return len(self._inflight)
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> TokenOutput:
         """Run one request on the backend (waits while the replica is paused)."""
         deadline = time.monotonic() + self.pause_timeout_s
         while self._paused:
             if time.monotonic() > deadline:
                 raise RolloutTimeoutError(
                     f"replica {self.replica_id} stayed paused > {self.pause_timeout_s}s; call resume() after the "
-                    f"weight update or raise pause_timeout_s")
+                    f"weight update or raise pause_timeout_s"
+                )
             await asyncio.sleep(0.005)
         self._inflight.add(request_id)
         try:
@@ -133,7 +136,9 @@ class LoadBalancer:
         if trajectory_id is not None and trajectory_id in self._sticky:
             self._sticky.move_to_end(trajectory_id)
             return self._sticky[trajectory_id]
-        idx = min(range(len(self.replicas)), key=lambda i: (self._assigned[i] + self.replicas[i].load, i))
+        idx = min(
+            range(len(self.replicas)), key=lambda i: (self._assigned[i] + self.replicas[i].load, i)
+        )
         if trajectory_id is not None:
             self._sticky[trajectory_id] = idx
             if len(self._sticky) > self.max_sticky:
@@ -173,7 +178,9 @@ class RolloutClient:
     def __init__(self, target: Any, max_segments: int = 64, timeout_s: float | None = None) -> None:
         if isinstance(target, LoadBalancer):
             self.balancer = target
-        elif isinstance(target, RolloutReplica) or hasattr(target, "load"):  # a replica (local or Ray)
+        elif isinstance(target, RolloutReplica) or hasattr(
+            target, "load"
+        ):  # a replica (local or Ray)
             self.balancer = LoadBalancer([target])
         else:
             self.balancer = LoadBalancer([RolloutReplica(target)])
@@ -182,8 +189,13 @@ class RolloutClient:
         self._cancelled: set[str] = set()
         self._current: dict[str, tuple[Any, str]] = {}
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str,
-                       trajectory_id: str | None = None) -> TokenOutput:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        trajectory_id: str | None = None,
+    ) -> TokenOutput:
         """Generate, transparently resuming across replica pauses (see module docstring)."""
         coro = self._generate(list(prompt_ids), sampling, request_id, trajectory_id)
         if self.timeout_s is None:
@@ -191,7 +203,9 @@ class RolloutClient:
         try:
             return await asyncio.wait_for(coro, self.timeout_s)
         except asyncio.TimeoutError as e:
-            raise RolloutTimeoutError(f"request {request_id!r} exceeded timeout_s={self.timeout_s}") from e
+            raise RolloutTimeoutError(
+                f"request {request_id!r} exceeded timeout_s={self.timeout_s}"
+            ) from e
 
     def abort(self, request_id: str) -> None:
         """Abort a request for good: its ``generate`` returns the partial output ("abort")."""
@@ -200,8 +214,13 @@ class RolloutClient:
         if cur is not None:
             cur[0].abort(cur[1])
 
-    async def _generate(self, prompt: list[int], sampling: SamplingParams, request_id: str,
-                        trajectory_id: str | None) -> TokenOutput:
+    async def _generate(
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        trajectory_id: str | None,
+    ) -> TokenOutput:
         tokens: list[int] = []
         logps: list[float] = []
         versions: list[tuple[int, int]] = []
@@ -210,8 +229,11 @@ class RolloutClient:
             for seg in range(self.max_segments):
                 idx = lb.pick(trajectory_id if trajectory_id is not None else request_id)
                 replica = lb.replicas[idx]
-                sp = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(tokens),
-                                         seed=_segment_seed(sampling.seed, seg))
+                sp = dataclasses.replace(
+                    sampling,
+                    max_new_tokens=sampling.max_new_tokens - len(tokens),
+                    seed=_segment_seed(sampling.seed, seg),
+                )
                 seg_id = request_id if seg == 0 else f"{request_id}#resume{seg}"
                 self._current[request_id] = (replica, seg_id)
                 lb.acquire(idx)
@@ -221,14 +243,27 @@ class RolloutClient:
                     lb.release(idx)
                 tokens += out.token_ids
                 logps += out.log_probs
-                versions += out.versions or [(len(out.token_ids), getattr(replica, "policy_version", 0))]
+                versions += out.versions or [
+                    (len(out.token_ids), getattr(replica, "policy_version", 0))
+                ]
                 done = out.finish_reason != "abort" or request_id in self._cancelled
                 if done or len(tokens) >= sampling.max_new_tokens:
-                    reason = out.finish_reason if out.finish_reason != "abort" or request_id in self._cancelled else "length"
+                    reason = (
+                        out.finish_reason
+                        if out.finish_reason != "abort" or request_id in self._cancelled
+                        else "length"
+                    )
                     return TokenOutput(tokens, logps, reason, out.stop_reason, versions)
-                logger.debug("request %s interrupted after %d tokens; resuming (segment %d)", request_id, len(tokens), seg + 1)
-            raise RolloutError(f"request {request_id!r} was interrupted {self.max_segments} times; "
-                               f"raise max_segments or pause replicas less often")
+                logger.debug(
+                    "request %s interrupted after %d tokens; resuming (segment %d)",
+                    request_id,
+                    len(tokens),
+                    seg + 1,
+                )
+            raise RolloutError(
+                f"request {request_id!r} was interrupted {self.max_segments} times; "
+                f"raise max_segments or pause replicas less often"
+            )
         finally:
             self._current.pop(request_id, None)
             self._cancelled.discard(request_id)

@@ -45,8 +45,14 @@ class HFBackend:
         max_batch_size: most requests per ``generate`` call.
     """
 
-    def __init__(self, model_path: str, device: str = "cpu", dtype: str | torch.dtype = "float32",
-                 max_batch_size: int = 128, **_: object) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cpu",
+        dtype: str | torch.dtype = "float32",
+        max_batch_size: int = 128,
+        **_: object,
+    ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -57,7 +63,11 @@ class HFBackend:
         gc = self.model.generation_config
         eos = gc.eos_token_id if gc.eos_token_id is not None else self.model.config.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        self.pad_id = gc.pad_token_id if gc.pad_token_id is not None else (self.eos_ids[0] if self.eos_ids else 0)
+        self.pad_id = (
+            gc.pad_token_id
+            if gc.pad_token_id is not None
+            else (self.eos_ids[0] if self.eos_ids else 0)
+        )
         self.weight_version = 0
         self._queue: list[_Req] = []
         self._aborts: set[str] = set()
@@ -66,7 +76,9 @@ class HFBackend:
         self._task: asyncio.Task | None = None
         self._asleep = False
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> TokenOutput:
         """Queue one request; requests queued in the same tick share a ``generate`` call."""
         if not prompt_ids:
             raise RolloutError(f"request {request_id!r}: prompt_ids is empty")
@@ -110,7 +122,10 @@ class HFBackend:
         while self._queue:
             while self._asleep:
                 await asyncio.sleep(0.01)
-            batch, self._queue = self._queue[: self.max_batch_size], self._queue[self.max_batch_size :]
+            batch, self._queue = (
+                self._queue[: self.max_batch_size],
+                self._queue[self.max_batch_size :],
+            )
             keep = []
             for r in batch:
                 if r.rid in self._aborts:
@@ -121,7 +136,9 @@ class HFBackend:
             groups: dict[tuple, list[_Req]] = {}
             for r in keep:
                 s = r.sp
-                groups.setdefault((s.temperature, s.top_k, s.top_p, s.ignore_eos, s.stop_token_ids), []).append(r)
+                groups.setdefault(
+                    (s.temperature, s.top_k, s.top_p, s.ignore_eos, s.stop_token_ids), []
+                ).append(r)
             for reqs in groups.values():
                 try:
                     outs = await loop.run_in_executor(self._executor, self._run, reqs)
@@ -139,23 +156,40 @@ class HFBackend:
         ids = torch.full((len(reqs), L), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, r in enumerate(reqs):
-            ids[i, L - len(r.prompt):] = torch.tensor(r.prompt)
-            mask[i, L - len(r.prompt):] = 1
+            ids[i, L - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[i, L - len(r.prompt) :] = 1
         max_new = max(r.sp.max_new_tokens for r in reqs)
         greedy = sp.temperature <= 0
         if sp.seed is not None:
             torch.manual_seed(sp.seed)
-        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=sp.temperature,
-                                                        top_k=sp.top_k if sp.top_k > 0 else 0, top_p=sp.top_p)
+        kw = (
+            dict(do_sample=False)
+            if greedy
+            else dict(
+                do_sample=True,
+                temperature=sp.temperature,
+                top_k=sp.top_k if sp.top_k > 0 else 0,
+                top_p=sp.top_p,
+            )
+        )
         with self._lock, torch.inference_mode():
-            out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=max_new,
-                                      eos_token_id=stop_ids or None, pad_token_id=self.pad_id, output_logits=True,
-                                      return_dict_in_generate=True, **kw)
+            out = self.model.generate(
+                ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                max_new_tokens=max_new,
+                eos_token_id=stop_ids or None,
+                pad_token_id=self.pad_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+                **kw,
+            )
         gen = out.sequences[:, L:].cpu()  # (B, N)
         T = 1.0 if greedy else sp.temperature
         logits = torch.stack(out.logits, 1).float().cpu() / T  # (B, N, V)
         lps = torch.log_softmax(logits, -1).gather(2, gen[..., None]).squeeze(-1)
-        return [self._trim(r, gen[i].tolist(), lps[i].tolist(), stop_ids) for i, r in enumerate(reqs)]
+        return [
+            self._trim(r, gen[i].tolist(), lps[i].tolist(), stop_ids) for i, r in enumerate(reqs)
+        ]
 
     def _trim(self, r: _Req, toks: list[int], lps: list[float], stop_ids: list[int]) -> TokenOutput:
         n, reason, stop = min(len(toks), r.sp.max_new_tokens), "length", None
@@ -170,4 +204,6 @@ class HFBackend:
                 if hit is not None:
                     n, reason, stop = i, "stop", hit
                     break
-        return TokenOutput(toks[:n], lps[:n] if r.sp.logprobs else [], reason, stop, [(n, self.weight_version)])
+        return TokenOutput(
+            toks[:n], lps[:n] if r.sp.logprobs else [], reason, stop, [(n, self.weight_version)]
+        )

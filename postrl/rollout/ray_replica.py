@@ -25,9 +25,13 @@ class _ReplicaActor:
         from postrl.rollout.base import create_rollout_backend
         from postrl.rollout.client import RolloutReplica
 
-        self.replica = RolloutReplica(create_rollout_backend(backend, model_path, **options), replica_id)
+        self.replica = RolloutReplica(
+            create_rollout_backend(backend, model_path, **options), replica_id
+        )
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> TokenOutput:
         return await self.replica.generate(prompt_ids, sampling, request_id)
 
     def call(self, method: str, *args: Any) -> Any:
@@ -53,12 +57,21 @@ class RayRolloutReplica:
         self._inflight = 0
 
     @classmethod
-    def create(cls, backend: str, model_path: str, replica_id: int = 0, num_cpus: float = 1, num_gpus: float = 0,
-               **options: Any) -> RayRolloutReplica:
+    def create(
+        cls,
+        backend: str,
+        model_path: str,
+        replica_id: int = 0,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        **options: Any,
+    ) -> RayRolloutReplica:
         """Start the actor (``ray.init`` must have been called)."""
         import ray
 
-        actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1024)(_ReplicaActor)
+        actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1024)(
+            _ReplicaActor
+        )
         return cls(actor_cls.remote(backend, model_path, replica_id, options), replica_id)
 
     @property
@@ -71,7 +84,9 @@ class RayRolloutReplica:
 
         return ray.get(ref, timeout=self.timeout_s)
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> TokenOutput:
         """Run one request in the actor."""
         self._inflight += 1
         try:
@@ -91,8 +106,12 @@ class RayRolloutReplica:
         """Serve again."""
         self._get(self.actor.call.remote("resume"))
 
-    def update_weights(self, weights: Iterable[WeightItem], version: int | None = None,
-                       bucket_bytes: int = 64 << 20) -> None:
+    def update_weights(
+        self,
+        weights: Iterable[WeightItem],
+        version: int | None = None,
+        bucket_bytes: int = 64 << 20,
+    ) -> None:
         """Stream weights as bucket frames (raw bytes), one bucket in flight at a time."""
         from postrl.weights import encode_frame, pack_buckets
 

@@ -93,12 +93,23 @@ class _AbortBody(BaseModel):
 
 def _sampling_from_openai(b: _OpenAICommon, default_max: int) -> SamplingParams:
     stop = (b.stop,) if isinstance(b.stop, str) else tuple(b.stop or ())
-    return SamplingParams(temperature=b.temperature, top_p=b.top_p, top_k=b.top_k, stop=stop, seed=b.seed,
-                          max_new_tokens=b.max_completion_tokens or b.max_tokens or default_max)
+    return SamplingParams(
+        temperature=b.temperature,
+        top_p=b.top_p,
+        top_k=b.top_k,
+        stop=stop,
+        seed=b.seed,
+        max_new_tokens=b.max_completion_tokens or b.max_tokens or default_max,
+    )
 
 
-def create_app(replica: RolloutReplica, tokenizer: Any = None, api_key: str | None = None,
-               model_name: str = "postrl", default_max_tokens: int = 256):
+def create_app(
+    replica: RolloutReplica,
+    tokenizer: Any = None,
+    api_key: str | None = None,
+    model_name: str = "postrl",
+    default_max_tokens: int = 256,
+):
     """Build the FastAPI app serving ``replica`` (``tokenizer`` needed for text routes)."""
     app = FastAPI(title="postrl rollout server")
     client = RolloutClient(replica)
@@ -108,7 +119,9 @@ def create_app(replica: RolloutReplica, tokenizer: Any = None, api_key: str | No
         if api_key is not None:
             got = request.headers.get("authorization", "")
             if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-                return JSONResponse({"error": "missing or wrong API key (send 'Authorization: Bearer <key>')"}, 401)
+                return JSONResponse(
+                    {"error": "missing or wrong API key (send 'Authorization: Bearer <key>')"}, 401
+                )
         return await call_next(request)
 
     @app.exception_handler(ValueError)
@@ -121,7 +134,9 @@ def create_app(replica: RolloutReplica, tokenizer: Any = None, api_key: str | No
 
     def _tok():
         if tokenizer is None:
-            raise HTTPException(400, "this server has no tokenizer; use /v1/generate with token ids")
+            raise HTTPException(
+                400, "this server has no tokenizer; use /v1/generate with token ids"
+            )
         return tokenizer
 
     async def _run(ids: list[int], sp: SamplingParams, n: int):
@@ -129,8 +144,12 @@ def create_app(replica: RolloutReplica, tokenizer: Any = None, api_key: str | No
 
         rid = uuid.uuid4().hex
         seeds = [None if sp.seed is None else sp.seed + i for i in range(n)]
-        return await asyncio.gather(*[client.generate(ids, SamplingParams(**{**sp.__dict__, "seed": s}), f"{rid}-{i}")
-                                      for i, s in enumerate(seeds)])
+        return await asyncio.gather(
+            *[
+                client.generate(ids, SamplingParams(**{**sp.__dict__, "seed": s}), f"{rid}-{i}")
+                for i, s in enumerate(seeds)
+            ]
+        )
 
     def _usage(ids: list[int], outs) -> dict:
         c = sum(len(o.token_ids) for o in outs)
@@ -142,45 +161,91 @@ def create_app(replica: RolloutReplica, tokenizer: Any = None, api_key: str | No
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "postrl"}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "owned_by": "postrl"}],
+        }
 
     @app.post("/v1/generate")
     async def generate(body: _GenerateBody):
-        sp = SamplingParams(**{**body.sampling.model_dump(), "stop_token_ids": tuple(body.sampling.stop_token_ids),
-                               "stop": tuple(body.sampling.stop)})
-        out = await client.generate(body.prompt_ids, sp, body.request_id or uuid.uuid4().hex, body.trajectory_id)
+        sp = SamplingParams(
+            **{
+                **body.sampling.model_dump(),
+                "stop_token_ids": tuple(body.sampling.stop_token_ids),
+                "stop": tuple(body.sampling.stop),
+            }
+        )
+        out = await client.generate(
+            body.prompt_ids, sp, body.request_id or uuid.uuid4().hex, body.trajectory_id
+        )
         return out.to_dict()
 
     @app.post("/v1/completions")
     async def completions(body: _CompletionBody):
-        ids = body.prompt if isinstance(body.prompt, list) else _tok().encode(body.prompt, add_special_tokens=False)
+        ids = (
+            body.prompt
+            if isinstance(body.prompt, list)
+            else _tok().encode(body.prompt, add_special_tokens=False)
+        )
         outs = await _run(list(ids), _sampling_from_openai(body, default_max_tokens), body.n)
         choices = []
         for i, o in enumerate(outs):
             text = tokenizer.decode(o.token_ids) if tokenizer is not None else ""
-            ch = {"index": i, "text": text, "finish_reason": o.finish_reason, "token_ids": o.token_ids}
+            ch = {
+                "index": i,
+                "text": text,
+                "finish_reason": o.finish_reason,
+                "token_ids": o.token_ids,
+            }
             if body.logprobs:
-                ch["logprobs"] = {"token_logprobs": o.log_probs, "tokens": [str(t) for t in o.token_ids]}
+                ch["logprobs"] = {
+                    "token_logprobs": o.log_probs,
+                    "tokens": [str(t) for t in o.token_ids],
+                }
             choices.append(ch)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model_name, "choices": choices, "usage": _usage(ids, outs)}
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": _usage(ids, outs),
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(body: _ChatBody):
         tok = _tok()
-        ids = tok.apply_chat_template([m.model_dump() for m in body.messages], add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template(
+            [m.model_dump() for m in body.messages], add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         outs = await _run(list(ids), _sampling_from_openai(body, default_max_tokens), body.n)
         choices = []
         for i, o in enumerate(outs):
-            ch = {"index": i, "message": {"role": "assistant", "content": tok.decode(o.token_ids, skip_special_tokens=True)},
-                  "finish_reason": o.finish_reason}
+            ch = {
+                "index": i,
+                "message": {
+                    "role": "assistant",
+                    "content": tok.decode(o.token_ids, skip_special_tokens=True),
+                },
+                "finish_reason": o.finish_reason,
+            }
             if body.logprobs:
-                ch["logprobs"] = {"content": [{"token": str(t), "logprob": lp} for t, lp in zip(o.token_ids, o.log_probs)]}
+                ch["logprobs"] = {
+                    "content": [
+                        {"token": str(t), "logprob": lp} for t, lp in zip(o.token_ids, o.log_probs)
+                    ]
+                }
             choices.append(ch)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": model_name, "choices": choices, "usage": _usage(ids, outs)}
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": _usage(ids, outs),
+        }
 
     @app.post("/v1/abort")
     async def abort(body: _AbortBody):
@@ -225,7 +290,8 @@ def check_bind(host: str, api_key: str | None) -> None:
     if not loopback and not api_key:
         raise SystemExit(
             f"refusing to bind {host!r} without an API key: anyone who can reach it could run the model and "
-            f"overwrite its weights. Pass --api-key (or set POSTRL_API_KEY), or bind 127.0.0.1")
+            f"overwrite its weights. Pass --api-key (or set POSTRL_API_KEY), or bind 127.0.0.1"
+        )
 
 
 def serve_main(argv: list[str] | None = None) -> int:
@@ -233,9 +299,13 @@ def serve_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="postrl serve", description="OpenAI-compatible rollout server")
     p.add_argument("--model", required=True, help="HF model directory")
     p.add_argument("--backend", default="native", help="rollout backend (native, hf, vllm, sglang)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs --api-key)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="bind address (non-loopback needs --api-key)"
+    )
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("POSTRL_API_KEY"), help="required bearer token")
+    p.add_argument(
+        "--api-key", default=os.environ.get("POSTRL_API_KEY"), help="required bearer token"
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="float32")
@@ -251,7 +321,11 @@ def serve_main(argv: list[str] | None = None) -> int:
     if a.backend == "native":
         opts.update(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len)
     backend = create_rollout_backend(a.backend, a.model, **opts)
-    app = create_app(RolloutReplica(backend), AutoTokenizer.from_pretrained(a.model), a.api_key,
-                     model_name=os.path.basename(os.path.normpath(a.model)))
+    app = create_app(
+        RolloutReplica(backend),
+        AutoTokenizer.from_pretrained(a.model),
+        a.api_key,
+        model_name=os.path.basename(os.path.normpath(a.model)),
+    )
     uvicorn.run(app, host=a.host, port=a.port, log_level="info")
     return 0

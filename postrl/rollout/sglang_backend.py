@@ -32,32 +32,53 @@ class SGLangBackend:
         try:
             import sglang
         except ImportError as e:
-            raise ImportError("rollout backend 'sglang' needs SGLang: install it with `pip install postrl[sglang]`") from e
+            raise ImportError(
+                "rollout backend 'sglang' needs SGLang: install it with `pip install postrl[sglang]`"
+            ) from e
         engine_kwargs.pop("device", None)
         engine_kwargs.setdefault("enable_memory_saver", True)
         self._loop = LoopThread("postrl-sglang")
-        self.engine = sglang.Engine(model_path=model_path, skip_tokenizer_init=True, **engine_kwargs)
+        self.engine = sglang.Engine(
+            model_path=model_path, skip_tokenizer_init=True, **engine_kwargs
+        )
         self.weight_chunk = weight_chunk
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> TokenOutput:
         """See ``RolloutBackend.generate``."""
-        params = dict(temperature=sampling.temperature, top_p=sampling.top_p,
-                      top_k=sampling.top_k if sampling.top_k > 0 else -1, max_new_tokens=sampling.max_new_tokens,
-                      stop_token_ids=list(sampling.stop_token_ids), stop=list(sampling.stop),
-                      ignore_eos=sampling.ignore_eos)
+        params = dict(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            max_new_tokens=sampling.max_new_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            stop=list(sampling.stop),
+            ignore_eos=sampling.ignore_eos,
+        )
         if sampling.seed is not None:
             params["sampling_seed"] = sampling.seed
 
         async def run() -> TokenOutput:
-            out = await self.engine.async_generate(input_ids=list(prompt_ids), sampling_params=params,
-                                                   return_logprob=sampling.logprobs, rid=request_id)
+            out = await self.engine.async_generate(
+                input_ids=list(prompt_ids),
+                sampling_params=params,
+                return_logprob=sampling.logprobs,
+                rid=request_id,
+            )
             meta = out["meta_info"]
             toks = list(out["output_ids"])
-            lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])] if sampling.logprobs else []
+            lps = (
+                [float(x[0]) for x in meta.get("output_token_logprobs", [])]
+                if sampling.logprobs
+                else []
+            )
             fr = meta.get("finish_reason") or {}
             kind = fr.get("type") if isinstance(fr, dict) else str(fr)
             reason = kind if kind in ("stop", "length") else "abort"
-            return TokenOutput(toks, lps, reason, fr.get("matched") if isinstance(fr, dict) else None)
+            return TokenOutput(
+                toks, lps, reason, fr.get("matched") if isinstance(fr, dict) else None
+            )
 
         return await self._loop.run(run())
 
@@ -82,4 +103,6 @@ class SGLangBackend:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what ``sleep`` released."""
-        self.engine.resume_memory_occupation(tags=tags) if tags else self.engine.resume_memory_occupation()
+        self.engine.resume_memory_occupation(
+            tags=tags
+        ) if tags else self.engine.resume_memory_occupation()

@@ -126,7 +126,9 @@ class RolloutBackend(Protocol):
     plain, thread-safe calls that take effect between engine steps.
     """
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> TokenOutput:
         """Generate one completion for ``prompt_ids``."""
         ...
 

@@ -29,7 +29,9 @@ def _import_vllm() -> Any:
     try:
         import vllm
     except ImportError as e:
-        raise ImportError("rollout backend 'vllm' needs vLLM: install it with `pip install postrl[vllm]`") from e
+        raise ImportError(
+            "rollout backend 'vllm' needs vLLM: install it with `pip install postrl[vllm]`"
+        ) from e
     return vllm
 
 
@@ -71,21 +73,34 @@ class VLLMBackend:
 
     def _params(self, sp: SamplingParams) -> Any:
         return self._vllm.SamplingParams(
-            temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else -1,
-            max_tokens=sp.max_new_tokens, stop_token_ids=list(sp.stop_token_ids), stop=list(sp.stop),
-            seed=sp.seed, logprobs=0 if sp.logprobs else None, ignore_eos=sp.ignore_eos)
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k if sp.top_k > 0 else -1,
+            max_tokens=sp.max_new_tokens,
+            stop_token_ids=list(sp.stop_token_ids),
+            stop=list(sp.stop),
+            seed=sp.seed,
+            logprobs=0 if sp.logprobs else None,
+            ignore_eos=sp.ignore_eos,
+        )
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> TokenOutput:
         """See ``RolloutBackend.generate``."""
         params = self._params(sampling)
 
         async def run() -> TokenOutput:
             final = None
-            async for out in self.engine.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
+            async for out in self.engine.generate(
+                {"prompt_token_ids": list(prompt_ids)}, params, request_id
+            ):
                 final = out
             c = final.outputs[0]
             toks = list(c.token_ids)
-            lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [])] if sampling.logprobs else []
+            lps = (
+                [d[t].logprob for t, d in zip(toks, c.logprobs or [])] if sampling.logprobs else []
+            )
             reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
             return TokenOutput(toks, lps, reason, c.stop_reason)
 

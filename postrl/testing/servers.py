@@ -11,8 +11,14 @@ from typing import Any
 __all__ = ["start_server"]
 
 
-def start_server(model_dir: str | Path, api_key: str | None = None, *, max_num_seqs: int = 8,
-                 max_model_len: int = 256, timeout_s: float = 30.0) -> tuple[str, Any, Any]:
+def start_server(
+    model_dir: str | Path,
+    api_key: str | None = None,
+    *,
+    max_num_seqs: int = 8,
+    max_model_len: int = 256,
+    timeout_s: float = 30.0,
+) -> tuple[str, Any, Any]:
     """Serve ``model_dir`` with the native engine on a free 127.0.0.1 port.
 
     Returns:
@@ -27,7 +33,9 @@ def start_server(model_dir: str | Path, api_key: str | None = None, *, max_num_s
     from postrl.rollout import RolloutReplica, create_rollout_backend
     from postrl.rollout.server import create_app
 
-    be = create_rollout_backend("native", str(model_dir), max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    be = create_rollout_backend(
+        "native", str(model_dir), max_num_seqs=max_num_seqs, max_model_len=max_model_len
+    )
     app = create_app(RolloutReplica(be), AutoTokenizer.from_pretrained(str(model_dir)), api_key)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -21,7 +21,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PRESETS", "ARCHS", "CHATML_TEMPLATE", "SPECIAL_TOKENS", "TOOL_TOKENS", "make_tokenizer", "make_model"]
+__all__ = [
+    "PRESETS",
+    "ARCHS",
+    "CHATML_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "TOOL_TOKENS",
+    "make_tokenizer",
+    "make_model",
+]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 #: Tool tags added as single, non-special tokens (ids 259-262), as in Qwen2.5/Qwen3 tokenizers.
@@ -42,8 +50,20 @@ CHATML_TEMPLATE = (
 
 #: preset -> architecture sizes (≈2.4M params for tiny, ≈25M for small).
 PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "small": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
 }
 ARCHS = ("qwen2", "llama", "qwen3")
 
@@ -101,8 +121,13 @@ def _config(preset: str, arch: str, vocab_size: int, eos_id: int, pad_id: int):
     return AutoConfig.for_model(arch, **common)
 
 
-def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", seed: int = 0,
-               head: str = "causal_lm") -> Path:
+def make_model(
+    out_dir: str | Path,
+    preset: str = "tiny",
+    arch: str = "qwen2",
+    seed: int = 0,
+    head: str = "causal_lm",
+) -> Path:
     """Write a randomly initialised HF model + tokenizer to ``out_dir`` and return the path.
 
     ``head="reward"`` writes a ``*ForSequenceClassification`` model with one label (a reward
@@ -145,6 +170,10 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", s
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=eos_id).save_pretrained(out)
-    (out / "postrl_model.json").write_text(json.dumps({"preset": preset, "arch": arch, "seed": seed, "head": head}))
+    GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=eos_id).save_pretrained(
+        out
+    )
+    (out / "postrl_model.json").write_text(
+        json.dumps({"preset": preset, "arch": arch, "seed": seed, "head": head})
+    )
     return out

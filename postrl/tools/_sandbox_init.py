@@ -40,8 +40,13 @@ SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF =
 DEV_NODES = ("null", "zero", "urandom", "random", "full")
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                        ctypes.c_char_p]
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_char_p,
+]
 _libc.syscall.restype = ctypes.c_long
 
 
@@ -60,8 +65,10 @@ def _mount(src, target, fstype, flags, data=None):
     def enc(s):
         return s.encode() if s is not None else None
 
-    _check(_libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)),
-           f"mount {src} -> {target}")
+    _check(
+        _libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)),
+        f"mount {src} -> {target}",
+    )
 
 
 # ------------------------------------------------------------------------------ filesystem
@@ -92,8 +99,13 @@ def build_root(cfg, newroot):
     if cfg["pid_ns"]:
         _mount("proc", newroot + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.makedirs(newroot + "/sandbox", mode=0o700)
-    _mount("sandbox-work", newroot + "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV,
-           f"mode=0700,size={cfg['workdir_size_mb']}m,uid={cfg['uid']},gid={cfg['gid']}")
+    _mount(
+        "sandbox-work",
+        newroot + "/sandbox",
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"mode=0700,size={cfg['workdir_size_mb']}m,uid={cfg['uid']},gid={cfg['gid']}",
+    )
     os.symlink("/sandbox", newroot + "/tmp")
     _mount(None, newroot, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chdir(newroot)
@@ -125,8 +137,10 @@ def apply_landlock(ro_paths, rw_paths):
     read, all_fs, net, scope = _landlock_rights(abi)
     attr = (ctypes.c_uint64 * 3)(all_fs, net, scope)
     size = 8 if abi < 4 else (16 if abi < 6 else 24)
-    fd = _check(_libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), size, 0),
-                "landlock_create_ruleset")
+    fd = _check(
+        _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), size, 0),
+        "landlock_create_ruleset",
+    )
 
     class PathBeneath(ctypes.Structure):
         _pack_ = 1
@@ -142,8 +156,10 @@ def apply_landlock(ro_paths, rw_paths):
                 try:
                     allowed = rights if os.path.isdir(path) else rights & file_rights
                     rule = PathBeneath(allowed, pfd)
-                    _check(_libc.syscall(SYS_LANDLOCK_ADD_RULE, fd, 1, ctypes.byref(rule), 0),
-                           f"landlock_add_rule {path}")
+                    _check(
+                        _libc.syscall(SYS_LANDLOCK_ADD_RULE, fd, 1, ctypes.byref(rule), 0),
+                        f"landlock_add_rule {path}",
+                    )
                 finally:
                     os.close(pfd)
         _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, fd, 0), "landlock_restrict_self")
@@ -163,8 +179,11 @@ def _exec_user(cfg):
             res = getattr(resource, name)
             hard = value + 1 if name == "RLIMIT_CPU" else value
             resource.setrlimit(res, (value, hard))
-        fd = os.open(cfg["stdin_path"], os.O_RDONLY) if cfg.get("stdin_path") else \
-            os.open("/dev/null", os.O_RDONLY)
+        fd = (
+            os.open(cfg["stdin_path"], os.O_RDONLY)
+            if cfg.get("stdin_path")
+            else os.open("/dev/null", os.O_RDONLY)
+        )
         os.dup2(fd, 0)
         os.closerange(3, 65536)
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGALRM, signal.SIGTERM):
@@ -210,8 +229,7 @@ def sandbox_init(cfg, status_fd, layers, errors):
     status = {"layers": layers, "errors": errors}
     try:
         if cfg["mount_ns"]:
-            _layer(cfg, layers, errors, "mount_namespace",
-                   lambda: build_root(cfg, cfg["newroot"]))
+            _layer(cfg, layers, errors, "mount_namespace", lambda: build_root(cfg, cfg["newroot"]))
         if not layers.get("mount_namespace"):
             os.chdir(cfg["fallback_workdir"])
         for name, content in cfg["files"].items():
@@ -258,15 +276,22 @@ def main():
     cfg = json.loads(sys.stdin.buffer.read().decode())
     status_fd = cfg["status_fd"]
     layers, errors = {}, {}
-    flags_by_layer = [("pid_namespace", "pid_ns", CLONE_NEWPID),
-                      ("net_namespace", "net_ns", CLONE_NEWNET),
-                      ("mount_ns_unshare", "mount_ns", CLONE_NEWNS),
-                      ("ipc_uts_namespace", "pid_ns", CLONE_NEWIPC | CLONE_NEWUTS)]
+    flags_by_layer = [
+        ("pid_namespace", "pid_ns", CLONE_NEWPID),
+        ("net_namespace", "net_ns", CLONE_NEWNET),
+        ("mount_ns_unshare", "mount_ns", CLONE_NEWNS),
+        ("ipc_uts_namespace", "pid_ns", CLONE_NEWIPC | CLONE_NEWUTS),
+    ]
     try:
         for layer, key, flag in flags_by_layer:
             if cfg[key]:
-                ok = _layer(cfg, layers, errors, layer,
-                            lambda flag=flag, layer=layer: _check(_libc.unshare(flag), layer))
+                ok = _layer(
+                    cfg,
+                    layers,
+                    errors,
+                    layer,
+                    lambda flag=flag, layer=layer: _check(_libc.unshare(flag), layer),
+                )
                 if not ok:
                     cfg[key] = False
         layers.pop("mount_ns_unshare", None)

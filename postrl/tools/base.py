@@ -74,8 +74,10 @@ def validate_tool_schema(schema: dict[str, Any]) -> list[str]:
         props = params.get("properties", {})
         missing = [r for r in params.get("required", []) if r not in props]
         if missing:
-            errors.append(f"tool_schema.function.parameters.required names {missing} which are "
-                          f"not in properties {sorted(props)}")
+            errors.append(
+                f"tool_schema.function.parameters.required names {missing} which are "
+                f"not in properties {sorted(props)}"
+            )
     return errors
 
 
@@ -87,8 +89,9 @@ class BaseTool:
         tool_schema: OpenAI function-calling schema; ``None`` uses :meth:`default_schema`.
     """
 
-    def __init__(self, config: dict[str, Any] | None = None,
-                 tool_schema: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None
+    ) -> None:
         self.config = dict(config or {})
         schema = tool_schema or self.default_schema()
         problems = validate_tool_schema(schema)

@@ -23,8 +23,13 @@ from typing import Any
 
 from postrl.tools.base import TOOLS, BaseTool
 
-__all__ = ["ToolConfigError", "create_tools", "load_tool_config", "load_tools",
-           "resolve_tool_class"]
+__all__ = [
+    "ToolConfigError",
+    "create_tools",
+    "load_tool_config",
+    "load_tools",
+    "resolve_tool_class",
+]
 
 
 class ToolConfigError(ValueError):
@@ -48,8 +53,9 @@ def resolve_tool_class(class_name: str) -> type[BaseTool]:
     return cls
 
 
-def load_tool_config(source: str | Path | list[dict[str, Any]] | dict[str, Any]
-                     ) -> dict[str, BaseTool]:
+def load_tool_config(
+    source: str | Path | list[dict[str, Any]] | dict[str, Any],
+) -> dict[str, BaseTool]:
     """Instantiate the tools described by a YAML file path, a ``{"tools": [...]}`` mapping or
     a list of entries; returns ``{function name: tool}``."""
     if isinstance(source, (str, Path)):
@@ -71,8 +77,9 @@ def load_tool_config(source: str | Path | list[dict[str, Any]] | dict[str, Any]
             continue
         unknown = set(entry) - {"class_name", "config", "tool_schema"}
         if unknown:
-            errors.append(f"{where}: unknown keys {sorted(unknown)}; allowed: class_name, "
-                          "config, tool_schema")
+            errors.append(
+                f"{where}: unknown keys {sorted(unknown)}; allowed: class_name, config, tool_schema"
+            )
         try:
             cls = resolve_tool_class(str(entry["class_name"]))
             tool = cls(config=entry.get("config") or {}, tool_schema=entry.get("tool_schema"))
@@ -80,8 +87,10 @@ def load_tool_config(source: str | Path | list[dict[str, Any]] | dict[str, Any]
             errors.append(f"{where} ({entry['class_name']}): {type(e).__name__}: {e}")
             continue
         if tool.name in tools:
-            errors.append(f"{where}: duplicate tool name {tool.name!r}; give one of them another "
-                          "tool_schema.function.name")
+            errors.append(
+                f"{where}: duplicate tool name {tool.name!r}; give one of them another "
+                "tool_schema.function.name"
+            )
             continue
         tools[tool.name] = tool
     if errors:

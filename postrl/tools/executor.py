@@ -55,9 +55,13 @@ class ToolExecutor:
         timeout_s: default per-call time limit.
     """
 
-    def __init__(self, tools: dict[str, BaseTool] | list[BaseTool],
-                 max_tool_response_length: int = 4096, timeout_s: float = 30.0,
-                 max_response_chars: int | None = None) -> None:
+    def __init__(
+        self,
+        tools: dict[str, BaseTool] | list[BaseTool],
+        max_tool_response_length: int = 4096,
+        timeout_s: float = 30.0,
+        max_response_chars: int | None = None,
+    ) -> None:
         if isinstance(tools, list):
             tools = {t.name: t for t in tools}
         self.tools = dict(tools)
@@ -71,23 +75,30 @@ class ToolExecutor:
         """OpenAI tool schemas, for ``apply_chat_template(..., tools=...)``."""
         return [t.tool_schema for t in self.tools.values()]
 
-    async def create(self, instance_id: str | None = None,
-                     tools_kwargs: dict[str, dict[str, Any]] | None = None) -> str:
+    async def create(
+        self, instance_id: str | None = None, tools_kwargs: dict[str, dict[str, Any]] | None = None
+    ) -> str:
         """Create per-trajectory state in every tool; returns the instance id.
 
         ``tools_kwargs`` maps tool name -> ``create_kwargs`` (verl's per-row ``tools_kwargs``).
         """
         instance_id = instance_id or uuid.uuid4().hex
         for name, tool in self.tools.items():
-            kwargs = ((tools_kwargs or {}).get(name) or {})
-            kwargs = (kwargs.get("create_kwargs") or {}) if "create_kwargs" in kwargs else kwargs  # null after parquet
+            kwargs = (tools_kwargs or {}).get(name) or {}
+            kwargs = (
+                (kwargs.get("create_kwargs") or {}) if "create_kwargs" in kwargs else kwargs
+            )  # null after parquet
             await tool.create(instance_id, **kwargs)
             self._created.add((name, instance_id))
         return instance_id
 
-    async def execute(self, call: Any, instance_id: str,
-                      instances: dict[str, Any] | None = None,
-                      timeout_s: float | None = None) -> ToolResponse:
+    async def execute(
+        self,
+        call: Any,
+        instance_id: str,
+        instances: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> ToolResponse:
         """Agent-loop entry: ``call`` is a parsed ``ToolCall``, a ``(name, arguments)`` pair or a
         ``{"name", "arguments"}`` dict; ``instances`` (the trajectory's dict) records which tools
         were used. Same guarantees as :meth:`execute_tool_call`."""
@@ -126,24 +137,34 @@ class ToolExecutor:
                 self.metrics["tool/errors/release"] += 1
         return total
 
-    async def execute_tool_call(self, name: str, arguments: str | dict[str, Any] | None,
-                                instance_id: str, timeout_s: float | None = None) -> ToolResponse:
+    async def execute_tool_call(
+        self,
+        name: str,
+        arguments: str | dict[str, Any] | None,
+        instance_id: str,
+        timeout_s: float | None = None,
+    ) -> ToolResponse:
         """Run one call; any failure comes back as an error observation, never an exception."""
         t0 = time.monotonic()
-        resp = await self._execute(name, arguments, instance_id,
-                                   self.timeout_s if timeout_s is None else timeout_s)
+        resp = await self._execute(
+            name, arguments, instance_id, self.timeout_s if timeout_s is None else timeout_s
+        )
         resp = self._cap(resp)
         resp.metrics["tool/calls"] = 1.0
         resp.metrics["tool/time_s"] = time.monotonic() - t0
         self.metrics.update(resp.metrics)
         return resp
 
-    async def _execute(self, name: str, arguments: Any, instance_id: str,
-                       timeout_s: float) -> ToolResponse:
+    async def _execute(
+        self, name: str, arguments: Any, instance_id: str, timeout_s: float
+    ) -> ToolResponse:
         tool = self.tools.get(name)
         if tool is None:
-            return _error("unknown_tool", f"unknown tool {name!r}; available tools: "
-                          f"{', '.join(sorted(self.tools)) or '(none)'}")
+            return _error(
+                "unknown_tool",
+                f"unknown tool {name!r}; available tools: "
+                f"{', '.join(sorted(self.tools)) or '(none)'}",
+            )
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
@@ -152,8 +173,10 @@ class ToolExecutor:
         if arguments is None:
             arguments = {}
         if not isinstance(arguments, dict):
-            return _error("bad_arguments", f"arguments of {name!r} must be a JSON object, got "
-                          f"{type(arguments).__name__}")
+            return _error(
+                "bad_arguments",
+                f"arguments of {name!r} must be a JSON object, got {type(arguments).__name__}",
+            )
         try:
             if (name, instance_id) not in self._created:
                 await asyncio.wait_for(tool.create(instance_id), timeout=timeout_s)
@@ -191,7 +214,10 @@ class ToolExecutor:
         limit = self.max_tool_response_length
         if len(resp.text) > limit:
             note = f"\n... [truncated {len(resp.text) - limit} characters]"
-            resp.text = (resp.text[: limit - len(note)] + note if limit > 2 * len(note)
-                         else resp.text[:limit])
+            resp.text = (
+                resp.text[: limit - len(note)] + note
+                if limit > 2 * len(note)
+                else resp.text[:limit]
+            )
             resp.metrics["tool/truncated"] = 1.0
         return resp

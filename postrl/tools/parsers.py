@@ -30,8 +30,14 @@ from typing import Any, NamedTuple
 
 from postrl.registry import Registry
 
-__all__ = ["TOOL_PARSERS", "HermesToolParser", "ParseError", "ParseResult", "ToolCall",
-           "get_tool_parser"]
+__all__ = [
+    "TOOL_PARSERS",
+    "HermesToolParser",
+    "ParseError",
+    "ParseResult",
+    "ToolCall",
+    "get_tool_parser",
+]
 
 #: format name -> parser class (constructed with keyword options).
 TOOL_PARSERS: Registry[type] = Registry("tool-call parser")
@@ -52,8 +58,10 @@ class ParseError(NamedTuple):
 
     def __str__(self) -> str:
         """The error observation shown to the model."""
-        return f"Error: {self.message}. Call tools as <tool_call>{{\"name\": ..., " \
-               f"\"arguments\": {{...}}}}</tool_call>"
+        return (
+            f'Error: {self.message}. Call tools as <tool_call>{{"name": ..., '
+            f'"arguments": {{...}}}}</tool_call>'
+        )
 
 
 @dataclass
@@ -83,8 +91,9 @@ class HermesToolParser:
 
     def __init__(self, calls_in_code_blocks: bool = False) -> None:
         self.calls_in_code_blocks = calls_in_code_blocks
-        self._block = re.compile(re.escape(self.start_tag) + r"(.*?)(?:" +
-                                 re.escape(self.end_tag) + r"|\Z)", re.DOTALL)
+        self._block = re.compile(
+            re.escape(self.start_tag) + r"(.*?)(?:" + re.escape(self.end_tag) + r"|\Z)", re.DOTALL
+        )
 
     def parse(self, text: str) -> ParseResult:
         """Extract calls and errors from ``text``."""
@@ -96,12 +105,13 @@ class HermesToolParser:
             if any(a <= m.start() < b for a, b in fenced):
                 result.ignored_in_code += 1
                 continue
-            kept.append(text[pos:m.start()])
+            kept.append(text[pos : m.start()])
             pos = m.end()
             raw = m.group(0)
             if not raw.endswith(self.end_tag):
-                result.errors.append(ParseError(raw, f"unterminated {self.start_tag}: missing "
-                                                     f"{self.end_tag}"))
+                result.errors.append(
+                    ParseError(raw, f"unterminated {self.start_tag}: missing {self.end_tag}")
+                )
                 continue
             call = self._parse_body(m.group(1), raw, result.errors)
             if call is not None:
@@ -118,8 +128,9 @@ class HermesToolParser:
             errors.append(ParseError(raw, f"tool call is not valid JSON: {e}"))
             return None
         if not isinstance(obj, dict):
-            errors.append(ParseError(raw, "tool call must be a JSON object with 'name' and "
-                                          "'arguments'"))
+            errors.append(
+                ParseError(raw, "tool call must be a JSON object with 'name' and 'arguments'")
+            )
             return None
         name = obj.get("name")
         if not isinstance(name, str) or not name:
@@ -135,8 +146,9 @@ class HermesToolParser:
         if args is None:
             args = {}
         if not isinstance(args, dict):
-            errors.append(ParseError(raw, f"'arguments' must be a JSON object, got "
-                                          f"{type(args).__name__}"))
+            errors.append(
+                ParseError(raw, f"'arguments' must be a JSON object, got {type(args).__name__}")
+            )
             return None
         return ToolCall(name, args)
 

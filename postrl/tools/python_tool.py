@@ -43,14 +43,17 @@ def format_sandbox_output(res: Any, max_chars: int) -> str:
 class PythonTool(BaseTool):
     """Execute Python code in the sandbox and return its output."""
 
-    def __init__(self, config: dict[str, Any] | None = None,
-                 tool_schema: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(config, tool_schema)
         fields = {f.name for f in dataclasses.fields(SandboxConfig)}
         unknown = set(self.config) - fields - {"max_output_chars"}
         if unknown:
-            raise ValueError(f"python tool config has unknown keys {sorted(unknown)}; valid keys: "
-                             f"{sorted(fields | {'max_output_chars'})}")
+            raise ValueError(
+                f"python tool config has unknown keys {sorted(unknown)}; valid keys: "
+                f"{sorted(fields | {'max_output_chars'})}"
+            )
         sb_kwargs = {k: v for k, v in self.config.items() if k in fields}
         for key in ("required_layers", "extra_ro_paths", "disabled_layers"):
             if key in sb_kwargs:
@@ -61,26 +64,42 @@ class PythonTool(BaseTool):
     @classmethod
     def default_schema(cls) -> dict[str, Any]:
         """``python(code: str)``."""
-        return {"type": "function", "function": {
-            "name": "python",
-            "description": "Run a Python 3 program in a sandbox (no network, no files outside "
-                           "its working directory) and return what it prints.",
-            "parameters": {"type": "object", "properties": {"code": {
-                "type": "string", "description": "the program; use print() to show results"}},
-                "required": ["code"]}}}
+        return {
+            "type": "function",
+            "function": {
+                "name": "python",
+                "description": "Run a Python 3 program in a sandbox (no network, no files outside "
+                "its working directory) and return what it prints.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "code": {
+                            "type": "string",
+                            "description": "the program; use print() to show results",
+                        }
+                    },
+                    "required": ["code"],
+                },
+            },
+        }
 
     async def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolResponse:
         """Run ``parameters['code']``; sandbox failures become observation text + metrics."""
         code = parameters.get("code")
         if not isinstance(code, str):
-            return ToolResponse("Error: 'code' must be a string",
-                                metrics={"tool/errors/bad_arguments": 1.0},
-                                error="bad_arguments")
+            return ToolResponse(
+                "Error: 'code' must be a string",
+                metrics={"tool/errors/bad_arguments": 1.0},
+                error="bad_arguments",
+            )
         res = await self.sandbox.run_python(code)
         metrics = {"tool/python/duration_s": res.duration_s}
         if res.status != "ok":
             metrics[f"tool/python/status/{res.status}"] = 1.0
         # A program that raises is a normal observation; limits/refusals are tool failures.
         failed = res.status not in ("ok", "error")
-        return ToolResponse(format_sandbox_output(res, self.max_output_chars), metrics=metrics,
-                            error=res.status if failed else None)
+        return ToolResponse(
+            format_sandbox_output(res, self.max_output_chars),
+            metrics=metrics,
+            error=res.status if failed else None,
+        )

@@ -55,9 +55,19 @@ logger = logging.getLogger(__name__)
 __all__ = ["IsolationReport", "Sandbox", "SandboxConfig", "SandboxResult"]
 
 _INIT_SCRIPT = str(Path(__file__).with_name("_sandbox_init.py"))
-_ALL_LAYERS = ("process_group", "pid_namespace", "uid_drop", "net_namespace",
-               "mount_namespace", "landlock", "no_new_privs", "rlimits", "env_scrub",
-               "tmpfs_workdir", "output_cap")
+_ALL_LAYERS = (
+    "process_group",
+    "pid_namespace",
+    "uid_drop",
+    "net_namespace",
+    "mount_namespace",
+    "landlock",
+    "no_new_privs",
+    "rlimits",
+    "env_scrub",
+    "tmpfs_workdir",
+    "output_cap",
+)
 
 
 @dataclass(frozen=True)
@@ -89,8 +99,12 @@ class SandboxConfig:
     """Size of the uid range; each running call holds one uid of it exclusively."""
     untrusted: bool = True
     """Refuse to run when a layer in ``required_layers`` is unavailable (fail closed)."""
-    required_layers: tuple[str, ...] = ("uid_drop", "pid_namespace", "net_namespace",
-                                        "mount_namespace")
+    required_layers: tuple[str, ...] = (
+        "uid_drop",
+        "pid_namespace",
+        "net_namespace",
+        "mount_namespace",
+    )
     """Layers that must be active for an untrusted sandbox; see the module docstring."""
     extra_ro_paths: tuple[str, ...] = ()
     """Extra host paths bound read-only inside (e.g. a venv's site-packages)."""
@@ -100,14 +114,19 @@ class SandboxConfig:
     """Interpreter for :meth:`Sandbox.run_python`; default: the real path of sys.executable."""
 
     def __post_init__(self) -> None:
-        unknown = [x for x in (*self.required_layers, *self.disabled_layers)
-                   if x not in _ALL_LAYERS]
+        unknown = [
+            x for x in (*self.required_layers, *self.disabled_layers) if x not in _ALL_LAYERS
+        ]
         if unknown:
-            raise ValueError(f"SandboxConfig.required_layers has unknown layers {unknown}; "
-                             f"choose from {list(_ALL_LAYERS)}")
+            raise ValueError(
+                f"SandboxConfig.required_layers has unknown layers {unknown}; "
+                f"choose from {list(_ALL_LAYERS)}"
+            )
         if self.wall_time_s <= 0 or self.concurrency < 1:
-            raise ValueError("SandboxConfig: wall_time_s must be > 0 and concurrency >= 1, got "
-                             f"{self.wall_time_s}, {self.concurrency}")
+            raise ValueError(
+                "SandboxConfig: wall_time_s must be > 0 and concurrency >= 1, got "
+                f"{self.wall_time_s}, {self.concurrency}"
+            )
 
 
 @dataclass
@@ -168,13 +187,23 @@ class Sandbox:
         self._report: IsolationReport | None = None
         # one pool per event loop (asyncio primitives are bound to the loop that uses them)
         self._sems: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
-            weakref.WeakKeyDictionary())
+            weakref.WeakKeyDictionary()
+        )
 
     # ------------------------------------------------------------------ isolation
     def _ro_paths(self) -> list[str]:
         prefix = os.path.realpath(sys.base_prefix)
-        paths = ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/etc", prefix,
-                 os.path.dirname(self.python)]
+        paths = [
+            "/usr",
+            "/bin",
+            "/sbin",
+            "/lib",
+            "/lib64",
+            "/lib32",
+            "/etc",
+            prefix,
+            os.path.dirname(self.python),
+        ]
         return list(dict.fromkeys(paths + list(self.config.extra_ro_paths)))
 
     def isolation_report(self) -> IsolationReport:
@@ -193,19 +222,30 @@ class Sandbox:
             _release_uid(uid)
 
     def _probe_as(self, uid: int, is_root: bool) -> IsolationReport:
-        cfg = self._launch_config(uid, argv=[self.python, "-I", "-S", "-c", "pass"],
-                                  files={}, stdin="", best_effort=True)
+        cfg = self._launch_config(
+            uid, argv=[self.python, "-I", "-S", "-c", "pass"], files={}, stdin="", best_effort=True
+        )
         off = set(self.config.disabled_layers)
-        cfg.update(drop_uid=is_root and "uid_drop" not in off,
-                   pid_ns="pid_namespace" not in off, net_ns="net_namespace" not in off,
-                   mount_ns="mount_namespace" not in off, landlock="landlock" not in off)
+        cfg.update(
+            drop_uid=is_root and "uid_drop" not in off,
+            pid_ns="pid_namespace" not in off,
+            net_ns="net_namespace" not in off,
+            mount_ns="mount_namespace" not in off,
+            landlock="landlock" not in off,
+        )
         workdir = self._make_workdir(uid, is_root)
         rfd, wfd = os.pipe()
         cfg.update(status_fd=wfd, fallback_workdir=workdir, newroot=workdir)
         try:
-            proc = subprocess.run([self.python, "-I", "-S", _INIT_SCRIPT],
-                                  input=json.dumps(cfg).encode(), capture_output=True,
-                                  env={}, pass_fds=(wfd,), start_new_session=True, timeout=30)
+            proc = subprocess.run(
+                [self.python, "-I", "-S", _INIT_SCRIPT],
+                input=json.dumps(cfg).encode(),
+                capture_output=True,
+                env={},
+                pass_fds=(wfd,),
+                start_new_session=True,
+                timeout=30,
+            )
             os.close(wfd)
             wfd = -1
             raw = os.read(rfd, 1 << 16).decode(errors="replace")
@@ -227,30 +267,56 @@ class Sandbox:
         if status.get("setup_error") or proc.returncode != 0:
             errors["probe"] = status.get("setup_error") or proc.stderr.decode(errors="replace")
         elif status.get("exit_code") != 0:
-            errors["interpreter"] = (f"{self.python} cannot run inside the sandbox with these "
-                                     f"layers: {proc.stderr.decode(errors='replace').strip()}")
+            errors["interpreter"] = (
+                f"{self.python} cannot run inside the sandbox with these "
+                f"layers: {proc.stderr.decode(errors='replace').strip()}"
+            )
         return IsolationReport(active=active, errors=errors)
 
     # ------------------------------------------------------------------ running
-    def _launch_config(self, uid: int, argv: list[str], files: dict[str, str], stdin: str,
-                       best_effort: bool = False) -> dict:
+    def _launch_config(
+        self,
+        uid: int,
+        argv: list[str],
+        files: dict[str, str],
+        stdin: str,
+        best_effort: bool = False,
+    ) -> dict:
         c = self.config
         report = self._report
         use = (lambda layer: True) if report is None else (lambda layer: report.active[layer])
         if stdin:
             files = {**files, ".stdin": stdin}
         return {
-            "pid_ns": use("pid_namespace"), "net_ns": use("net_namespace"),
-            "mount_ns": use("mount_namespace"), "landlock": use("landlock"),
-            "drop_uid": use("uid_drop"), "uid": uid, "gid": uid,
-            "ro_paths": self._ro_paths(), "workdir_size_mb": c.workdir_size_mb,
-            "files": files, "stdin_path": ".stdin" if stdin else "", "argv": argv,
-            "wall_s": c.wall_time_s, "best_effort": best_effort,
-            "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": ".", "LANG": "C.UTF-8",
-                    "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"},
-            "rlimits": {"RLIMIT_CPU": int(c.cpu_time_s), "RLIMIT_AS": c.memory_mb << 20,
-                        "RLIMIT_FSIZE": c.file_size_mb << 20, "RLIMIT_NPROC": c.max_processes,
-                        "RLIMIT_NOFILE": c.max_open_files, "RLIMIT_CORE": 0},
+            "pid_ns": use("pid_namespace"),
+            "net_ns": use("net_namespace"),
+            "mount_ns": use("mount_namespace"),
+            "landlock": use("landlock"),
+            "drop_uid": use("uid_drop"),
+            "uid": uid,
+            "gid": uid,
+            "ro_paths": self._ro_paths(),
+            "workdir_size_mb": c.workdir_size_mb,
+            "files": files,
+            "stdin_path": ".stdin" if stdin else "",
+            "argv": argv,
+            "wall_s": c.wall_time_s,
+            "best_effort": best_effort,
+            "env": {
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "HOME": ".",
+                "LANG": "C.UTF-8",
+                "PYTHONIOENCODING": "utf-8",
+                "PYTHONDONTWRITEBYTECODE": "1",
+            },
+            "rlimits": {
+                "RLIMIT_CPU": int(c.cpu_time_s),
+                "RLIMIT_AS": c.memory_mb << 20,
+                "RLIMIT_FSIZE": c.file_size_mb << 20,
+                "RLIMIT_NPROC": c.max_processes,
+                "RLIMIT_NOFILE": c.max_open_files,
+                "RLIMIT_CORE": 0,
+            },
         }
 
     def _make_workdir(self, uid: int, chown: bool) -> str:
@@ -264,8 +330,9 @@ class Sandbox:
         """Run Python source ``code`` (file ``main.py`` in the workdir) in the sandbox."""
         return await self.run([self.python, "-I", "-S", "main.py"], {"main.py": code}, stdin)
 
-    async def run(self, argv: list[str], files: dict[str, str] | None = None,
-                  stdin: str = "") -> SandboxResult:
+    async def run(
+        self, argv: list[str], files: dict[str, str] | None = None, stdin: str = ""
+    ) -> SandboxResult:
         """Run ``argv`` (absolute program path) with ``files`` written into the workdir.
 
         Never raises for anything the program does; returns a :class:`SandboxResult`.
@@ -275,10 +342,16 @@ class Sandbox:
         if missing:
             self.metrics["sandbox/refused"] += 1
             why = "; ".join(f"{m}: {report.errors.get(m, 'unavailable')}" for m in missing)
-            return SandboxResult("", "", None, "refused", 0.0,
-                                 f"untrusted sandbox needs isolation layers {missing} that are "
-                                 f"unavailable here ({why}); set untrusted=False or "
-                                 "required_layers to run with less isolation")
+            return SandboxResult(
+                "",
+                "",
+                None,
+                "refused",
+                0.0,
+                f"untrusted sandbox needs isolation layers {missing} that are "
+                f"unavailable here ({why}); set untrusted=False or "
+                "required_layers to run with less isolation",
+            )
         loop = asyncio.get_running_loop()
         sem = self._sems.get(loop)
         if sem is None:
@@ -296,8 +369,9 @@ class Sandbox:
         self.metrics[f"sandbox/status/{result.status}"] += 1
         return result
 
-    async def _run_as(self, uid: int, argv: list[str], files: dict[str, str],
-                      stdin: str) -> SandboxResult:
+    async def _run_as(
+        self, uid: int, argv: list[str], files: dict[str, str], stdin: str
+    ) -> SandboxResult:
         c = self.config
         cfg = self._launch_config(uid, argv, files, stdin)
         workdir = self._make_workdir(uid, cfg["drop_uid"])
@@ -307,9 +381,17 @@ class Sandbox:
         proc = None
         try:
             proc = await asyncio.create_subprocess_exec(
-                self.python, "-I", "-S", _INIT_SCRIPT, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={},
-                pass_fds=(wfd,), start_new_session=True)
+                self.python,
+                "-I",
+                "-S",
+                _INIT_SCRIPT,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env={},
+                pass_fds=(wfd,),
+                start_new_session=True,
+            )
             os.close(wfd)
             wfd = -1
             proc.stdin.write(json.dumps(cfg).encode())
@@ -318,8 +400,9 @@ class Sandbox:
             err_task = asyncio.ensure_future(_read_capped(proc.stderr, c.max_output_bytes))
             timed_out = over = False
             try:
-                over = await asyncio.wait_for(_first_overflow(out_task, err_task),
-                                              timeout=c.wall_time_s)
+                over = await asyncio.wait_for(
+                    _first_overflow(out_task, err_task), timeout=c.wall_time_s
+                )
             except asyncio.TimeoutError:
                 timed_out = True
             if timed_out or over:
@@ -343,21 +426,23 @@ class Sandbox:
             if proc is not None and proc.returncode is None:
                 _kill_group(proc.pid)
             if cfg["drop_uid"]:
-                leaked = await asyncio.get_running_loop().run_in_executor(
-                    None, _sweep_uid, uid)
+                leaked = await asyncio.get_running_loop().run_in_executor(None, _sweep_uid, uid)
                 if leaked:
                     self.metrics["sandbox/leaked_processes"] += leaked
-                    logger.error("sandbox uid %d still has %d processes after the sweep",
-                                 uid, leaked)
+                    logger.error(
+                        "sandbox uid %d still has %d processes after the sweep", uid, leaked
+                    )
             raw = _read_all(rfd)
             os.close(rfd)
             shutil.rmtree(workdir, ignore_errors=True)
         status = json.loads(raw) if raw.strip() else {}
-        return self._classify(status, out, err, timed_out, out_over or err_over,
-                              time.monotonic() - t0)
+        return self._classify(
+            status, out, err, timed_out, out_over or err_over, time.monotonic() - t0
+        )
 
-    def _classify(self, st: dict, out: bytes, err: bytes, timed_out: bool, over: bool,
-                  dt: float) -> SandboxResult:
+    def _classify(
+        self, st: dict, out: bytes, err: bytes, timed_out: bool, over: bool, dt: float
+    ) -> SandboxResult:
         c = self.config
         so, se = out.decode(errors="replace"), err.decode(errors="replace")
         code = st.get("exit_code")
@@ -365,24 +450,40 @@ class Sandbox:
         if st.get("setup_error"):
             return SandboxResult(so, se, None, "setup_failed", dt, st["setup_error"])
         if over:
-            return SandboxResult(so, se, code, "output_limit", dt,
-                                 f"output exceeded {c.max_output_bytes} bytes; truncated, killed")
+            return SandboxResult(
+                so,
+                se,
+                code,
+                "output_limit",
+                dt,
+                f"output exceeded {c.max_output_bytes} bytes; truncated, killed",
+            )
         if timed_out or st.get("wall_timeout"):
-            return SandboxResult(so, se, code, "timeout", dt,
-                                 f"wall time limit of {c.wall_time_s}s exceeded; killed")
+            return SandboxResult(
+                so, se, code, "timeout", dt, f"wall time limit of {c.wall_time_s}s exceeded; killed"
+            )
         if sig == signal.SIGXCPU:
-            return SandboxResult(so, se, None, "timeout", dt,
-                                 f"CPU time limit of {c.cpu_time_s}s exceeded; killed")
+            return SandboxResult(
+                so, se, None, "timeout", dt, f"CPU time limit of {c.cpu_time_s}s exceeded; killed"
+            )
         if sig == signal.SIGXFSZ or "File too large" in se or "No space left" in se:
-            return SandboxResult(so, se, code, "file_size", dt,
-                                 f"file size limit ({c.file_size_mb} MiB file, "
-                                 f"{c.workdir_size_mb} MiB workdir) exceeded")
+            return SandboxResult(
+                so,
+                se,
+                code,
+                "file_size",
+                dt,
+                f"file size limit ({c.file_size_mb} MiB file, "
+                f"{c.workdir_size_mb} MiB workdir) exceeded",
+            )
         if "MemoryError" in se or "Cannot allocate memory" in se:
-            return SandboxResult(so, se, code, "memory", dt,
-                                 f"memory limit of {c.memory_mb} MiB exceeded")
+            return SandboxResult(
+                so, se, code, "memory", dt, f"memory limit of {c.memory_mb} MiB exceeded"
+            )
         if sig is not None:
-            return SandboxResult(so, se, None, "killed", dt,
-                                 f"terminated by signal {signal.Signals(sig).name}")
+            return SandboxResult(
+                so, se, None, "killed", dt, f"terminated by signal {signal.Signals(sig).name}"
+            )
         if code is None:
             return SandboxResult(so, se, None, "killed", dt, "sandbox ended without a status")
         if code != 0:
@@ -438,8 +539,10 @@ def _claim_uid(base: int, count: int) -> int:
                 continue
             _UID_HELD[uid] = fd
             return uid
-    raise RuntimeError(f"no free sandbox uid in [{base}, {base + count}); raise "
-                       "SandboxConfig.uid_count or lower concurrency")
+    raise RuntimeError(
+        f"no free sandbox uid in [{base}, {base + count}); raise "
+        "SandboxConfig.uid_count or lower concurrency"
+    )
 
 
 def _release_uid(uid: int) -> None:
@@ -463,9 +566,16 @@ def _sweep_uid(uid: int, deadline_s: float = 2.0) -> int:
     end = time.monotonic() + deadline_s
     while (left := processes_of_uid(uid)) and time.monotonic() < end:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(["/bin/kill", "-KILL", "--", "-1"], user=uid, group=uid,
-                           extra_groups=[], env={}, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=deadline_s)
+            subprocess.run(
+                ["/bin/kill", "-KILL", "--", "-1"],
+                user=uid,
+                group=uid,
+                extra_groups=[],
+                env={},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=deadline_s,
+            )
         time.sleep(0.02)
     return len(left)
 

@@ -47,12 +47,15 @@ class SearchTool(BaseTool):
     """BM25 search tool. Config: ``corpus_path`` (required), ``top_k`` (3), ``max_doc_chars``
     (500), ``text_field``, ``title_field``, ``id_field``, ``k1`` (1.5), ``b`` (0.75)."""
 
-    def __init__(self, config: dict[str, Any] | None = None,
-                 tool_schema: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(config, tool_schema)
         if "corpus_path" not in self.config:
-            raise ValueError("search tool needs config.corpus_path (a .jsonl or .parquet file "
-                             "with a 'text' field per document)")
+            raise ValueError(
+                "search tool needs config.corpus_path (a .jsonl or .parquet file "
+                "with a 'text' field per document)"
+            )
         from rank_bm25 import BM25Okapi
 
         self.text_field = self.config.get("text_field", "text")
@@ -60,24 +63,36 @@ class SearchTool(BaseTool):
         self.docs = load_documents(self.config["corpus_path"])
         bad = [i for i, d in enumerate(self.docs) if not isinstance(d.get(self.text_field), str)]
         if bad:
-            raise ValueError(f"search tool: documents {bad[:5]} have no string field "
-                             f"{self.text_field!r}; set config.text_field")
-        corpus = [tokenize(f"{d.get(self.title_field) or ''} {d[self.text_field]}")
-                  for d in self.docs]
-        self.bm25 = BM25Okapi(corpus, k1=float(self.config.get("k1", 1.5)),
-                              b=float(self.config.get("b", 0.75)))
+            raise ValueError(
+                f"search tool: documents {bad[:5]} have no string field "
+                f"{self.text_field!r}; set config.text_field"
+            )
+        corpus = [
+            tokenize(f"{d.get(self.title_field) or ''} {d[self.text_field]}") for d in self.docs
+        ]
+        self.bm25 = BM25Okapi(
+            corpus, k1=float(self.config.get("k1", 1.5)), b=float(self.config.get("b", 0.75))
+        )
         self.top_k = int(self.config.get("top_k", 3))
         self.max_doc_chars = int(self.config.get("max_doc_chars", 500))
 
     @classmethod
     def default_schema(cls) -> dict[str, Any]:
         """``search(query: str)``."""
-        return {"type": "function", "function": {
-            "name": "search",
-            "description": "Search the document collection and return the most relevant passages.",
-            "parameters": {"type": "object", "properties": {"query": {
-                "type": "string", "description": "keywords to search for"}},
-                "required": ["query"]}}}
+        return {
+            "type": "function",
+            "function": {
+                "name": "search",
+                "description": "Search the document collection and return the most relevant passages.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "query": {"type": "string", "description": "keywords to search for"}
+                    },
+                    "required": ["query"],
+                },
+            },
+        }
 
     def search(self, query: str, top_k: int | None = None) -> list[tuple[int, float]]:
         """(document index, BM25 score) of the best ``top_k`` documents with a positive score."""
@@ -89,9 +104,11 @@ class SearchTool(BaseTool):
         """Search for ``parameters['query']``; returns numbered passages or 'No results'."""
         query = parameters.get("query")
         if not isinstance(query, str) or not query.strip():
-            return ToolResponse("Error: 'query' must be a non-empty string",
-                                metrics={"tool/errors/bad_arguments": 1.0},
-                                error="bad_arguments")
+            return ToolResponse(
+                "Error: 'query' must be a non-empty string",
+                metrics={"tool/errors/bad_arguments": 1.0},
+                error="bad_arguments",
+            )
         hits = self.search(query)
         if not hits:
             return ToolResponse("No results.", metrics={"tool/search/hits": 0.0})

@@ -3,4 +3,13 @@
 from postrl.tracking.plots import make_plots, read_metrics, summarize
 from postrl.tracking.sinks import HEADLINE_KEYS, METRIC_SINKS, MetricSink, Tracker, register_sink
 
-__all__ = ["HEADLINE_KEYS", "METRIC_SINKS", "MetricSink", "Tracker", "make_plots", "read_metrics", "register_sink", "summarize"]
+__all__ = [
+    "HEADLINE_KEYS",
+    "METRIC_SINKS",
+    "MetricSink",
+    "Tracker",
+    "make_plots",
+    "read_metrics",
+    "register_sink",
+    "summarize",
+]

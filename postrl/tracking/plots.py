@@ -72,7 +72,13 @@ def summarize(run_dir: str | Path) -> str:
     if not rows:
         return "no metrics recorded"
     lines = [f"steps: {int(rows[-1]['step'])}"]
-    for key in ("critic/score/mean", "val/acc/mean", "response_length/mean", "timing_s/step", "perf/throughput"):
+    for key in (
+        "critic/score/mean",
+        "val/acc/mean",
+        "response_length/mean",
+        "timing_s/step",
+        "perf/throughput",
+    ):
         xs, ys = _series(rows, key)
         if ys:
             lines.append(f"{key}: first {ys[0]:.4g} → last {ys[-1]:.4g} (best {max(ys):.4g})")

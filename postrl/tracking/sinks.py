@@ -71,16 +71,25 @@ class JsonlSink:
     holds exactly one row per completed step.
     """
 
-    def __init__(self, run_dir: Path, total_steps: int = 0, config: Any = None, start_step: int = 0) -> None:
+    def __init__(
+        self, run_dir: Path, total_steps: int = 0, config: Any = None, start_step: int = 0
+    ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < start_step]
+            keep = [
+                ln
+                for ln in self.path.read_text().splitlines()
+                if ln.strip() and json.loads(ln)["step"] < start_step
+            ]
             self.path.write_text("".join(ln + "\n" for ln in keep))
         self._fh = self.path.open("a")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        row = {"step": step, **{k: (None if not math.isfinite(v) else v) for k, v in sorted(metrics.items())}}
+        row = {
+            "step": step,
+            **{k: (None if not math.isfinite(v) else v) for k, v in sorted(metrics.items())},
+        }
         self._fh.write(json.dumps(row) + "\n")
         self._fh.flush()
 
@@ -92,7 +101,9 @@ class JsonlSink:
 class ConsoleSink:
     """A live progress line with ETA and the headline metrics (stderr)."""
 
-    def __init__(self, run_dir: Path, total_steps: int = 0, config: Any = None, start_step: int = 0) -> None:
+    def __init__(
+        self, run_dir: Path, total_steps: int = 0, config: Any = None, start_step: int = 0
+    ) -> None:
         self.total = total_steps
         self.start_time = time.time()
         self.start_step = start_step
@@ -105,7 +116,9 @@ class ConsoleSink:
         frac = step / self.total if self.total else 0.0
         bar = "#" * int(width * frac) + "-" * (width - int(width * frac))
         parts = [f"{short}={metrics[k]:.4g}" for k, short in HEADLINE_KEYS if k in metrics]
-        sys.stderr.write(f"[{bar}] step {step}/{self.total} eta {eta:5.0f}s  " + " ".join(parts) + "\n")
+        sys.stderr.write(
+            f"[{bar}] step {step}/{self.total} eta {eta:5.0f}s  " + " ".join(parts) + "\n"
+        )
         sys.stderr.flush()
 
     def close(self) -> None:
@@ -116,11 +129,15 @@ class ConsoleSink:
 class TensorBoardSink:
     """TensorBoard event files under ``RUN_DIR/tensorboard`` (needs ``tensorboard``)."""
 
-    def __init__(self, run_dir: Path, total_steps: int = 0, config: Any = None, start_step: int = 0) -> None:
+    def __init__(
+        self, run_dir: Path, total_steps: int = 0, config: Any = None, start_step: int = 0
+    ) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError("trainer.loggers has 'tensorboard' but it is not installed: pip install postrl[tensorboard]") from e
+            raise ImportError(
+                "trainer.loggers has 'tensorboard' but it is not installed: pip install postrl[tensorboard]"
+            ) from e
         self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -135,11 +152,15 @@ class TensorBoardSink:
 class WandbSink:
     """Weights & Biases (needs ``wandb`` and a login; offline mode works without network)."""
 
-    def __init__(self, run_dir: Path, total_steps: int = 0, config: Any = None, start_step: int = 0) -> None:
+    def __init__(
+        self, run_dir: Path, total_steps: int = 0, config: Any = None, start_step: int = 0
+    ) -> None:
         try:
             import wandb
         except ImportError as e:  # pragma: no cover
-            raise ImportError("trainer.loggers has 'wandb' but it is not installed: pip install wandb") from e
+            raise ImportError(
+                "trainer.loggers has 'wandb' but it is not installed: pip install wandb"
+            ) from e
         tc = getattr(config, "trainer", None)
         self.run = wandb.init(
             project=getattr(tc, "project_name", "postrl"),
@@ -158,9 +179,19 @@ class WandbSink:
 class Tracker:
     """Fan-out of metrics to the configured sinks; keeps the history for plots/summary."""
 
-    def __init__(self, run_dir: str | Path, loggers: list[str], total_steps: int, config: Any = None, start_step: int = 0) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        loggers: list[str],
+        total_steps: int,
+        config: Any = None,
+        start_step: int = 0,
+    ) -> None:
         self.run_dir = Path(run_dir)
-        self.sinks = [METRIC_SINKS.get(name)(self.run_dir, total_steps, config, start_step) for name in loggers]
+        self.sinks = [
+            METRIC_SINKS.get(name)(self.run_dir, total_steps, config, start_step)
+            for name in loggers
+        ]
         self.history: list[dict[str, float]] = []
         jsonl = self.run_dir / "metrics.jsonl"
         if jsonl.exists():  # history of the steps before a resume (for plots and summary)
@@ -168,7 +199,9 @@ class Tracker:
                 if ln.strip():
                     row = json.loads(ln)
                     if row["step"] < start_step:
-                        self.history.append({k: (math.nan if v is None else v) for k, v in row.items()})
+                        self.history.append(
+                            {k: (math.nan if v is None else v) for k, v in row.items()}
+                        )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Log one step's metrics (tensors/numbers; non-numeric values are ignored)."""

@@ -40,7 +40,17 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["W1", "PlainStep", "completion_mask", "summarize", "prepare_w1", "w1_overrides", "run_bench", "format_report", "main"]
+__all__ = [
+    "W1",
+    "PlainStep",
+    "completion_mask",
+    "summarize",
+    "prepare_w1",
+    "w1_overrides",
+    "run_bench",
+    "format_report",
+    "main",
+]
 
 _MAX_PROMPT = 64
 _STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "sync_weights", "step")
@@ -88,7 +98,13 @@ def prepare_w1(work_dir: str | Path, w: W1 = W1()) -> tuple[Path, Path]:
     from postrl.testing import make_model
 
     work = Path(work_dir)
-    key = {"sft_steps": w.sft_steps, "sft_rows": w.sft_rows, "seed": w.seed, "lr": 3e-3, "batch_tokens": 2048}
+    key = {
+        "sft_steps": w.sft_steps,
+        "sft_rows": w.sft_rows,
+        "seed": w.seed,
+        "lr": 3e-3,
+        "batch_tokens": 2048,
+    }
     warm, marker = work / "warm", work / "warm" / "bench_done.json"
     train = work / "data" / f"addition_train_{w.train_rows}_{w.seed}.parquet"
     if not train.exists():
@@ -98,18 +114,35 @@ def prepare_w1(work_dir: str | Path, w: W1 = W1()) -> tuple[Path, Path]:
         return warm, train
     base = make_model(work / "base", preset="tiny", seed=w.seed)
     sft_file = write_parquet(
-        sft_rows_from_rl_rows(generate_addition(w.sft_rows, seed=w.seed + 1, split="train")), work / "data" / "sft.parquet"
+        sft_rows_from_rl_rows(generate_addition(w.sft_rows, seed=w.seed + 1, split="train")),
+        work / "data" / "sft.parquet",
     )
     t0 = time.perf_counter()
-    m = run_sft(str(base), str(sft_file), str(warm), max_steps=w.sft_steps, lr=3e-3, batch_tokens=2048,
-                seed=w.seed, num_threads=w.threads, log_every=10**9)
-    logger.info("SFT warm-up: %d steps, loss %.3f -> %.3f, %.1f s", w.sft_steps, m["sft/first_loss"],
-                m["sft/final_loss"], time.perf_counter() - t0)
+    m = run_sft(
+        str(base),
+        str(sft_file),
+        str(warm),
+        max_steps=w.sft_steps,
+        lr=3e-3,
+        batch_tokens=2048,
+        seed=w.seed,
+        num_threads=w.threads,
+        log_every=10**9,
+    )
+    logger.info(
+        "SFT warm-up: %d steps, loss %.3f -> %.3f, %.1f s",
+        w.sft_steps,
+        m["sft/first_loss"],
+        m["sft/final_loss"],
+        time.perf_counter() - t0,
+    )
     marker.write_text(json.dumps(key))
     return warm, train
 
 
-def w1_overrides(model_dir: str | Path, train_file: str | Path, run_dir: str | Path, w: W1 = W1()) -> list[str]:
+def w1_overrides(
+    model_dir: str | Path, train_file: str | Path, run_dir: str | Path, w: W1 = W1()
+) -> list[str]:
     """``key=value`` overrides that turn the default config into W1 (no validation, no logging)."""
     return [
         f"model.path={model_dir}",
@@ -155,7 +188,9 @@ class PlainStep:
 
         self.w = w
         self.tok = load_tokenizer(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, attn_implementation="sdpa"
+        )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=w.lr, weight_decay=0.0)
         self.gen = torch.Generator().manual_seed(w.seed)
 
@@ -178,8 +213,13 @@ class PlainStep:
         t["timing_s/update"] = time.perf_counter() - t2
         t["timing_s/step"] = time.perf_counter() - t0
         tokens = float(c_mask.sum())
-        t.update({"completion_tokens": tokens, "response_length/mean": tokens / len(comp),
-                  "score/mean": float(scores.mean())})
+        t.update(
+            {
+                "completion_tokens": tokens,
+                "response_length/mean": tokens / len(comp),
+                "score/mean": float(scores.mean()),
+            }
+        )
         return t
 
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, ...]:
@@ -188,19 +228,29 @@ class PlainStep:
         ids = torch.full((len(prompt_ids), L), pad, dtype=torch.long)  # (P, L) left-padded
         am = torch.zeros_like(ids)
         for i, p in enumerate(prompt_ids):
-            ids[i, L - len(p):] = torch.tensor(p)
-            am[i, L - len(p):] = 1
+            ids[i, L - len(p) :] = torch.tensor(p)
+            am[i, L - len(p) :] = 1
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self.gen)))
         self.model.eval()
         with torch.no_grad():
             seqs = self.model.generate(
-                input_ids=ids, attention_mask=am, do_sample=True, temperature=self.w.temperature, top_k=0, top_p=1.0,
-                max_new_tokens=self.w.new_tokens, num_return_sequences=n, pad_token_id=pad, eos_token_id=eos,
+                input_ids=ids,
+                attention_mask=am,
+                do_sample=True,
+                temperature=self.w.temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=self.w.new_tokens,
+                num_return_sequences=n,
+                pad_token_id=pad,
+                eos_token_id=eos,
             )  # (P*n, L+T), samples of a prompt contiguous
         comp = seqs[:, L:]  # (P*n, T)
         return seqs, am.repeat_interleave(n, 0), comp, completion_mask(comp, eos)
 
-    def _scores(self, comp: torch.Tensor, c_mask: torch.Tensor, rows: list[dict[str, Any]]) -> torch.Tensor:
+    def _scores(
+        self, comp: torch.Tensor, c_mask: torch.Tensor, rows: list[dict[str, Any]]
+    ) -> torch.Tensor:
         from postrl.reward import default_compute_score
 
         out = []
@@ -211,14 +261,22 @@ class PlainStep:
             out.append(float(s["score"]) if isinstance(s, dict) else float(s))
         return torch.tensor(out)  # (P*n,)
 
-    def _update(self, seqs: torch.Tensor, am: torch.Tensor, c_mask: torch.Tensor, scores: torch.Tensor) -> None:
+    def _update(
+        self, seqs: torch.Tensor, am: torch.Tensor, c_mask: torch.Tensor, scores: torch.Tensor
+    ) -> None:
         g = scores.view(-1, self.w.n)  # (P, n)
-        adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).view(-1, 1)  # (P*n, 1)
+        adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).view(
+            -1, 1
+        )  # (P*n, 1)
         T = c_mask.shape[1]
         pos = (am.cumsum(1) - 1).clamp(min=0)
         self.model.train()
-        logits = self.model(input_ids=seqs, attention_mask=am, position_ids=pos).logits[:, -T - 1 : -1]  # (P*n, T, V)
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, seqs[:, -T:].unsqueeze(-1)).squeeze(-1)  # (P*n, T)
+        logits = self.model(input_ids=seqs, attention_mask=am, position_ids=pos).logits[
+            :, -T - 1 : -1
+        ]  # (P*n, T, V)
+        logp = (
+            torch.log_softmax(logits.float(), -1).gather(-1, seqs[:, -T:].unsqueeze(-1)).squeeze(-1)
+        )  # (P*n, T)
         m = c_mask.float()
         loss = -(adv * logp * m).sum() / m.sum().clamp(min=1)
         loss.backward()
@@ -251,10 +309,14 @@ def run_bench(work_dir: str | Path, steps: int = 5, w: W1 = W1()) -> dict[str, A
     from postrl.trainer.trainer import RLTrainer
 
     if steps < 1:
-        raise ValueError(f"--steps={steps}: need at least 1 measured step (one warm-up step runs first)")
+        raise ValueError(
+            f"--steps={steps}: need at least 1 measured step (one warm-up step runs first)"
+        )
     torch.set_num_threads(w.threads)
     model_dir, train = prepare_w1(work_dir, w)
-    trainer = RLTrainer(load_config(None, w1_overrides(model_dir, train, Path(work_dir) / "run", w)))
+    trainer = RLTrainer(
+        load_config(None, w1_overrides(model_dir, train, Path(work_dir) / "run", w))
+    )
     try:
         trainer.push_weights_to_rollout()
         plain = PlainStep(model_dir, w)
@@ -264,37 +326,60 @@ def run_bench(work_dir: str | Path, steps: int = 5, w: W1 = W1()) -> dict[str, A
             prompts = trainer.loader.next_batch()
             nt = prompts.non_tensor_batch
             ids = [list(map(int, p)) for p in nt["raw_prompt_ids"]]
-            rows = [{"data_source": nt["data_source"][i], "ground_truth": nt["ground_truth"][i],
-                     "extra_info": nt["extra_info"][i]} for i in range(len(ids))]
+            rows = [
+                {
+                    "data_source": nt["data_source"][i],
+                    "ground_truth": nt["ground_truth"][i],
+                    "extra_info": nt["extra_info"][i],
+                }
+                for i in range(len(ids))
+            ]
             order = ("postrl", "plain") if step % 2 else ("plain", "postrl")
             for side in order:
                 if side == "postrl":
                     ours.append(trainer.step(prompts, step))
                 else:
                     theirs.append(plain(ids, rows))
-            logger.info("step %d: postrl %.3f s, plain %.3f s", step, ours[-1]["timing_s/step"], theirs[-1]["timing_s/step"])
+            logger.info(
+                "step %d: postrl %.3f s, plain %.3f s",
+                step,
+                ours[-1]["timing_s/step"],
+                theirs[-1]["timing_s/step"],
+            )
     finally:
         trainer.close()
     return summarize(ours[1:], theirs[1:], w)
 
 
-def summarize(ours: list[dict[str, float]], theirs: list[dict[str, float]], w: W1) -> dict[str, Any]:
+def summarize(
+    ours: list[dict[str, float]], theirs: list[dict[str, float]], w: W1
+) -> dict[str, Any]:
     """Medians per side and the plain/postrl ratios from raw step rows.
 
     Ratios: ``step``, ``gen``, ``update`` (vs ``update_actor``), ``train`` (vs
     ``old_log_prob + update_actor``) from medians, and ``step_best`` from each side's fastest step.
     """
     p = {s: _median(ours, f"timing_s/{s}") for s in _STAGES}
-    p["train"] = _median([{"x": r["timing_s/old_log_prob"] + r["timing_s/update_actor"]} for r in ours], "x")
+    p["train"] = _median(
+        [{"x": r["timing_s/old_log_prob"] + r["timing_s/update_actor"]} for r in ours], "x"
+    )
     p["completion_tokens"] = _median(ours, "perf/completion_tokens")
-    p["completion_tokens_per_s"] = _median([{"x": r["perf/completion_tokens"] / r["timing_s/step"]} for r in ours], "x")
-    p["gen_tokens_per_s"] = _median([{"x": r["perf/completion_tokens"] / r["timing_s/gen"]} for r in ours], "x")
+    p["completion_tokens_per_s"] = _median(
+        [{"x": r["perf/completion_tokens"] / r["timing_s/step"]} for r in ours], "x"
+    )
+    p["gen_tokens_per_s"] = _median(
+        [{"x": r["perf/completion_tokens"] / r["timing_s/gen"]} for r in ours], "x"
+    )
     p["response_length/mean"] = _median(ours, "response_length/mean")
     p["score/mean"] = _median(ours, "critic/score/mean")
     q = {s: _median(theirs, f"timing_s/{s}") for s in ("gen", "reward", "update", "step")}
     q["completion_tokens"] = _median(theirs, "completion_tokens")
-    q["completion_tokens_per_s"] = _median([{"x": r["completion_tokens"] / r["timing_s/step"]} for r in theirs], "x")
-    q["gen_tokens_per_s"] = _median([{"x": r["completion_tokens"] / r["timing_s/gen"]} for r in theirs], "x")
+    q["completion_tokens_per_s"] = _median(
+        [{"x": r["completion_tokens"] / r["timing_s/step"]} for r in theirs], "x"
+    )
+    q["gen_tokens_per_s"] = _median(
+        [{"x": r["completion_tokens"] / r["timing_s/gen"]} for r in theirs], "x"
+    )
     q["response_length/mean"] = _median(theirs, "response_length/mean")
     q["score/mean"] = _median(theirs, "score/mean")
     ratio = {
@@ -302,9 +387,13 @@ def summarize(ours: list[dict[str, float]], theirs: list[dict[str, float]], w: W
         "gen": q["gen"] / p["gen"],
         "update": q["update"] / p["update_actor"],
         "train": q["update"] / p["train"],
-        "step_best": min(r["timing_s/step"] for r in theirs) / min(r["timing_s/step"] for r in ours),
+        "step_best": min(r["timing_s/step"] for r in theirs)
+        / min(r["timing_s/step"] for r in ours),
     }
-    raw = {"postrl": [r["timing_s/step"] for r in ours], "plain": [r["timing_s/step"] for r in theirs]}
+    raw = {
+        "postrl": [r["timing_s/step"] for r in ours],
+        "plain": [r["timing_s/step"] for r in theirs],
+    }
     return {"workload": asdict(w), "postrl": p, "plain": q, "ratio": ratio, "steps": raw}
 
 
@@ -338,17 +427,31 @@ def format_report(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: ``postrl bench step [--steps N] [--work-dir DIR] [--threads T] [--json OUT]``."""
     ap = argparse.ArgumentParser(prog="postrl bench step", description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5, help="measured steps per side (after 1 warm-up step)")
-    ap.add_argument("--work-dir", default="runs/bench_step", help="caches the warmed model; holds the trainer run dir")
+    ap.add_argument(
+        "--steps", type=int, default=5, help="measured steps per side (after 1 warm-up step)"
+    )
+    ap.add_argument(
+        "--work-dir",
+        default="runs/bench_step",
+        help="caches the warmed model; holds the trainer run dir",
+    )
     ap.add_argument("--threads", type=int, default=W1.threads)
     ap.add_argument("--json", default="", help="also write the results as JSON to this path")
     ap.add_argument("--prompts", type=int, default=W1.num_prompts, help="prompts per step (W1: 16)")
     ap.add_argument("--n", type=int, default=W1.n, help="samples per prompt (W1: 8)")
     ap.add_argument("--new-tokens", type=int, default=W1.new_tokens, help="max new tokens (W1: 16)")
-    ap.add_argument("--sft-steps", type=int, default=W1.sft_steps, help="SFT warm-up steps (cached per value)")
+    ap.add_argument(
+        "--sft-steps", type=int, default=W1.sft_steps, help="SFT warm-up steps (cached per value)"
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    w = W1(num_prompts=args.prompts, n=args.n, new_tokens=args.new_tokens, threads=args.threads, sft_steps=args.sft_steps)
+    w = W1(
+        num_prompts=args.prompts,
+        n=args.n,
+        new_tokens=args.new_tokens,
+        threads=args.threads,
+        sft_steps=args.sft_steps,
+    )
     res = run_bench(args.work_dir, args.steps, w)
     sys.stdout.write(format_report(res) + "\n")
     if args.json:

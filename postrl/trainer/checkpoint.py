@@ -60,7 +60,13 @@ def capture_rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     py_state = random.getstate()
     meta = {
         "python": [py_state[0], list(py_state[1]), py_state[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "numpy": [
+            np_state[0],
+            np_state[1].tolist(),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
     }
     return meta, {"torch_cpu": torch.get_rng_state()}
 
@@ -100,7 +106,9 @@ def save_checkpoint(
     state = dict(trainer_state, rng=rng_meta, step=step)
     (tmp / "trainer_state.json").write_text(json.dumps(state, sort_keys=True))
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {str(p.relative_to(tmp)): {"sha256": _sha256(p), "size": p.stat().st_size} for p in files}
+    manifest = {
+        str(p.relative_to(tmp)): {"sha256": _sha256(p), "size": p.stat().st_size} for p in files
+    }
     mpath = tmp / "manifest.json"
     mpath.write_text(json.dumps({"step": step, "files": manifest}, sort_keys=True))
     with mpath.open("rb") as f:
@@ -139,7 +147,9 @@ def find_latest_checkpoint(ckpt_root: str | Path) -> Path | None:
     root = Path(ckpt_root)
     if not root.exists():
         return None
-    candidates = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")), reverse=True)
+    candidates = sorted(
+        (p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")), reverse=True
+    )
     for c in candidates:
         if ".tmp-" in c.name:
             logger.warning("skipping unfinished checkpoint %s (interrupted while writing)", c)

@@ -31,12 +31,20 @@ def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str
     b = batch.batch
     out: dict[str, torch.Tensor] = {}
     mask = b["response_mask"].bool()
-    valid = b["sample_valid"].bool() if "sample_valid" in b else torch.ones(mask.shape[0], dtype=torch.bool)
+    valid = (
+        b["sample_valid"].bool()
+        if "sample_valid" in b
+        else torch.ones(mask.shape[0], dtype=torch.bool)
+    )
     if "token_level_scores" in b:
         _stats("critic/score", b["token_level_scores"].sum(-1)[valid], out)
     if "token_level_rewards" in b:
         _stats("critic/rewards", b["token_level_rewards"].sum(-1)[valid], out)
-    for key, name in (("advantages", "critic/advantages"), ("returns", "critic/returns"), ("values", "critic/values")):
+    for key, name in (
+        ("advantages", "critic/advantages"),
+        ("returns", "critic/returns"),
+        ("values", "critic/values"),
+    ):
         if key in b:
             _stats(name, b[key][mask], out)
     resp_len = b["attention_mask"][:, -mask.shape[1] :].sum(-1).float()
@@ -47,7 +55,9 @@ def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str
     return out
 
 
-def compute_throughput_metrics(batch: DataProto, step_time_s: float, n_workers: int) -> dict[str, float]:
+def compute_throughput_metrics(
+    batch: DataProto, step_time_s: float, n_workers: int
+) -> dict[str, float]:
     """``perf/throughput`` (all tokens / s / worker), ``perf/total_num_tokens``, ``perf/time_per_step``."""
     total = int(batch.batch["attention_mask"].sum())
     resp = int(batch.batch["response_mask"].sum())

@@ -46,8 +46,14 @@ class TrainerMode:
         """Run a coroutine on the mode's persistent event loop."""
         return self._loop.run_until_complete(coro)
 
-    def rollout(self, prompts: DataProto, sampling: Any, n: int, step: int,
-                on_sample_end: Callable[..., None] | None = None) -> DataProto:
+    def rollout(
+        self,
+        prompts: DataProto,
+        sampling: Any,
+        n: int,
+        step: int,
+        on_sample_end: Callable[..., None] | None = None,
+    ) -> DataProto:
         raise NotImplementedError
 
     def sync_weights(self) -> dict[str, float]:
@@ -64,13 +70,26 @@ class TrainerMode:
 class SyncMode(TrainerMode):
     """Rollout and training alternate on the same devices (verl's hybrid engine)."""
 
-    def rollout(self, prompts: DataProto, sampling: Any, n: int, step: int,
-                on_sample_end: Callable[..., None] | None = None) -> DataProto:
+    def rollout(
+        self,
+        prompts: DataProto,
+        sampling: Any,
+        n: int,
+        step: int,
+        on_sample_end: Callable[..., None] | None = None,
+    ) -> DataProto:
         t = self.trainer
         t.rollout.wake_up()
         try:
             return self.run_async(
-                t.agent_manager.generate(prompts, sampling, n, seed=t.cfg.trainer.seed, step=step, on_sample_end=on_sample_end)
+                t.agent_manager.generate(
+                    prompts,
+                    sampling,
+                    n,
+                    seed=t.cfg.trainer.seed,
+                    step=step,
+                    on_sample_end=on_sample_end,
+                )
             )
         finally:
             if t.cfg.rollout.free_cache_engine:

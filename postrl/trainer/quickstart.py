@@ -27,14 +27,20 @@ def _stage(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--run-dir", default="runs/quickstart")
     p.add_argument("--sft-steps", type=int, default=250, help="SFT warm-up optimizer steps")
     p.add_argument("--grpo-steps", type=int, default=150, help="GRPO steps")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for the GRPO run")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     import torch
 
     torch.set_num_threads(args.threads)
@@ -52,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     train_rows = generate_addition(4000, seed=0, split="train", max_digits=1)
     write_parquet(train_rows, data / "addition_train.parquet")
     # validation: fresh draws from the training task distribution (seed 1)
-    write_parquet(generate_addition(200, seed=1, split="train", max_digits=1), data / "addition_val.parquet")
+    write_parquet(
+        generate_addition(200, seed=1, split="train", max_digits=1), data / "addition_val.parquet"
+    )
     write_parquet(sft_rows_from_rl_rows(train_rows), data / "addition_sft.parquet")
     _stage("2/4 addition data written to " + str(data))
 
@@ -61,11 +69,27 @@ def main(argv: list[str] | None = None) -> int:
         _stage(f"3/4 SFT warm-up ({args.sft_steps} steps) so the model answers with a number")
         from postrl.engine.sft import run_sft
 
-        m = run_sft(str(base), str(data / "addition_sft.parquet"), str(sft_dir), max_steps=args.sft_steps, epochs=50,
-                    lr=3e-3, batch_tokens=1024, warmup_steps=5, num_threads=args.threads)
-        logger.info("SFT loss %.3f -> %.3f in %.0fs", m["sft/first_loss"], m["sft/final_loss"], m["sft/wall_s"])
+        m = run_sft(
+            str(base),
+            str(data / "addition_sft.parquet"),
+            str(sft_dir),
+            max_steps=args.sft_steps,
+            epochs=50,
+            lr=3e-3,
+            batch_tokens=1024,
+            warmup_steps=5,
+            num_threads=args.threads,
+        )
+        logger.info(
+            "SFT loss %.3f -> %.3f in %.0fs",
+            m["sft/first_loss"],
+            m["sft/final_loss"],
+            m["sft/wall_s"],
+        )
 
-    _stage(f"4/4 GRPO on CPU for {args.grpo_steps} steps (16 prompts x 8 samples per step); validation accuracy every 15 steps")
+    _stage(
+        f"4/4 GRPO on CPU for {args.grpo_steps} steps (16 prompts x 8 samples per step); validation accuracy every 15 steps"
+    )
     from postrl.config import load_config
     from postrl.trainer.trainer import RLTrainer
 
@@ -88,9 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [json.loads(ln) for ln in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
     accs = [(r["step"], r["val/acc/mean"]) for r in rows if r.get("val/acc/mean") is not None]
     _stage("done in %.0fs" % (time.perf_counter() - t0))
-    sys.stdout.write("validation accuracy by step: " + ", ".join(f"{s}:{a:.2f}" for s, a in accs) + "\n")
-    sys.stdout.write(f"metrics: {run / 'grpo' / 'metrics.jsonl'}\nplots:   {run / 'grpo' / 'plots'}\n"
-                     f"summary: {run / 'grpo' / 'summary.txt'}\n")
+    sys.stdout.write(
+        "validation accuracy by step: " + ", ".join(f"{s}:{a:.2f}" for s, a in accs) + "\n"
+    )
+    sys.stdout.write(
+        f"metrics: {run / 'grpo' / 'metrics.jsonl'}\nplots:   {run / 'grpo' / 'plots'}\n"
+        f"summary: {run / 'grpo' / 'summary.txt'}\n"
+    )
     return 0
 
 

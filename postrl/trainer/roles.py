@@ -51,7 +51,13 @@ class TrainerRewards:
         if missing:
             texts = decode_responses(tokenizer, batch[missing])
             reqs = [
-                RewardRequest(str(nt["data_source"][i]), texts[j], nt["ground_truth"][i], dict(nt["extra_info"][i] or {}), nt["uid"][i])
+                RewardRequest(
+                    str(nt["data_source"][i]),
+                    texts[j],
+                    nt["ground_truth"][i],
+                    dict(nt["extra_info"][i] or {}),
+                    nt["uid"][i],
+                )
                 for j, i in enumerate(missing)
             ]
             rest = self.loop.score(reqs)
@@ -111,7 +117,9 @@ class Roles:
     def old_log_probs(self, batch: DataProto, metrics: dict[str, Any]) -> DataProto:
         """Stage 4: recompute old log-probs (or reuse rollout ones in bypass mode)."""
         if self.cfg.algorithm.rollout_correction.bypass_mode:
-            return batch.union(DataProto.from_dict({"old_log_probs": batch.batch["rollout_log_probs"]}))
+            return batch.union(
+                DataProto.from_dict({"old_log_probs": batch.batch["rollout_log_probs"]})
+            )
         batch.meta_info["calculate_entropy"] = True
         out = self.actor.compute_log_prob(batch)
         if "entropys" in out.batch:
@@ -132,11 +140,19 @@ class Roles:
         out = self.reward_model.compute_rm_score(batch)
         scores = out.batch["rm_scores"].float()
         cut = out.batch["rm_truncated"]
-        metrics = {"reward_model/score/mean": float(scores.mean()), "reward_model/score/std": float(scores.std()) if len(scores) > 1 else 0.0,
-                   "reward_model/truncated": float(cut.sum())}
+        metrics = {
+            "reward_model/score/mean": float(scores.mean()),
+            "reward_model/score/std": float(scores.std()) if len(scores) > 1 else 0.0,
+            "reward_model/truncated": float(cut.sum()),
+        }
         if bool(cut.any()):
-            logger.warning("reward model: %d of %d conversations exceeded reward.model.max_length=%d and kept their last "
-                           "tokens", int(cut.sum()), len(cut), self.cfg.reward.model.max_length)
+            logger.warning(
+                "reward model: %d of %d conversations exceeded reward.model.max_length=%d and kept their last "
+                "tokens",
+                int(cut.sum()),
+                len(cut),
+                self.cfg.reward.model.max_length,
+            )
         return scores, metrics
 
     def update_actor(self, batch: DataProto) -> dict[str, float]:
@@ -196,10 +212,16 @@ def kv_capacity(cfg: PostRLConfig, multi_turn: bool) -> int:
     if not multi_turn:
         return cfg.data.max_prompt_length + r.response_length
     a = r.agent
-    return cfg.data.max_prompt_length + r.response_length * max(1, a.max_assistant_turns) + a.max_tool_response_length * a.max_user_turns
+    return (
+        cfg.data.max_prompt_length
+        + r.response_length * max(1, a.max_assistant_turns)
+        + a.max_tool_response_length * a.max_user_turns
+    )
 
 
-def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_critic: bool, multi_turn: bool = True) -> Roles:
+def build_roles(
+    cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_critic: bool, multi_turn: bool = True
+) -> Roles:
     """Create worker groups on ``trainer.backend``, the rollout engine(s) and the reward loop."""
     from postrl.agent import AgentLoopManager
     from postrl.controller import create_worker_group
@@ -216,16 +238,29 @@ def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_criti
     ref = None
     if use_ref and not use_lora_ref:
         ref = create_worker_group(tc.backend, RefWorker, kwargs=kwargs, name="ref", **common)
-    critic = create_worker_group(tc.backend, CriticWorker, kwargs=kwargs, name="critic", **common) if use_critic else None
-    rm = (create_worker_group(tc.backend, RewardModelWorker, kwargs=kwargs, name="reward_model", **common)
-          if cfg.reward.model.enable else None)
+    critic = (
+        create_worker_group(tc.backend, CriticWorker, kwargs=kwargs, name="critic", **common)
+        if use_critic
+        else None
+    )
+    rm = (
+        create_worker_group(
+            tc.backend, RewardModelWorker, kwargs=kwargs, name="reward_model", **common
+        )
+        if cfg.reward.model.enable
+        else None
+    )
 
     r = cfg.rollout
     max_len = kv_capacity(cfg, multi_turn)
-    options: dict[str, Any] = dict(max_num_seqs=r.max_num_seqs, max_model_len=max_len, device=tc.device)
+    options: dict[str, Any] = dict(
+        max_num_seqs=r.max_num_seqs, max_model_len=max_len, device=tc.device
+    )
     options.update(r.engine_kwargs)
-    replicas = [RolloutReplica(create_rollout_backend(r.backend, cfg.model.path, **options), replica_id=i)
-                for i in range(r.num_replicas)]
+    replicas = [
+        RolloutReplica(create_rollout_backend(r.backend, cfg.model.path, **options), replica_id=i)
+        for i in range(r.num_replicas)
+    ]
     fleet = RolloutFleet(replicas, cfg.rollout.weight_sync, remote_actor=tc.backend == "ray")
     client = RolloutClient(LoadBalancer(replicas))
     tokenizer = load_tokenizer(cfg.model.path)
@@ -241,8 +276,19 @@ def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_criti
         max_failure_ratio=rw.max_failure_ratio,
         isolate_builtin=rw.isolate_builtin,
     )
-    return Roles(cfg, actor, fleet, manager, TrainerRewards(reward), ref=ref, critic=critic, reward_model=rm, dp_size=dp,
-                 use_lora_ref=use_lora_ref, fuse_old_log_prob=resolve_fuse_old_log_prob(cfg))
+    return Roles(
+        cfg,
+        actor,
+        fleet,
+        manager,
+        TrainerRewards(reward),
+        ref=ref,
+        critic=critic,
+        reward_model=rm,
+        dp_size=dp,
+        use_lora_ref=use_lora_ref,
+        fuse_old_log_prob=resolve_fuse_old_log_prob(cfg),
+    )
 
 
 def resolve_fuse_old_log_prob(cfg: PostRLConfig) -> bool:

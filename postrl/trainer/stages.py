@@ -47,7 +47,9 @@ def decode_responses(tokenizer: Any, batch: DataProto) -> list[str]:
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
-def make_reward_request(tokenizer: Any, response_ids: list[int], row: dict[str, Any]) -> RewardRequest:
+def make_reward_request(
+    tokenizer: Any, response_ids: list[int], row: dict[str, Any]
+) -> RewardRequest:
     """The reward request of one finished trajectory (used for streaming submission)."""
     return RewardRequest(
         data_source=str(row["data_source"]),
@@ -58,7 +60,9 @@ def make_reward_request(tokenizer: Any, response_ids: list[int], row: dict[str, 
     )
 
 
-def reward_model_result(rm_scores: torch.Tensor, uids: list[Any], rule: RewardResult | None = None) -> RewardResult:
+def reward_model_result(
+    rm_scores: torch.Tensor, uids: list[Any], rule: RewardResult | None = None
+) -> RewardResult:
     """The reward of each row from reward-model scores (B,): the score itself (``reward.model.mode
     =replace``) or ``rule`` + score (``add``). A non-finite reward-model score is a failed sample
     (``nan``), never a number; a row whose rule reward failed stays failed."""
@@ -78,8 +82,12 @@ def reward_model_result(rm_scores: torch.Tensor, uids: list[Any], rule: RewardRe
     return RewardResult.from_samples(samples, uids)
 
 
-def apply_reward_result(batch: DataProto, result: RewardResult, overlong: Any | None = None,
-                        max_response_length: int | None = None) -> tuple[DataProto, dict[str, float]]:
+def apply_reward_result(
+    batch: DataProto,
+    result: RewardResult,
+    overlong: Any | None = None,
+    max_response_length: int | None = None,
+) -> tuple[DataProto, dict[str, float]]:
     """Write ``token_level_scores`` (score on the last response token) and ``sample_valid``.
 
     Failed samples keep a 0 placeholder that no estimator reads: they are excluded from their
@@ -97,14 +105,20 @@ def apply_reward_result(batch: DataProto, result: RewardResult, overlong: Any | 
     scores = result.scores.clone()
     metrics = dict(result.metrics)
     if overlong is not None and getattr(overlong, "enable", False):
-        max_len = max_response_length if max_response_length is not None else batch.meta_info.get("max_response_length")
+        max_len = (
+            max_response_length
+            if max_response_length is not None
+            else batch.meta_info.get("max_response_length")
+        )
         if max_len is None:
             raise ValueError(
                 "reward.overlong.enable=True needs the configured maximum response length: call "
                 "apply_reward_result(..., max_response_length=cfg.rollout.response_length) or set "
                 "batch.meta_info['max_response_length'] (the padded batch width is not the limit)"
             )
-        penalty = overlong_reward_penalty(resp_len, int(max_len), overlong.buffer_len, overlong.penalty_factor)
+        penalty = overlong_reward_penalty(
+            resp_len, int(max_len), overlong.buffer_len, overlong.penalty_factor
+        )
         scores = scores + penalty.to(scores.dtype)
         metrics["reward/overlong_penalty/mean"] = float(penalty.float().mean())
     tls = torch.zeros_like(b["responses"], dtype=torch.float32)
@@ -122,12 +136,18 @@ def apply_reward_result(batch: DataProto, result: RewardResult, overlong: Any | 
     return out, metrics
 
 
-def kl_in_reward_stage(batch: DataProto, kl_ctrl: Any, kl_penalty: str) -> tuple[DataProto, dict[str, float]]:
+def kl_in_reward_stage(
+    batch: DataProto, kl_ctrl: Any, kl_penalty: str
+) -> tuple[DataProto, dict[str, float]]:
     """token_level_rewards = scores − β·KL(π_old‖π_ref) (Ziegler et al. 2019); updates the controller."""
     b = dict(batch.batch)
     rewards, m = apply_kl_penalty(
-        b["token_level_scores"], b["old_log_probs"], b["ref_log_prob"], b["response_mask"],
-        kl_coef=kl_ctrl.value, kl_penalty=kl_penalty,
+        b["token_level_scores"],
+        b["old_log_probs"],
+        b["ref_log_prob"],
+        b["response_mask"],
+        kl_coef=kl_ctrl.value,
+        kl_penalty=kl_penalty,
     )
     b["token_level_rewards"] = rewards
     metrics = {k: float(v) for k, v in m.items()}
@@ -147,15 +167,21 @@ def rollout_correction_stage(batch: DataProto, rc: Any) -> tuple[DataProto, dict
     if "rollout_log_probs" not in b or "old_log_probs" not in b:
         return batch, {}
     weights, mask, m = compute_rollout_correction(
-        b["old_log_probs"], b["rollout_log_probs"], b["response_mask"],
-        rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
-        rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold,
+        b["old_log_probs"],
+        b["rollout_log_probs"],
+        b["response_mask"],
+        rollout_is=rc.rollout_is,
+        rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_rs=rc.rollout_rs,
+        rollout_rs_threshold=rc.rollout_rs_threshold,
         rollout_rs_threshold_lower=rc.rollout_rs_threshold_lower,
     )
     b["response_mask"] = mask.to(b["response_mask"].dtype)
     if weights is not None:
         b["rollout_is_weights"] = weights
-    return DataProto(b, batch.non_tensor_batch, batch.meta_info), {k: float(v) for k, v in m.items()}
+    return DataProto(b, batch.non_tensor_batch, batch.meta_info), {
+        k: float(v) for k, v in m.items()
+    }
 
 
 def compute_advantage_stage(batch: DataProto, algo: Any) -> DataProto:
@@ -175,7 +201,9 @@ def compute_advantage_stage(batch: DataProto, algo: Any) -> DataProto:
     )
     for need in ADV_ESTIMATORS.meta(name).get("needs", ()):
         if need not in b:
-            raise KeyError(f"advantage estimator {name!r} needs batch[{need!r}], which the step did not produce")
+            raise KeyError(
+                f"advantage estimator {name!r} needs batch[{need!r}], which the step did not produce"
+            )
         kwargs[need] = b[need]
     advantages, returns = fn(**kwargs)
     b["token_level_rewards"] = rewards
@@ -187,7 +215,11 @@ def compute_advantage_stage(batch: DataProto, algo: Any) -> DataProto:
 def dynamic_sampling_stage(batch: DataProto) -> tuple[DataProto, dict[str, float]]:
     """DAPO dynamic sampling: drop whole groups whose valid rewards are all equal."""
     scores = batch.batch["token_level_scores"].sum(-1)
-    keep, m = filter_groups(scores, np.asarray(batch.non_tensor_batch["uid"]), sample_mask=batch.batch.get("sample_valid"))
+    keep, m = filter_groups(
+        scores,
+        np.asarray(batch.non_tensor_batch["uid"]),
+        sample_mask=batch.batch.get("sample_valid"),
+    )
     metrics = {f"dynamic_sampling/{k}": float(v) for k, v in m.items()}
     metrics["dynamic_sampling/skipped_update"] = 0.0
     if bool(keep.all()):
@@ -196,8 +228,10 @@ def dynamic_sampling_stage(batch: DataProto) -> tuple[DataProto, dict[str, float
         # An empty batch cannot be dispatched to the workers (and a step without rows has nothing
         # to learn): keep the rows but mask every token, so the engines drop them and take no
         # optimizer step, while the step's bookkeeping still runs.
-        logger.warning("dynamic sampling dropped every group this step (all rewards equal within groups); "
-                       "skipping the update — raise data.train_batch_size or rollout.n if this is frequent")
+        logger.warning(
+            "dynamic sampling dropped every group this step (all rewards equal within groups); "
+            "skipping the update — raise data.train_batch_size or rollout.n if this is frequent"
+        )
         b = dict(batch.batch)
         b["response_mask"] = torch.zeros_like(b["response_mask"])
         metrics["dynamic_sampling/skipped_update"] = 1.0

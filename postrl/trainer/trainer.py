@@ -73,29 +73,58 @@ class RLTrainer:
 
         self.tokenizer = load_tokenizer(cfg.model.path)
         d = cfg.data
-        self.train_set = RLDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.truncation, d.prompt_key)
-        self.loader = PromptLoader(self.train_set, d.train_batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle)
-        self.val_set = (
-            RLDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.truncation, d.prompt_key, max_samples=d.max_val_samples)
-            if d.val_files else None
+        self.train_set = RLDataset(
+            d.train_files, self.tokenizer, d.max_prompt_length, d.truncation, d.prompt_key
         )
-        self.total_steps = cfg.trainer.total_steps or self.loader.steps_per_epoch * cfg.trainer.total_epochs
+        self.loader = PromptLoader(
+            self.train_set, d.train_batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle
+        )
+        self.val_set = (
+            RLDataset(
+                d.val_files,
+                self.tokenizer,
+                d.max_prompt_length,
+                d.truncation,
+                d.prompt_key,
+                max_samples=d.max_val_samples,
+            )
+            if d.val_files
+            else None
+        )
+        self.total_steps = (
+            cfg.trainer.total_steps or self.loader.steps_per_epoch * cfg.trainer.total_epochs
+        )
         self.global_step = 0
 
         needs = set(ADV_ESTIMATORS.meta(cfg.algorithm.adv_estimator).get("needs", ()))
         self.use_critic = "values" in needs
-        self.use_ref = cfg.ref.enable if cfg.ref.enable is not None else (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+        self.use_ref = (
+            cfg.ref.enable
+            if cfg.ref.enable is not None
+            else (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+        )
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (
-            AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon) if kc.type == "adaptive" else FixedKLController(kc.kl_coef)
+            AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon)
+            if kc.type == "adaptive"
+            else FixedKLController(kc.kl_coef)
         )
 
         from postrl.trainer.roles import build_roles
 
-        loops = {r.get("agent_name") or cfg.rollout.agent.default_agent_loop
-                 for ds in (self.train_set, self.val_set) if ds is not None for r in ds.rows}
-        self.roles = build_roles(cfg, self.total_steps, use_ref=self.use_ref, use_critic=self.use_critic,
-                                 multi_turn=loops != {"single_turn"})
+        loops = {
+            r.get("agent_name") or cfg.rollout.agent.default_agent_loop
+            for ds in (self.train_set, self.val_set)
+            if ds is not None
+            for r in ds.rows
+        }
+        self.roles = build_roles(
+            cfg,
+            self.total_steps,
+            use_ref=self.use_ref,
+            use_critic=self.use_critic,
+            multi_turn=loops != {"single_turn"},
+        )
         self.rollout = self.roles.rollout
         self.agent_manager = self.roles.agent_manager
         self.reward_loop = self.roles.reward_loop
@@ -111,8 +140,19 @@ class RLTrainer:
         stop_ids = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
         if validation:
             v = r.val_kwargs
-            return SamplingParams(temperature=v.temperature, top_p=v.top_p, max_new_tokens=r.response_length, stop_token_ids=stop_ids)
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.response_length, stop_token_ids=stop_ids)
+            return SamplingParams(
+                temperature=v.temperature,
+                top_p=v.top_p,
+                max_new_tokens=r.response_length,
+                stop_token_ids=stop_ids,
+            )
+        return SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.response_length,
+            stop_token_ids=stop_ids,
+        )
 
     # ------------------------------------------------------------------ the step
     def step(self, prompts: DataProto, step: int) -> dict[str, float]:
@@ -125,12 +165,18 @@ class RLTrainer:
         rm_cfg = cfg.reward.model
         rm_only = rm_cfg.enable and rm_cfg.mode == "replace"  # no rule functions at all
 
-        def on_sample_end(i: int, out: Any, row: dict[str, Any]) -> None:  # 2a: score while the tail runs
+        def on_sample_end(
+            i: int, out: Any, row: dict[str, Any]
+        ) -> None:  # 2a: score while the tail runs
             if not rm_only and self.reward_loop.can_stream(row["data_source"]):
-                futures[i] = self.reward_loop.submit(stages.make_reward_request(self.tokenizer, out.response_ids, row))
+                futures[i] = self.reward_loop.submit(
+                    stages.make_reward_request(self.tokenizer, out.response_ids, row)
+                )
 
         with timer("gen", t):  # 1. rollout
-            batch = self.mode.rollout(prompts, self.sampling_params(), cfg.rollout.n, step, on_sample_end)
+            batch = self.mode.rollout(
+                prompts, self.sampling_params(), cfg.rollout.n, step, on_sample_end
+            )
         maybe_kill(f"step{step}:after_gen")
         with timer("reward", t):  # 2. reward (rule/custom functions and/or the reward model)
             if rm_cfg.enable:
@@ -145,7 +191,9 @@ class RLTrainer:
                 if rm_cfg.enable:
                     result = stages.reward_model_result(rm_scores, result.uids, rule=result)
             self.reward_loop.check_failures(result)
-            batch, rm = stages.apply_reward_result(batch, result, cfg.reward.overlong, max_response_length=cfg.rollout.response_length)
+            batch, rm = stages.apply_reward_result(
+                batch, result, cfg.reward.overlong, max_response_length=cfg.rollout.response_length
+            )
             m.update(rm)
         if cfg.algorithm.filter_groups.enable:
             batch, dm = stages.dynamic_sampling_stage(batch)
@@ -154,7 +202,9 @@ class RLTrainer:
             batch, bm = self.roles.balance(batch)
             m.update(bm)
         batch.meta_info.update(temperature=cfg.rollout.temperature, global_step=step)
-        if self.roles.fuse_old_log_prob:  # 4. old / ref log-probs (fused: computed by the update's forward)
+        if (
+            self.roles.fuse_old_log_prob
+        ):  # 4. old / ref log-probs (fused: computed by the update's forward)
             t["timing_s/old_log_prob"] = 0.0
         else:
             with timer("old_log_prob", t):
@@ -177,8 +227,12 @@ class RLTrainer:
                 m.update(self.roles.update_critic(batch))
         with timer("update_actor", t):
             m.update(self.roles.update_actor(batch))
-        if self.roles.fused_old_log_probs is not None:  # rollout-vs-train mismatch metrics, after the fact
-            batch = batch.union(DataProto.from_dict({"old_log_probs": self.roles.fused_old_log_probs}))
+        if (
+            self.roles.fused_old_log_probs is not None
+        ):  # rollout-vs-train mismatch metrics, after the fact
+            batch = batch.union(
+                DataProto.from_dict({"old_log_probs": self.roles.fused_old_log_probs})
+            )
             m.update(stages.rollout_correction_stage(batch, cfg.algorithm.rollout_correction)[1])
         with timer("sync_weights", t):  # 8. weight sync
             m.update(self.mode.sync_weights())
@@ -197,7 +251,9 @@ class RLTrainer:
         start = self._maybe_resume()
         self.push_weights_to_rollout()  # the rollout always starts from the actor's weights
         tc = self.cfg.trainer
-        self.tracker = Tracker(self.run_dir, tc.loggers, self.total_steps, self.cfg, start_step=start + 1)
+        self.tracker = Tracker(
+            self.run_dir, tc.loggers, self.total_steps, self.cfg, start_step=start + 1
+        )
         last: dict[str, float] = {}
         try:
             if start == 0 and tc.val_before_train and self.val_set is not None:
@@ -208,7 +264,9 @@ class RLTrainer:
                 metrics = self.step(prompts, step)
                 metrics["training/epoch"] = float(prompts.meta_info.get("epoch", 0))
                 is_last = step == self.total_steps
-                if self.val_set is not None and ((tc.test_freq and step % tc.test_freq == 0) or is_last):
+                if self.val_set is not None and (
+                    (tc.test_freq and step % tc.test_freq == 0) or is_last
+                ):
                     with timer("testing", metrics):
                         metrics.update(self.validate())
                 self.mode.on_step_end(step, metrics)
@@ -222,7 +280,12 @@ class RLTrainer:
         plots = make_plots(self.run_dir)
         summary = summarize(self.run_dir)
         (self.run_dir / "summary.txt").write_text(summary + "\n")
-        logger.info("done: metrics in %s, plots in %s\n%s", self.run_dir / "metrics.jsonl", plots[0].parent if plots else "-", summary)
+        logger.info(
+            "done: metrics in %s, plots in %s\n%s",
+            self.run_dir / "metrics.jsonl",
+            plots[0].parent if plots else "-",
+            summary,
+        )
         return last
 
     def validate(self) -> dict[str, float]:
@@ -244,6 +307,7 @@ class RLTrainer:
             "kl_ctrl": {"value": float(self.kl_ctrl.value)},
             "total_steps": self.total_steps,
         }
+
         def write(tmp: Path) -> None:
             self.roles.save(tmp)
             maybe_kill(f"step{step}:ckpt_components")
@@ -254,7 +318,9 @@ class RLTrainer:
         mode = self.cfg.trainer.resume_mode
         if mode == "disable":
             return 0
-        ckpt = find_latest_checkpoint(self.run_dir / "checkpoints") if mode == "auto" else Path(mode)
+        ckpt = (
+            find_latest_checkpoint(self.run_dir / "checkpoints") if mode == "auto" else Path(mode)
+        )
         if ckpt is None:
             return 0
         state = load_trainer_state(ckpt)
@@ -296,8 +362,13 @@ def _write_run_info(run_dir: Path) -> None:
     import postrl
 
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(postrl.__file__).parent).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(postrl.__file__).parent,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         rev = ""
     versions = {}
@@ -306,5 +377,11 @@ def _write_run_info(run_dir: Path) -> None:
             versions[mod] = __import__(mod).__version__
         except ImportError:
             pass
-    info = {"postrl": postrl.__version__, "git_rev": rev, "python": platform.python_version(), "versions": versions, "pid": os.getpid()}
+    info = {
+        "postrl": postrl.__version__,
+        "git_rev": rev,
+        "python": platform.python_version(),
+        "versions": versions,
+        "pid": os.getpid(),
+    }
     (run_dir / "run_info.json").write_text(json.dumps(info, indent=1))

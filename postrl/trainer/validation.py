@@ -40,9 +40,16 @@ def validate(trainer: Any, dataset: RLDataset) -> dict[str, float]:
         prompts = dataset.batch(list(range(start, min(start + bs, len(dataset)))))
         # validation seeds live in their own stream (step = -1 - start) so they never collide with training
         batch = trainer.mode.rollout(prompts, sampling, n, -1 - start, None)
-        lengths.extend(batch.batch["attention_mask"][:, -batch.batch["responses"].shape[1]:].sum(-1).float().tolist())
+        lengths.extend(
+            batch.batch["attention_mask"][:, -batch.batch["responses"].shape[1] :]
+            .sum(-1)
+            .float()
+            .tolist()
+        )
         ds = batch.non_tensor_batch["data_source"]
-        if rm_on:  # the reward model scores every row; rule metrics come from rows that have a function
+        if (
+            rm_on
+        ):  # the reward model scores every row; rule metrics come from rows that have a function
             rm_scores.extend(trainer.roles.rm_scores(batch)[0].tolist())
             ruled = [p for p in range(len(prompts)) if trainer.reward_loop.has_function(ds[p * n])]
         else:
@@ -50,8 +57,9 @@ def validate(trainer: Any, dataset: RLDataset) -> dict[str, float]:
         if not ruled:
             continue
         rows_ruled = [i for p in ruled for i in range(p * n, (p + 1) * n)]
-        result = trainer.reward_loop.finish(batch if len(rows_ruled) == len(batch) else batch[rows_ruled], {},
-                                            trainer.tokenizer)
+        result = trainer.reward_loop.finish(
+            batch if len(rows_ruled) == len(batch) else batch[rows_ruled], {}, trainer.tokenizer
+        )
         acc = _correctness(result)
         for j, p in enumerate(ruled):
             rows = range(j * n, (j + 1) * n)  # positions in result

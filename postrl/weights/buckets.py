@@ -24,13 +24,32 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Bucket", "pack_buckets", "unpack_bucket", "unpack_stream", "encode_frame", "decode_frame"]
+__all__ = [
+    "Bucket",
+    "pack_buckets",
+    "unpack_bucket",
+    "unpack_stream",
+    "encode_frame",
+    "decode_frame",
+]
 
 FORMAT = "postrl-bucket/1"
 _ALIGN = 16
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 @dataclass
@@ -54,7 +73,9 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_buckets(
-    weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 64 << 20, version: int | None = None
+    weights: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int = 64 << 20,
+    version: int | None = None,
 ) -> Iterator[Bucket]:
     """Yield buckets of at most ``bucket_bytes`` payload bytes (one oversized tensor excepted).
 
@@ -76,23 +97,46 @@ def pack_buckets(
         name, t = item
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype not in _DTYPES:
-            raise TypeError(f"tensor {name!r} has unsupported dtype {t.dtype}; supported: {sorted(_DTYPES)}")
+            raise TypeError(
+                f"tensor {name!r} has unsupported dtype {t.dtype}; supported: {sorted(_DTYPES)}"
+            )
         n = t.numel() * t.element_size()
         start = -(-used // _ALIGN) * _ALIGN  # keep every tensor 16-byte aligned in the payload
         if used and start + n > bucket_bytes:  # flush, then retry this tensor
-            yield Bucket({"format": FORMAT, "index": index, "last": False, "version": version, "tensors": entries},
-                         buf[:used])
+            yield Bucket(
+                {
+                    "format": FORMAT,
+                    "index": index,
+                    "last": False,
+                    "version": version,
+                    "tensors": entries,
+                },
+                buf[:used],
+            )
             entries, used, index, pending = [], 0, index + 1, item
             continue
         if n > bucket_bytes:  # oversized: its own bucket, not copied into buf
-            yield Bucket({"format": FORMAT, "index": index, "last": False, "version": version,
-                          "tensors": [dict(name=name, dtype=dtype, shape=list(t.shape), offset=0, nbytes=n)]}, _raw(t))
+            yield Bucket(
+                {
+                    "format": FORMAT,
+                    "index": index,
+                    "last": False,
+                    "version": version,
+                    "tensors": [
+                        dict(name=name, dtype=dtype, shape=list(t.shape), offset=0, nbytes=n)
+                    ],
+                },
+                _raw(t),
+            )
             index += 1
             continue
         buf[start : start + n].copy_(_raw(t))
         entries.append(dict(name=name, dtype=dtype, shape=list(t.shape), offset=start, nbytes=n))
         used = start + n
-    yield Bucket({"format": FORMAT, "index": index, "last": True, "version": version, "tensors": entries}, buf[:used])
+    yield Bucket(
+        {"format": FORMAT, "index": index, "last": True, "version": version, "tensors": entries},
+        buf[:used],
+    )
 
 
 def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
@@ -106,7 +150,9 @@ def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
             raise ValueError(f"bucket tensor {e['name']!r}: unsupported dtype {e['dtype']!r}")
         off, n = int(e["offset"]), int(e["nbytes"])
         if off < 0 or off + n > bucket.nbytes:
-            raise ValueError(f"bucket tensor {e['name']!r}: bytes [{off}, {off + n}) outside payload of {bucket.nbytes}")
+            raise ValueError(
+                f"bucket tensor {e['name']!r}: bytes [{off}, {off + n}) outside payload of {bucket.nbytes}"
+            )
         out.append((e["name"], bucket.payload[off : off + n].view(dtype).view(e["shape"])))
     return out
 
@@ -130,12 +176,18 @@ def decode_frame(frame: bytes | bytearray | memoryview, max_header: int = 16 << 
         raise ValueError("bucket frame shorter than its 8-byte header length")
     (hlen,) = struct.unpack("<Q", mv[:8])
     if hlen > max_header or 8 + hlen > len(mv):
-        raise ValueError(f"bucket frame header length {hlen} invalid for a frame of {len(mv)} bytes")
+        raise ValueError(
+            f"bucket frame header length {hlen} invalid for a frame of {len(mv)} bytes"
+        )
     try:
         header = json.loads(bytes(mv[8 : 8 + hlen]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"bucket frame header is not JSON: {e}") from e
     if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
         raise ValueError("bucket frame header must be an object with a 'tensors' list")
-    payload = torch.frombuffer(bytearray(mv[8 + hlen :]), dtype=torch.uint8) if len(mv) > 8 + hlen else torch.empty(0, dtype=torch.uint8)
+    payload = (
+        torch.frombuffer(bytearray(mv[8 + hlen :]), dtype=torch.uint8)
+        if len(mv) > 8 + hlen
+        else torch.empty(0, dtype=torch.uint8)
+    )
     return Bucket(header, payload)

@@ -25,11 +25,15 @@ class NCCLSync:
 
     def __init__(self, bucket_bytes: int = 256 << 20, group: Any = None, src_rank: int = 0) -> None:
         if not torch.cuda.is_available():
-            raise RuntimeError("weight sync 'nccl' needs CUDA GPUs; use 'bucketed' or 'naive' on CPU")
+            raise RuntimeError(
+                "weight sync 'nccl' needs CUDA GPUs; use 'bucketed' or 'naive' on CPU"
+            )
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            raise RuntimeError("weight sync 'nccl' needs torch.distributed initialised with backend='nccl'")
+            raise RuntimeError(
+                "weight sync 'nccl' needs torch.distributed initialised with backend='nccl'"
+            )
         self.dist, self.group, self.src = dist, group, src_rank
         self.bucket_bytes = int(bucket_bytes)
 

@@ -69,12 +69,16 @@ class SyncStats:
 class WeightSync(Protocol):
     """Push a per-tensor stream into receivers."""
 
-    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], receivers: list[WeightReceiver]) -> SyncStats:
+    def sync(
+        self, weights: Iterable[tuple[str, torch.Tensor]], receivers: list[WeightReceiver]
+    ) -> SyncStats:
         """Deliver every tensor of ``weights`` to every receiver."""
         ...
 
 
-def _counted(weights: Iterable[tuple[str, torch.Tensor]], stats: SyncStats) -> Iterator[tuple[str, torch.Tensor]]:
+def _counted(
+    weights: Iterable[tuple[str, torch.Tensor]], stats: SyncStats
+) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in weights:
         stats.num_tensors += 1
         stats.num_bytes += t.numel() * t.element_size()
@@ -86,7 +90,9 @@ class NaiveSync:
     """In-process sync: each receiver reads the actor's tensors directly (one receiver streams;
     with several receivers the stream is materialised once as a list of references, no copies)."""
 
-    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], receivers: list[WeightReceiver]) -> SyncStats:
+    def sync(
+        self, weights: Iterable[tuple[str, torch.Tensor]], receivers: list[WeightReceiver]
+    ) -> SyncStats:
         """See ``WeightSync.sync``."""
         stats, t0 = SyncStats(), time.perf_counter()
         stream = _counted(weights, stats)
@@ -111,11 +117,18 @@ class BucketedSync:
             that send ``encode_frame(bucket)``.
     """
 
-    def __init__(self, bucket_bytes: int = 64 << 20, transport: Callable[[Bucket, Any], None] | None = None) -> None:
+    def __init__(
+        self, bucket_bytes: int = 64 << 20, transport: Callable[[Bucket, Any], None] | None = None
+    ) -> None:
         self.bucket_bytes = int(bucket_bytes)
         self.transport = transport
 
-    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], receivers: list[WeightReceiver], version: int | None = None) -> SyncStats:
+    def sync(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        receivers: list[WeightReceiver],
+        version: int | None = None,
+    ) -> SyncStats:
         """See ``WeightSync.sync``; buckets are produced lazily and each is delivered to every
         receiver before the next is packed."""
         stats, t0 = SyncStats(), time.perf_counter()
@@ -131,4 +144,6 @@ class BucketedSync:
         return stats
 
 
-WEIGHT_SYNC_BACKENDS.add_lazy("nccl", "postrl.weights.nccl:NCCLSync", colocated=False, device="cuda")
+WEIGHT_SYNC_BACKENDS.add_lazy(
+    "nccl", "postrl.weights.nccl:NCCLSync", colocated=False, device="cuda"
+)

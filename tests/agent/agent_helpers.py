@@ -23,8 +23,13 @@ class ScriptedClient:
     generated: list[list[int]] = field(default_factory=list)
     samplings: list[SamplingParams] = field(default_factory=list)
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str,
-                       trajectory_id: str | None = None) -> TokenOutput:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        trajectory_id: str | None = None,
+    ) -> TokenOutput:
         k = len(self.prompts)
         self.prompts.append(list(prompt_ids))
         self.samplings.append(sampling)
@@ -38,10 +43,16 @@ class ScriptedClient:
         return TokenOutput(ids, [-0.01 * (i + 1) for i in range(len(ids))], reason)
 
 
-def make_row(tokenizer, question: str = "What is 123*456?", request_id: str = "r0",
-             system: str | None = "You can call tools.") -> dict[str, Any]:
+def make_row(
+    tokenizer,
+    question: str = "What is 123*456?",
+    request_id: str = "r0",
+    system: str | None = "You can call tools.",
+) -> dict[str, Any]:
     """A dataset row the way the manager passes it."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": question}
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return {
         "raw_prompt_ids": tokenizer.encode(text, add_special_tokens=False),

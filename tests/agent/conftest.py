@@ -17,5 +17,10 @@ def tokenizer():
 @pytest.fixture
 def agent_config():
     """Tool-loop config with the faithfulness check on."""
-    return AgentConfig(default_agent_loop="tool_agent", max_assistant_turns=4, max_user_turns=4,
-                       max_tool_response_length=256, check_token_faithfulness=True)
+    return AgentConfig(
+        default_agent_loop="tool_agent",
+        max_assistant_turns=4,
+        max_user_turns=4,
+        max_tool_response_length=256,
+        check_token_faithfulness=True,
+    )

@@ -18,7 +18,9 @@ def test_delta_splices_into_full_template(tokenizer, n_tools):
     """prompt + turn + delta(tool msgs) + turn2 == tokenised template of the whole conversation."""
     d = ChatDelta(tokenizer)
     msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "q?"}]
-    ids = _ids(tokenizer, tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+    ids = _ids(
+        tokenizer, tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    )
     turn1 = _ids(tokenizer, 'call <tool_call>{"name": "calculator"}</tool_call>' + IM_END)
     tool_msgs = [{"role": "tool", "content": f"result {i} with\nnewline"} for i in range(n_tools)]
     obs = d.observation(tool_msgs, turn1)

@@ -30,7 +30,9 @@ def calc_tools():
 
 def run_loop(tokenizer, cfg, script, tools=None, sampling=SP, **kw):
     client = ScriptedClient(tokenizer, list(script))
-    loop = ToolAgentLoop(client, tokenizer, cfg, tools=calc_tools() if tools is None else tools, **kw)
+    loop = ToolAgentLoop(
+        client, tokenizer, cfg, tools=calc_tools() if tools is None else tools, **kw
+    )
     row = make_row(tokenizer)
     out = asyncio.run(asyncio.wait_for(loop.run(sampling, **row), timeout=60))
     return out, client, row
@@ -40,7 +42,9 @@ def assert_well_formed(out):
     n = len(out.response_ids)
     assert len(out.response_mask) == n and len(out.response_logprobs) == n
     assert set(out.response_mask) <= {0, 1}
-    assert all(lp == 0.0 for lp, m in zip(out.response_logprobs, out.response_mask, strict=True) if m == 0)
+    assert all(
+        lp == 0.0 for lp, m in zip(out.response_logprobs, out.response_mask, strict=True) if m == 0
+    )
 
 
 def policy_positions(client, out):
@@ -59,7 +63,10 @@ def test_registered_lazily():
 
 
 def test_calculator_round_trip_is_token_exact(tokenizer, agent_config):
-    script = ["Let me compute. " + call("calculator", expression="123*456") + IM_END, "The answer is 56088." + IM_END]
+    script = [
+        "Let me compute. " + call("calculator", expression="123*456") + IM_END,
+        "The answer is 56088." + IM_END,
+    ]
     out, client, row = run_loop(tokenizer, agent_config, script)
     assert_well_formed(out)
     gen1, gen2 = client.generated
@@ -78,8 +85,13 @@ def test_calculator_round_trip_is_token_exact(tokenizer, agent_config):
     msgs = out.extra["messages"]
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
     assert msgs[-1]["content"] == "The answer is 56088."
-    templ = tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)
-    assert out.prompt_ids + out.response_ids + tokenizer.encode("\n", add_special_tokens=False) == templ
+    templ = tokenizer.encode(
+        tokenizer.apply_chat_template(msgs, tokenize=False), add_special_tokens=False
+    )
+    assert (
+        out.prompt_ids + out.response_ids + tokenizer.encode("\n", add_special_tokens=False)
+        == templ
+    )
     assert out.metrics["agent/token_drift_ratio"] == 0.0
     assert out.metrics["agent/num_tool_calls"] == 1
     assert out.metrics["agent/tool_errors"] == 0
@@ -92,11 +104,15 @@ def test_calculator_round_trip_is_token_exact(tokenizer, agent_config):
 
 
 def test_multiple_calls_in_one_turn(tokenizer, agent_config):
-    turn = call("calculator", expression="2+3") + "\n" + call("calculator", expression="7*6") + IM_END
+    turn = (
+        call("calculator", expression="2+3") + "\n" + call("calculator", expression="7*6") + IM_END
+    )
     out, client, _ = run_loop(tokenizer, agent_config, [turn, "5 and 42" + IM_END])
     assert out.metrics["agent/num_tool_calls"] == 2 and out.metrics["agent/tool_errors"] == 0
     tool_msgs = [m for m in out.extra["messages"] if m["role"] == "tool"]
-    assert len(tool_msgs) == 2 and "5" in tool_msgs[0]["content"] and "42" in tool_msgs[1]["content"]
+    assert (
+        len(tool_msgs) == 2 and "5" in tool_msgs[0]["content"] and "42" in tool_msgs[1]["content"]
+    )
     assert out.response_mask == policy_positions(client, out)
     assert out.metrics["agent/token_drift_ratio"] == 0.0
 
@@ -121,14 +137,20 @@ def test_malformed_call_becomes_error_observation(tokenizer, agent_config, bad):
 
 
 def test_unknown_tool(tokenizer, agent_config):
-    out, _, _ = run_loop(tokenizer, agent_config, [call("weather", city="Paris") + IM_END, "ok" + IM_END])
+    out, _, _ = run_loop(
+        tokenizer, agent_config, [call("weather", city="Paris") + IM_END, "ok" + IM_END]
+    )
     assert out.metrics["agent/tool_errors"] == 1
     content = [m for m in out.extra["messages"] if m["role"] == "tool"][0]["content"]
     assert "weather" in content and "calculator" in content  # names the bad tool and the choices
 
 
 def test_bad_arguments_counted(tokenizer, agent_config):
-    out, _, _ = run_loop(tokenizer, agent_config, [call("calculator", expression="__import__('os')") + IM_END, "x" + IM_END])
+    out, _, _ = run_loop(
+        tokenizer,
+        agent_config,
+        [call("calculator", expression="__import__('os')") + IM_END, "x" + IM_END],
+    )
     assert out.metrics["agent/tool_errors"] == 1 and out.metrics["agent/token_drift_ratio"] == 0.0
 
 
@@ -136,7 +158,9 @@ def test_max_assistant_turns(tokenizer, agent_config):
     cfg = replace(agent_config, max_assistant_turns=2, max_user_turns=10)
     out, client, _ = run_loop(tokenizer, cfg, [call("calculator", expression="1+1") + IM_END])
     assert len(client.generated) == 2
-    assert out.metrics["agent/num_assistant_turns"] == 2 and out.metrics["agent/num_tool_calls"] == 1
+    assert (
+        out.metrics["agent/num_assistant_turns"] == 2 and out.metrics["agent/num_tool_calls"] == 1
+    )
     assert out.extra["termination"] == "max_assistant_turns"
     assert out.num_turns == 1 + 2 + 1
     assert out.response_mask == policy_positions(client, out)
@@ -152,7 +176,9 @@ def test_max_user_turns(tokenizer, agent_config):
 
 def test_generation_cut_by_length_ends_trajectory(tokenizer, agent_config):
     sp = replace(SP, max_new_tokens=10)
-    out, client, _ = run_loop(tokenizer, agent_config, [call("calculator", expression="1+1") + IM_END], sampling=sp)
+    out, client, _ = run_loop(
+        tokenizer, agent_config, [call("calculator", expression="1+1") + IM_END], sampling=sp
+    )
     assert len(client.generated) == 1 and len(out.response_ids) == 10
     assert out.finish_reason == "length" and out.response_mask == [1] * 10
     assert out.metrics["agent/token_drift_ratio"] == 0.0
@@ -173,6 +199,8 @@ def test_response_budget(tokenizer, agent_config, budget):
 def test_max_model_len_caps_budget(tokenizer, agent_config):
     row = make_row(tokenizer)
     cap = len(row["raw_prompt_ids"]) + 60
-    out, client, _ = run_loop(tokenizer, agent_config, [call("calculator", expression="1+1") + IM_END], max_model_len=cap)
+    out, client, _ = run_loop(
+        tokenizer, agent_config, [call("calculator", expression="1+1") + IM_END], max_model_len=cap
+    )
     assert len(out.prompt_ids) + len(out.response_ids) < cap
     assert all(len(p) + len(g) < cap for p, g in zip(client.prompts, client.generated, strict=True))

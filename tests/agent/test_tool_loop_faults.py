@@ -25,8 +25,14 @@ def call(name: str, **arguments) -> str:
 
 
 def schema(name: str) -> dict:
-    return {"type": "function", "function": {"name": name, "description": name,
-                                             "parameters": {"type": "object", "properties": {}}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": name,
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
 
 
 class Raises(BaseTool):
@@ -76,12 +82,16 @@ def run(tokenizer, cfg, script, tools, row=None, **kw):
     return out, client, loop
 
 
-@pytest.mark.parametrize("cls,needle", [(Raises, "boom"), (Hangs, "did not finish"), (NonString, "returned int"),
-                                        (Huge, "truncated")])
+@pytest.mark.parametrize(
+    "cls,needle",
+    [(Raises, "boom"), (Hangs, "did not finish"), (NonString, "returned int"), (Huge, "truncated")],
+)
 def test_faulty_tool_becomes_error_observation(tokenizer, agent_config, cls, needle):
     tools = {"bad": cls(tool_schema=schema("bad"))}
     t0 = time.monotonic()
-    out, client, _ = run(tokenizer, agent_config, [call("bad") + IM_END, "done" + IM_END], tools, tool_timeout_s=0.5)
+    out, client, _ = run(
+        tokenizer, agent_config, [call("bad") + IM_END, "done" + IM_END], tools, tool_timeout_s=0.5
+    )
     assert time.monotonic() - t0 < 10
     obs = [m for m in out.extra["messages"] if m["role"] == "tool"][0]["content"]
     assert needle in obs
@@ -100,10 +110,19 @@ def test_tool_reward_and_lifecycle(tokenizer, agent_config):
     tools = {"rw": Rewarding(tool_schema=schema("rw"))}
     row = make_row(tokenizer)
     row["extra_info"] = {"tools_kwargs": {"rw": {"create_kwargs": {"secret": 7}}}}
-    out, _, _ = run(tokenizer, agent_config, [call("rw") + "\n" + call("rw") + IM_END, "end" + IM_END], tools, row=row)
+    out, _, _ = run(
+        tokenizer,
+        agent_config,
+        [call("rw") + "\n" + call("rw") + IM_END, "end" + IM_END],
+        tools,
+        row=row,
+    )
     assert out.extra["tool_reward"] == pytest.approx(0.25 * 2 + 1.0)
     kinds = [k for k, _, _ in Rewarding.log]
-    assert kinds == ["create", "release"]  # created once per trajectory (with its kwargs), released at the end
+    assert kinds == [
+        "create",
+        "release",
+    ]  # created once per trajectory (with its kwargs), released at the end
     assert Rewarding.log[0][2] == {"secret": 7}
     assert Rewarding.log[0][1] == Rewarding.log[1][1]
 
@@ -117,8 +136,12 @@ def test_tools_released_when_generation_fails(tokenizer, agent_config):
                 raise RuntimeError("engine died")
             return await super().generate(prompt_ids, sampling, request_id, trajectory_id)
 
-    loop = ToolAgentLoop(Failing(tokenizer, [call("rw") + IM_END]), tokenizer, agent_config,
-                         tools={"rw": Rewarding(tool_schema=schema("rw"))})
+    loop = ToolAgentLoop(
+        Failing(tokenizer, [call("rw") + IM_END]),
+        tokenizer,
+        agent_config,
+        tools={"rw": Rewarding(tool_schema=schema("rw"))},
+    )
     with pytest.raises(RuntimeError, match="engine died"):
         asyncio.run(loop.run(SP, **make_row(tokenizer)))
     assert [k for k, _, _ in Rewarding.log] == ["create", "release"]
@@ -130,14 +153,18 @@ def test_tools_from_config_file(tokenizer, agent_config, tmp_path):
     from dataclasses import replace
 
     cfg = replace(agent_config, tool_config_path=str(path))
-    out, _, loop = run(tokenizer, cfg, [call("calculator", expression="6*7") + IM_END, "42" + IM_END], None)
+    out, _, loop = run(
+        tokenizer, cfg, [call("calculator", expression="6*7") + IM_END, "42" + IM_END], None
+    )
     assert list(loop.tools) == ["calculator"]
     assert "42" in [m for m in out.extra["messages"] if m["role"] == "tool"][0]["content"]
 
 
 def test_drift_check_catches_missing_separator(tokenizer, agent_config, caplog):
     """The classic assistant→tool boundary bug (dropping the template's "\\n" after <|im_end|>)."""
-    client = ScriptedClient(tokenizer, [call("calculator", expression="1+1") + IM_END, "2" + IM_END])
+    client = ScriptedClient(
+        tokenizer, [call("calculator", expression="1+1") + IM_END, "2" + IM_END]
+    )
     loop = ToolAgentLoop(client, tokenizer, agent_config, tools=create_tools(["calculator"]))
     good = loop.delta.observation
     loop.delta.observation = lambda msgs, gen: good(msgs, gen)[1:]  # type: ignore[method-assign]
@@ -166,15 +193,21 @@ DEFAULT_SYSTEM = (
 )
 
 
-@pytest.mark.parametrize("template", [NO_SEP, DEFAULT_SYSTEM], ids=["no_separator", "grouped_tools_default_system"])
+@pytest.mark.parametrize(
+    "template", [NO_SEP, DEFAULT_SYSTEM], ids=["no_separator", "grouped_tools_default_system"]
+)
 def test_other_templates_have_zero_drift(tokenizer, agent_config, template):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = template
     turn = call("calculator", expression="2+3") + call("calculator", expression="4*5") + IM_END
     row = make_row(tok, system=None)  # DEFAULT_SYSTEM then inserts its own system turn
-    out, client, loop = run(tok, agent_config, [turn, "5, 20" + IM_END], create_tools(["calculator"]), row=row)
+    out, client, loop = run(
+        tok, agent_config, [turn, "5, 20" + IM_END], create_tools(["calculator"]), row=row
+    )
     assert out.metrics["agent/num_tool_calls"] == 2
     assert out.metrics["agent/token_drift_ratio"] == 0.0
     assert out.metrics["agent/retokenize_drift_ratio"] == 0.0
     gen1, gen2 = client.generated
-    assert out.response_mask == [1] * len(gen1) + [0] * (len(out.response_ids) - len(gen1) - len(gen2)) + [1] * len(gen2)
+    assert out.response_mask == [1] * len(gen1) + [0] * (
+        len(out.response_ids) - len(gen1) - len(gen2)
+    ) + [1] * len(gen2)

@@ -47,7 +47,9 @@ class ForcedFirstTurnClient(BackendClient):
 
 @pytest.fixture(scope="module")
 def backend(tiny_model_dir):
-    be = create_rollout_backend("native", tiny_model_dir, max_num_seqs=8, max_model_len=MAX_MODEL_LEN, device="cpu")
+    be = create_rollout_backend(
+        "native", tiny_model_dir, max_num_seqs=8, max_model_len=MAX_MODEL_LEN, device="cpu"
+    )
     yield be
     be.close()
 
@@ -73,11 +75,24 @@ def test_manager_with_native_backend(backend, tokenizer, agent_config):
     from postrl.tools import create_tools
 
     client = BackendClient(backend)
-    mgr = AgentLoopManager(client, tokenizer, agent_config, tools=create_tools(["calculator"]), max_model_len=MAX_MODEL_LEN)
+    mgr = AgentLoopManager(
+        client,
+        tokenizer,
+        agent_config,
+        tools=create_tools(["calculator"]),
+        max_model_len=MAX_MODEL_LEN,
+    )
     rows = [make_row(tokenizer, q) for q in ("What is 2+2?", "Compute 17*3.")]
-    prompts = DataProto.from_dict(non_tensors={k: [r[k] for r in rows] for k in ("raw_prompt_ids", "messages", "data_source", "ground_truth", "extra_info")})
+    prompts = DataProto.from_dict(
+        non_tensors={
+            k: [r[k] for r in rows]
+            for k in ("raw_prompt_ids", "messages", "data_source", "ground_truth", "extra_info")
+        }
+    )
     sp = SamplingParams(temperature=1.0, max_new_tokens=24)
-    batch = asyncio.run(asyncio.wait_for(mgr.generate(prompts, sp, n=2, seed=0, step=0), timeout=120))
+    batch = asyncio.run(
+        asyncio.wait_for(mgr.generate(prompts, sp, n=2, seed=0, step=0), timeout=120)
+    )
     assert len(batch) == 4
     for i in range(4):
         mask = batch.batch["response_mask"][i]
@@ -94,12 +109,24 @@ def test_real_backend_continues_after_observation(backend, tokenizer, agent_conf
     """A forced tool call, a real calculator observation, then real generations on the spliced ids."""
     from postrl.tools import create_tools
 
-    turn = "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": "123*456"}}) + "</tool_call><|im_end|>"
+    turn = (
+        "<tool_call>"
+        + json.dumps({"name": "calculator", "arguments": {"expression": "123*456"}})
+        + "</tool_call><|im_end|>"
+    )
     client = ForcedFirstTurnClient(backend, tokenizer, turn)
-    loop = ToolAgentLoop(client, tokenizer, agent_config, tools=create_tools(["calculator"]), max_model_len=MAX_MODEL_LEN)
+    loop = ToolAgentLoop(
+        client,
+        tokenizer,
+        agent_config,
+        tools=create_tools(["calculator"]),
+        max_model_len=MAX_MODEL_LEN,
+    )
     sp = SamplingParams(temperature=1.0, max_new_tokens=24, seed=11)
     out = asyncio.run(asyncio.wait_for(loop.run(sp, **make_row(tokenizer)), timeout=120))
-    assert out.metrics["agent/num_tool_calls"] == 1 and out.metrics["agent/num_assistant_turns"] >= 2
+    assert (
+        out.metrics["agent/num_tool_calls"] == 1 and out.metrics["agent/num_assistant_turns"] >= 2
+    )
     assert "56088" in tokenizer.decode(out.response_ids)
     _check(out, client)
     assert out.metrics["agent/token_drift_ratio"] == 0.0

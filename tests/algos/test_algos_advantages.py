@@ -54,8 +54,9 @@ def test_grpo_hand():
     assert torch.equal(adv, ret)
     assert (adv[m == 0] == 0).all()
     # Dr.GRPO: no std division -> +-0.5
-    adv, _ = get_adv_estimator("grpo")(token_level_rewards=r, response_mask=m, index=idx,
-                                       norm_adv_by_std_in_grpo=False)
+    adv, _ = get_adv_estimator("grpo")(
+        token_level_rewards=r, response_mask=m, index=idx, norm_adv_by_std_in_grpo=False
+    )
     assert seq_adv(adv, m)[:4] == pytest.approx([0.5, -0.5, 0.5, -0.5])
 
 
@@ -86,7 +87,9 @@ def test_passk_hand():
     fn = get_adv_estimator("grpo_passk")
     adv, _ = fn(token_level_rewards=r, response_mask=m, index=[0, 0, 0])
     assert seq_adv(adv, m) == pytest.approx([0, 0.4 / (0.351188 + 1e-6), 0], abs=1e-5)
-    adv, _ = fn(token_level_rewards=r, response_mask=m, index=[0, 0, 0], norm_adv_by_std_in_grpo=False)
+    adv, _ = fn(
+        token_level_rewards=r, response_mask=m, index=[0, 0, 0], norm_adv_by_std_in_grpo=False
+    )
     assert seq_adv(adv, m) == pytest.approx([0, 0.4, 0], abs=1e-9)
 
 
@@ -94,8 +97,9 @@ def test_remax_hand():
     # rewards [0, 1, 2] all valid: reward-to-go [3, 3, 2]; baseline 1 -> [2, 2, 1]
     r = torch.tensor([[0.0, 1.0, 2.0]])
     m = torch.ones(1, 3)
-    adv, ret = get_adv_estimator("remax")(token_level_rewards=r, response_mask=m,
-                                          reward_baselines=torch.tensor([1.0]))
+    adv, ret = get_adv_estimator("remax")(
+        token_level_rewards=r, response_mask=m, reward_baselines=torch.tensor([1.0])
+    )
     assert adv.tolist() == [[2.0, 2.0, 1.0]] and ret.tolist() == [[3.0, 3.0, 2.0]]
 
 
@@ -104,8 +108,12 @@ def test_gae_hand():
     # delta_1 = 1 - .2 = .8 -> A_1 = .8 ; delta_0 = 0 + .2 - .5 = -.3 -> A_0 = -.3 + .8 = .5
     # returns = A + V = [1, 1]; whitened A: mean .65, unbiased std .212132 -> [-.7071, .7071]
     adv, ret = get_adv_estimator("gae")(
-        token_level_rewards=torch.tensor([[0.0, 1.0]]), response_mask=torch.ones(1, 2),
-        values=torch.tensor([[0.5, 0.2]]), gamma=1.0, lam=1.0)
+        token_level_rewards=torch.tensor([[0.0, 1.0]]),
+        response_mask=torch.ones(1, 2),
+        values=torch.tensor([[0.5, 0.2]]),
+        gamma=1.0,
+        lam=1.0,
+    )
     assert ret[0].tolist() == pytest.approx([1.0, 1.0])
     assert adv[0].tolist() == pytest.approx([-0.70711, 0.70711], abs=1e-4)
 
@@ -116,8 +124,9 @@ def test_gdpo_hand_separates_components():
     # [1.732, 0, 0, -1.732] -> whitened (mean 0, unbiased std 1.41421) -> [1.2247, 0, 0, -1.2247]
     comps = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 1.0], [0.0, 0.0]], dtype=torch.float64)
     r, m = outcome(comps.sum(-1).tolist(), [1, 1, 1, 1], t=1)
-    adv, _ = get_adv_estimator("gdpo")(token_level_rewards=r, response_mask=m, index=[0] * 4,
-                                       reward_components=comps)
+    adv, _ = get_adv_estimator("gdpo")(
+        token_level_rewards=r, response_mask=m, index=[0] * 4, reward_components=comps
+    )
     assert adv[:, 0].tolist() == pytest.approx([1.224745, 0.0, 0.0, -1.224745], abs=1e-5)
 
 
@@ -163,7 +172,9 @@ def _random_batch(seed, b=24, t=6, groups=5, fail_rate=0.15):
 @pytest.mark.parametrize("seed", range(5))
 def test_group_estimators_match_loop(name, seed):
     r, m, idx, sm, scores = _random_batch(seed)
-    adv, _ = get_adv_estimator(name)(token_level_rewards=r, response_mask=m, index=idx, sample_mask=sm)
+    adv, _ = get_adv_estimator(name)(
+        token_level_rewards=r, response_mask=m, index=idx, sample_mask=sm
+    )
     # zero-length rows hold their reward at no token; score = sum over T (verl)
     sums = [0.0 if not sm[i] else float(torch.nansum(r[i])) for i in range(len(scores))]
     exp = _oracle_group(sums, idx.tolist(), sm.tolist(), ORACLES[name])
@@ -179,8 +190,14 @@ def test_opo_passk_gpg_match_loop(seed):
     lens = m.sum(-1).tolist()
     il = idx.tolist()
     valid = [True] * len(s)
-    opo = _oracle_group(s, il, valid, lambda x, v, i, mem: x - sum(lens[j] * s[j] for j in mem)
-                        / max(sum(lens[j] for j in mem), 1e-8))
+    opo = _oracle_group(
+        s,
+        il,
+        valid,
+        lambda x, v, i, mem: (
+            x - sum(lens[j] * s[j] for j in mem) / max(sum(lens[j] for j in mem), 1e-8)
+        ),
+    )
     adv, _ = get_adv_estimator("opo")(token_level_rewards=r, response_mask=m, index=idx)
     got, exp = seq_adv(adv, m, opo)
     assert got == pytest.approx(exp, abs=1e-9)
@@ -208,8 +225,13 @@ def _whiten_oracle(values, mask):
         return [[0.0] * len(row) for row in values]
     mu = sum(vals) / len(vals)
     var = sum((v - mu) ** 2 for v in vals) / (len(vals) - 1)
-    return [[(values[i][t] - mu) / math.sqrt(var + 1e-8) if mask[i][t] else 0.0
-             for t in range(len(values[i]))] for i in range(len(values))]
+    return [
+        [
+            (values[i][t] - mu) / math.sqrt(var + 1e-8) if mask[i][t] else 0.0
+            for t in range(len(values[i]))
+        ]
+        for i in range(len(values))
+    ]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -220,8 +242,9 @@ def test_gae_matches_textbook_loop(seed):
     r = torch.randn(b, t, generator=g, dtype=torch.float64)
     v = torch.randn(b, t, generator=g, dtype=torch.float64)
     m = (torch.rand(b, t, generator=g) < 0.7).double()
-    adv, ret = get_adv_estimator("gae")(token_level_rewards=r, response_mask=m, values=v,
-                                        gamma=gamma, lam=lam)
+    adv, ret = get_adv_estimator("gae")(
+        token_level_rewards=r, response_mask=m, values=v, gamma=gamma, lam=lam
+    )
     raw = [[0.0] * t for _ in range(b)]
     ret_exp = [[0.0] * t for _ in range(b)]
     for i in range(b):
@@ -234,7 +257,9 @@ def test_gae_matches_textbook_loop(seed):
             raw[i][k] = a
             ret_exp[i][k] = a + v[i, k].item()
     assert torch.allclose(ret, torch.tensor(ret_exp, dtype=torch.float64), atol=1e-9)
-    assert torch.allclose(adv, torch.tensor(_whiten_oracle(raw, m.tolist()), dtype=torch.float64), atol=1e-9)
+    assert torch.allclose(
+        adv, torch.tensor(_whiten_oracle(raw, m.tolist()), dtype=torch.float64), atol=1e-9
+    )
 
 
 @pytest.mark.parametrize("gamma", [1.0, 0.7])
@@ -242,11 +267,22 @@ def test_reinforce_pp_matches_loop(gamma):
     g = torch.Generator().manual_seed(3)
     r, m = outcome([1.0, -2.0, 0.5, 3.0], [4, 2, 3, 1])
     r = r + torch.randn(r.shape, generator=g, dtype=torch.float64) * m  # dense rewards
-    adv, ret = get_adv_estimator("reinforce_plus_plus")(token_level_rewards=r, response_mask=m, gamma=gamma)
-    exp = [[sum(gamma ** (k - t) * r[i, k].item() for k in range(t, int(m[i].sum())))
-            if m[i, t] else 0.0 for t in range(4)] for i in range(4)]
+    adv, ret = get_adv_estimator("reinforce_plus_plus")(
+        token_level_rewards=r, response_mask=m, gamma=gamma
+    )
+    exp = [
+        [
+            sum(gamma ** (k - t) * r[i, k].item() for k in range(t, int(m[i].sum())))
+            if m[i, t]
+            else 0.0
+            for t in range(4)
+        ]
+        for i in range(4)
+    ]
     assert torch.allclose(ret, torch.tensor(exp, dtype=torch.float64), atol=1e-9)
-    assert torch.allclose(adv, torch.tensor(_whiten_oracle(exp, m.tolist()), dtype=torch.float64), atol=1e-9)
+    assert torch.allclose(
+        adv, torch.tensor(_whiten_oracle(exp, m.tolist()), dtype=torch.float64), atol=1e-9
+    )
 
 
 def test_rpp_baseline_and_gdpo_match_loop():
@@ -256,7 +292,9 @@ def test_rpp_baseline_and_gdpo_match_loop():
     counts = {g: list(idx).count(g) for g in set(idx.tolist())}
     use = [[bool(m[i, t]) and counts[idx[i]] > 1 for t in range(m.shape[1])] for i in range(len(s))]
     exp = _whiten_oracle([[c] * m.shape[1] for c in cent], use)
-    adv, _ = get_adv_estimator("reinforce_plus_plus_baseline")(token_level_rewards=r, response_mask=m, index=idx)
+    adv, _ = get_adv_estimator("reinforce_plus_plus_baseline")(
+        token_level_rewards=r, response_mask=m, index=idx
+    )
     assert torch.allclose(adv, torch.tensor(exp, dtype=torch.float64), atol=1e-9)
     # GDPO with one component == GRPO then whitening
     grpo = _oracle_group(s, idx.tolist(), [True] * len(s), ORACLES["grpo"])
@@ -273,11 +311,21 @@ def test_optimal_token_baseline_matches_loop():
     old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
     spi2 = torch.rand(b, t, generator=g, dtype=torch.float64) * 0.5
     adv, ret = get_adv_estimator("optimal_token_baseline")(
-        token_level_rewards=r, response_mask=m, index=idx, old_log_probs=old, sum_pi_squared=spi2)
-    G = [[sum(r[i, k].item() for k in range(tt, t) if m[i, k]) if m[i, tt] else 0 for tt in range(t)]
-         for i in range(b)]
-    W = [[sum((1 - 2 * math.exp(old[i, k]) + spi2[i, k].item()) for k in range(tt + 1) if m[i, k])
-          if m[i, tt] else 0 for tt in range(t)] for i in range(b)]
+        token_level_rewards=r, response_mask=m, index=idx, old_log_probs=old, sum_pi_squared=spi2
+    )
+    G = [
+        [sum(r[i, k].item() for k in range(tt, t) if m[i, k]) if m[i, tt] else 0 for tt in range(t)]
+        for i in range(b)
+    ]
+    W = [
+        [
+            sum((1 - 2 * math.exp(old[i, k]) + spi2[i, k].item()) for k in range(tt + 1) if m[i, k])
+            if m[i, tt]
+            else 0
+            for tt in range(t)
+        ]
+        for i in range(b)
+    ]
     exp = [[0.0] * t for _ in range(b)]
     lens = [int(m[i].sum()) for i in range(b)]
     for gid in set(idx.tolist()):
@@ -301,11 +349,15 @@ ALL_KW = dict(gamma=0.95, lam=0.9, epsilon=1e-6, norm_adv_by_std_in_grpo=True, u
 
 def _call(name, r, m, idx, sm=None):
     b, t = r.shape
-    extra = dict(values=torch.zeros(b, t, dtype=r.dtype), reward_baselines=torch.zeros(b, dtype=r.dtype),
-                 old_log_probs=torch.full((b, t), -1.0, dtype=r.dtype),
-                 sum_pi_squared=torch.full((b, t), 0.3, dtype=r.dtype))
-    return get_adv_estimator(name)(token_level_rewards=r, response_mask=m, index=idx, sample_mask=sm,
-                                   **extra, **ALL_KW)
+    extra = dict(
+        values=torch.zeros(b, t, dtype=r.dtype),
+        reward_baselines=torch.zeros(b, dtype=r.dtype),
+        old_log_probs=torch.full((b, t), -1.0, dtype=r.dtype),
+        sum_pi_squared=torch.full((b, t), 0.3, dtype=r.dtype),
+    )
+    return get_adv_estimator(name)(
+        token_level_rewards=r, response_mask=m, index=idx, sample_mask=sm, **extra, **ALL_KW
+    )
 
 
 @pytest.mark.parametrize("name", ADV_ESTIMATORS.names())
@@ -323,8 +375,9 @@ def test_no_nan_edge_cases(name):
         assert (adv == 0).all(), name  # all-equal group, groups of one -> no signal
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "opo", "gpg", "grpo_passk",
-                                  "reinforce_plus_plus_baseline", "gdpo"])
+@pytest.mark.parametrize(
+    "name", ["grpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_plus_plus_baseline", "gdpo"]
+)
 def test_sample_mask_excludes_from_group_stats(name):
     # a failed sample (NaN reward, or any reward) must not change the others' advantages
     r, m = outcome([1.0, 0.0, 0.5, 7.0], [2, 2, 2, 2])
@@ -346,8 +399,9 @@ def test_missing_needs_raise():
     with pytest.raises(ValueError, match="reward_baselines"):
         get_adv_estimator("remax")(token_level_rewards=r, response_mask=m)
     with pytest.raises(ValueError, match="sum_pi_squared"):
-        get_adv_estimator("optimal_token_baseline")(token_level_rewards=r, response_mask=m, index=[0],
-                                                     old_log_probs=torch.zeros(1, 4))
+        get_adv_estimator("optimal_token_baseline")(
+            token_level_rewards=r, response_mask=m, index=[0], old_log_probs=torch.zeros(1, 4)
+        )
 
 
 def test_index_kinds_and_tensor_index():
@@ -355,5 +409,9 @@ def test_index_kinds_and_tensor_index():
     fn = get_adv_estimator("grpo")
     a1, _ = fn(token_level_rewards=r, response_mask=m, index=["x", "x", "y", "y"])
     a2, _ = fn(token_level_rewards=r, response_mask=m, index=torch.tensor([5, 5, 2, 2]))
-    a3, _ = fn(token_level_rewards=r, response_mask=m, index=np.array([("a", 1), ("a", 1), 3, 3], dtype=object))
+    a3, _ = fn(
+        token_level_rewards=r,
+        response_mask=m,
+        index=np.array([("a", 1), ("a", 1), 3, 3], dtype=object),
+    )
     assert torch.allclose(a1, a2) and torch.allclose(a1, a3)

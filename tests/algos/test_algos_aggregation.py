@@ -35,11 +35,14 @@ def test_norm_length_and_global_denominators():
     v = agg_loss(L, M, "seq-mean-token-sum-norm", norm_length=10, global_num_seqs=4)
     assert v.item() == pytest.approx(0.45)
     # token-mean with global 9 tokens: 18 / 9 = 2
-    assert agg_loss(L, M, "token-mean", global_num_tokens=torch.tensor(9)).item() == pytest.approx(2.0)
+    assert agg_loss(L, M, "token-mean", global_num_tokens=torch.tensor(9)).item() == pytest.approx(
+        2.0
+    )
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
 def test_raises_without_denominators_when_dp(mode):
     with pytest.raises(ValueError, match="global_num"):
         agg_loss(L, M, mode, dp_size=2)
@@ -69,14 +72,31 @@ def batches(draw):
     t = draw(st.integers(1, 6))
     seed = draw(st.integers(0, 10_000))
     k = draw(st.integers(1, b))
-    cuts = sorted(draw(st.lists(st.integers(1, max(b - 1, 1)), min_size=k - 1, max_size=k - 1,
-                                unique=True))) if b > 1 else []
+    cuts = (
+        sorted(
+            draw(
+                st.lists(st.integers(1, max(b - 1, 1)), min_size=k - 1, max_size=k - 1, unique=True)
+            )
+        )
+        if b > 1
+        else []
+    )
     return b, t, seed, cuts
 
 
 @settings(max_examples=60, deadline=None)
-@given(batches(), st.sampled_from(["token-mean", "token-sum", "seq-mean-token-sum",
-                                   "seq-mean-token-mean", "seq-mean-token-sum-norm"]))
+@given(
+    batches(),
+    st.sampled_from(
+        [
+            "token-mean",
+            "token-sum",
+            "seq-mean-token-sum",
+            "seq-mean-token-mean",
+            "seq-mean-token-sum-norm",
+        ]
+    ),
+)
 def test_split_invariance(batch, mode):
     """Sum over shards (each given the global denominators) == whole batch, dp_size = #shards."""
     b, t, seed, cuts = batch
@@ -86,7 +106,11 @@ def test_split_invariance(batch, mode):
     whole = agg_loss(loss, mask, mode, norm_length=t)
     bounds = [0, *cuts, b]
     shards = [(loss[s:e], mask[s:e]) for s, e in zip(bounds[:-1], bounds[1:])]
-    den = {k: sum(local_denominators(m)[k] for _, m in shards) for k in
-           ("global_num_tokens", "global_num_seqs")}
-    total = sum(agg_loss(lm, mm, mode, dp_size=len(shards), norm_length=t, **den) for lm, mm in shards)
+    den = {
+        k: sum(local_denominators(m)[k] for _, m in shards)
+        for k in ("global_num_tokens", "global_num_seqs")
+    }
+    total = sum(
+        agg_loss(lm, mm, mode, dp_size=len(shards), norm_length=t, **den) for lm, mm in shards
+    )
     assert torch.allclose(torch.as_tensor(total, dtype=torch.float64), whole, atol=1e-10)

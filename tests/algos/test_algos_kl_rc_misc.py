@@ -72,13 +72,16 @@ def test_identical_logprobs_are_healthy():
     mask = torch.ones(4, 6)
     mask[3] = 0  # a zero-length response
     for mode in (None, "token", "sequence"):
-        w, m, met = A.compute_rollout_correction(lp, lp.clone(), mask, rollout_is=mode,
-                                                 rollout_rs="geometric")
+        w, m, met = A.compute_rollout_correction(
+            lp, lp.clone(), mask, rollout_is=mode, rollout_rs="geometric"
+        )
         assert met["rollout_corr/ess"].item() == pytest.approx(1.0)
         assert abs(met["rollout_corr/chi2"].item()) < 1e-6
         assert met["rollout_corr/kl_k1"].item() == 0 and met["rollout_corr/kl_k3"].item() == 0
         assert met["rollout_corr/rejection_rate"].item() == 0
-        assert met["rollout_corr/ppl_rollout"].item() == pytest.approx(met["rollout_corr/ppl_train"].item())
+        assert met["rollout_corr/ppl_rollout"].item() == pytest.approx(
+            met["rollout_corr/ppl_train"].item()
+        )
         assert torch.equal(m, mask)
         if w is not None:
             assert torch.allclose(w, mask)
@@ -90,8 +93,9 @@ def test_mismatch_hand_values():
     old = torch.tensor([[math.log(2) - 1.0, -1.0], [-1.0, -1.0]])
     roll = torch.full((2, 2), -1.0)
     mask = torch.ones(2, 2)
-    w, m, met = A.compute_rollout_correction(old, roll, mask, rollout_is="sequence",
-                                             rollout_is_threshold=1.5)
+    w, m, met = A.compute_rollout_correction(
+        old, roll, mask, rollout_is="sequence", rollout_is_threshold=1.5
+    )
     # sequence weights [2, 1]: ESS = 9 / (2 * 5) = .9 ; chi2 = (4 + 1) / 2 - 1 = 1.5
     assert met["rollout_corr/ess"].item() == pytest.approx(0.9, abs=1e-6)
     assert met["rollout_corr/chi2"].item() == pytest.approx(1.5, abs=1e-5)
@@ -101,7 +105,9 @@ def test_mismatch_hand_values():
     assert met["rollout_corr/kl_k1"].item() == pytest.approx(-math.log(2) / 4, abs=1e-6)
     assert met["rollout_corr/kl_k3"].item() == pytest.approx((1 - math.log(2)) / 4, abs=1e-6)
     # token IS: weights [2 -> 1.5, 1, 1, 1]; token ESS = (5)^2 / (4 * 7) = 25/28
-    w, _, met = A.compute_rollout_correction(old, roll, mask, rollout_is="token", rollout_is_threshold=1.5)
+    w, _, met = A.compute_rollout_correction(
+        old, roll, mask, rollout_is="token", rollout_is_threshold=1.5
+    )
     assert w.flatten().tolist() == pytest.approx([1.5, 1.0, 1.0, 1.0])
     assert met["rollout_corr/ess"].item() == pytest.approx(25 / 28, abs=1e-6)
     assert met["rollout_corr/ess"].item() < 1
@@ -112,13 +118,23 @@ def test_rejection_sampling():
     roll = torch.zeros(2, 2)
     mask = torch.ones(2, 2)
     # sequence ratio [4, e^.2]; upper 2 -> reject seq 0 ; geometric [2, e^.1] -> keep both (<= 2)
-    _, m, met = A.compute_rollout_correction(old, roll, mask, rollout_rs="sequence", rollout_rs_threshold=2.0)
+    _, m, met = A.compute_rollout_correction(
+        old, roll, mask, rollout_rs="sequence", rollout_rs_threshold=2.0
+    )
     assert m.tolist() == [[0, 0], [1, 1]] and met["rollout_corr/rejection_rate"].item() == 0.5
-    _, m, met = A.compute_rollout_correction(old, roll, mask, rollout_rs="geometric", rollout_rs_threshold=2.0)
+    _, m, met = A.compute_rollout_correction(
+        old, roll, mask, rollout_rs="geometric", rollout_rs_threshold=2.0
+    )
     assert m.tolist() == [[1, 1], [1, 1]]
     # lower bound 1.5 rejects seq 1 (ratio e^.1 = 1.105)
-    _, m, _ = A.compute_rollout_correction(old, roll, mask, rollout_rs="geometric",
-                                           rollout_rs_threshold=2.0, rollout_rs_threshold_lower=1.5)
+    _, m, _ = A.compute_rollout_correction(
+        old,
+        roll,
+        mask,
+        rollout_rs="geometric",
+        rollout_rs_threshold=2.0,
+        rollout_rs_threshold_lower=1.5,
+    )
     assert m.tolist() == [[1, 1], [0, 0]]
     with pytest.raises(ValueError, match="rollout_is"):
         A.compute_rollout_correction(old, roll, mask, rollout_is="tokens")
@@ -141,8 +157,9 @@ def test_value_loss_hand():
     # values .0, returns 1., clip .2. tok0 vpred .5: l1=.25, vclip=.2 -> l2=.64 -> .64 (clipped)
     # tok1 vpred .1: l1 = .81, vclip = .1 -> l2 = .81 -> .81 (not clipped, equal)
     v = torch.zeros(1, 2)
-    loss, met = A.compute_value_loss(torch.tensor([[0.5, 0.1]]), torch.ones(1, 2), v, torch.ones(1, 2),
-                                     cliprange_value=0.2)
+    loss, met = A.compute_value_loss(
+        torch.tensor([[0.5, 0.1]]), torch.ones(1, 2), v, torch.ones(1, 2), cliprange_value=0.2
+    )
     assert loss.item() == pytest.approx(0.5 * (0.64 + 0.81) / 2)
     assert met["vf_clipfrac"].item() == pytest.approx(0.5)
 
@@ -182,5 +199,10 @@ def test_filter_groups():
     # a: all equal -> drop ; b: differ -> keep ; c: single -> drop ; d: one valid (NaN) -> drop
     # e: one valid after the mask -> drop
     assert keep.tolist() == [False, False, True, True, False, False, False, False, False]
-    assert met == {"num_groups": 5, "num_kept_groups": 1, "num_dropped_groups": 4,
-                   "num_kept_samples": 2, "num_dropped_samples": 7}
+    assert met == {
+        "num_groups": 5,
+        "num_kept_groups": 1,
+        "num_dropped_groups": 4,
+        "num_kept_samples": 2,
+        "num_dropped_samples": 7,
+    }

@@ -26,13 +26,14 @@ def test_vanilla_clip_higher_and_dual_clip_hand():
     old, new = _lp([1.5, 1.25, 0.5, 5.0])
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]], dtype=torch.float64)
     mask = torch.ones_like(adv)
-    loss, met = get_policy_loss("vanilla")(old, new, adv, mask, clip_ratio_low=0.2,
-                                           clip_ratio_high=0.28, clip_ratio_c=3.0)
+    loss, met = get_policy_loss("vanilla")(
+        old, new, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0
+    )
     assert loss.item() == pytest.approx((-1.28 - 1.25 + 0.8 + 3.0) / 4)
     assert met["pg_clipfrac"].item() == pytest.approx(2 / 4)  # tok0, tok2
     assert met["pg_clipfrac_lower"].item() == pytest.approx(1 / 4)  # tok3
     # ppo_kl = mean(old - new) = -mean(log r)
-    assert met["ppo_kl"].item() == pytest.approx(-sum(math.log(x) for x in [1.5, 1.25, .5, 5]) / 4)
+    assert met["ppo_kl"].item() == pytest.approx(-sum(math.log(x) for x in [1.5, 1.25, 0.5, 5]) / 4)
     assert all(v.dim() == 0 and not v.requires_grad for v in met.values())
 
 
@@ -76,17 +77,24 @@ def _seq_mean_token_mean(vals, mask):
 
 def _tok(fn, old, new, adv):
     b, t = old.shape
-    return [[fn(math.exp(new[i, k] - old[i, k]), adv[i, k].item(), new[i, k].item())
-             for k in range(t)] for i in range(b)]
+    return [
+        [fn(math.exp(new[i, k] - old[i, k]), adv[i, k].item(), new[i, k].item()) for k in range(t)]
+        for i in range(b)
+    ]
 
 
 ORACLES = {
-    "vanilla": lambda r, a, lp: (min(max(-a * r, -a * min(max(r, .8), 1.2)), -a * 3.0) if a < 0
-                                 else max(-a * r, -a * min(max(r, .8), 1.2))),
+    "vanilla": lambda r, a, lp: (
+        min(max(-a * r, -a * min(max(r, 0.8), 1.2)), -a * 3.0)
+        if a < 0
+        else max(-a * r, -a * min(max(r, 0.8), 1.2))
+    ),
     "reinforce": lambda r, a, lp: -a * lp,
     "gpg": lambda r, a, lp: -a * lp,
-    "cispo": lambda r, a, lp: -min(max(r, .8), 1.2) * a * lp,
-    "sapo": lambda r, a, lp: -(4 / (1.0 if a > 0 else 1.05)) / (1 + math.exp(-(1.0 if a > 0 else 1.05) * (r - 1))) * a,
+    "cispo": lambda r, a, lp: -min(max(r, 0.8), 1.2) * a * lp,
+    "sapo": lambda r, a, lp: (
+        -(4 / (1.0 if a > 0 else 1.05)) / (1 + math.exp(-(1.0 if a > 0 else 1.05) * (r - 1))) * a
+    ),
 }
 
 
@@ -107,9 +115,15 @@ def test_gspo_matches_loop(seed):
     for i in range(b):
         n = max(sum(mask[i].tolist()), 1)
         s = math.exp(sum((new[i, k] - old[i, k]).item() for k in range(t) if mask[i, k]) / n)
-        vals.append([max(-adv[i, k].item() * s, -adv[i, k].item() * min(max(s, 1 - 3e-4), 1 + 4e-4))
-                     for k in range(t)])
-    loss, _ = get_policy_loss("gspo")(old, new, adv, mask, clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+        vals.append(
+            [
+                max(-adv[i, k].item() * s, -adv[i, k].item() * min(max(s, 1 - 3e-4), 1 + 4e-4))
+                for k in range(t)
+            ]
+        )
+    loss, _ = get_policy_loss("gspo")(
+        old, new, adv, mask, clip_ratio_low=3e-4, clip_ratio_high=4e-4
+    )
     assert loss.item() == pytest.approx(_seq_mean_token_mean(vals, mask.tolist()), abs=1e-10)
 
 
@@ -137,8 +151,9 @@ def test_gspo_gradient_is_sequence_ratio_times_token_grad():
     # L = mean_t(-A s_t) where s_t has value s and d s_t / d lp_t = s -> grad = -s / 2 each
     old = torch.zeros(1, 2, dtype=torch.float64)
     new = torch.tensor([[0.1, 0.3]], dtype=torch.float64, requires_grad=True)
-    loss, _ = get_policy_loss("gspo")(old, new, torch.ones(1, 2, dtype=torch.float64),
-                                      torch.ones(1, 2), clip_ratio=10.0)
+    loss, _ = get_policy_loss("gspo")(
+        old, new, torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2), clip_ratio=10.0
+    )
     loss.backward()
     assert new.grad[0].tolist() == pytest.approx([-math.exp(0.2) / 2] * 2)
 
@@ -157,7 +172,9 @@ def test_cispo_keeps_gradient_of_clipped_tokens():
     # r = 3 (clipped to 1.2 by the weight), A = 1: grad = -1.2 (PPO would give 0)
     old = torch.zeros(1, 1, dtype=torch.float64)
     new = torch.tensor([[math.log(3.0)]], dtype=torch.float64, requires_grad=True)
-    loss, met = get_policy_loss("cispo")(old, new, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1))
+    loss, met = get_policy_loss("cispo")(
+        old, new, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1)
+    )
     loss.backward()
     assert new.grad.item() == pytest.approx(-1.2)
     assert met["pg_clipfrac"].item() == 1.0
@@ -218,10 +235,14 @@ def test_contract(name):
     assert all(torch.isfinite(v) for v in met0.values())
     # dp > 1 without denominators raises; with them the shard sum equals the whole batch
     with pytest.raises(ValueError):
-        get_policy_loss(name)(old, new.detach(), adv, mask, dp_size=2, loss_agg_mode="token-mean", **kw)
+        get_policy_loss(name)(
+            old, new.detach(), adv, mask, dp_size=2, loss_agg_mode="token-mean", **kw
+        )
 
 
-@pytest.mark.parametrize("name", [n for n in POLICY_LOSSES.names() if n not in ("clip_cov", "kl_cov")])
+@pytest.mark.parametrize(
+    "name", [n for n in POLICY_LOSSES.names() if n not in ("clip_cov", "kl_cov")]
+)
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_split_over_dp_equals_whole(name, mode):
     old, new, adv, mask = _rand(3, b=6)
@@ -230,8 +251,10 @@ def test_split_over_dp_equals_whole(name, mode):
     rollout = old - 0.1
     whole, _ = fn(old, new, adv, mask, rollout_log_prob=rollout, **kw)
     den = dict(global_num_tokens=mask.sum(), global_num_seqs=(mask.sum(-1) > 0).sum())
-    parts = [fn(old[s], new[s], adv[s], mask[s], dp_size=2, rollout_log_prob=rollout[s], **den, **kw)[0]
-             for s in (slice(0, 2), slice(2, 6))]
+    parts = [
+        fn(old[s], new[s], adv[s], mask[s], dp_size=2, rollout_log_prob=rollout[s], **den, **kw)[0]
+        for s in (slice(0, 2), slice(2, 6))
+    ]
     assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), abs=1e-12)
 
 

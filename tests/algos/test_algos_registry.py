@@ -24,16 +24,38 @@ def test_import_is_pure():
 
 def test_required_names_registered():
     assert {
-        "gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-        "remax", "opo", "gpg", "gdpo", "optimal_token_baseline",
+        "gae",
+        "grpo",
+        "grpo_passk",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "remax",
+        "opo",
+        "gpg",
+        "gdpo",
+        "optimal_token_baseline",
     } <= set(A.ADV_ESTIMATORS.names())
     assert {
-        "vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "sapo",
-        "bypass_mode", "reinforce",
+        "vanilla",
+        "gspo",
+        "gpg",
+        "clip_cov",
+        "kl_cov",
+        "geo_mean",
+        "cispo",
+        "sapo",
+        "bypass_mode",
+        "reinforce",
     } <= set(A.POLICY_LOSSES.names())
-    assert {"k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k3+"} <= set(A.KL_ESTIMATORS.names())
+    assert {"k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k3+"} <= set(
+        A.KL_ESTIMATORS.names()
+    )
     assert set(A.AGG_MODES.names()) == {
-        "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+        "token-mean",
+        "token-sum",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
         "seq-mean-token-sum-norm",
     }
 

@@ -6,7 +6,9 @@ from postrl.config import ConfigError, dump_config, load_config, validate_config
 def test_yaml_and_overrides(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("rollout:\n  n: 4\nactor:\n  optim:\n    lr: 1.0e-5\n")
-    cfg = load_config(y, ["rollout.n=2", "actor.optim.lr=3e-5", "data.train_files=[a.parquet,b.parquet]"])
+    cfg = load_config(
+        y, ["rollout.n=2", "actor.optim.lr=3e-5", "data.train_files=[a.parquet,b.parquet]"]
+    )
     assert cfg.rollout.n == 2 and cfg.actor.optim.lr == pytest.approx(3e-5)
     assert cfg.data.train_files == ["a.parquet", "b.parquet"]
     dump_config(cfg, tmp_path / "out.yaml")
@@ -21,7 +23,9 @@ def test_unknown_key_suggests_closest():
 
 
 def test_validation_reports_all_problems_with_fix(tmp_path):
-    cfg = load_config(None, ["data.train_batch_size=30", "actor.ppo_mini_batch_size=8", "rollout.top_p=1.5"])
+    cfg = load_config(
+        None, ["data.train_batch_size=30", "actor.ppo_mini_batch_size=8", "rollout.top_p=1.5"]
+    )
     with pytest.raises(ConfigError) as e:
         validate_config(cfg, check_registries=False)
     msg = str(e.value)
@@ -31,9 +35,20 @@ def test_validation_reports_all_problems_with_fix(tmp_path):
 
 
 def test_dp_contract_message():
-    cfg = load_config(None, ["trainer.backend=ray", "trainer.num_workers=4", "rollout.n=2", "actor.ppo_mini_batch_size=3",
-                             "data.train_batch_size=6"])
-    with pytest.raises(ConfigError, match="3 × rollout.n=2 = 6 .* not divisible by trainer.num_workers=4.*multiple of 2"):
+    cfg = load_config(
+        None,
+        [
+            "trainer.backend=ray",
+            "trainer.num_workers=4",
+            "rollout.n=2",
+            "actor.ppo_mini_batch_size=3",
+            "data.train_batch_size=6",
+        ],
+    )
+    with pytest.raises(
+        ConfigError,
+        match="3 × rollout.n=2 = 6 .* not divisible by trainer.num_workers=4.*multiple of 2",
+    ):
         validate_config(cfg, check_files=False, check_registries=False)
 
 
@@ -50,7 +65,9 @@ def test_every_field_documented_and_docs_current():
             missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
             assert not missing, f"{name} fields without a docstring: {missing}"
     committed = Path(__file__).resolve().parents[2] / "docs" / "config.md"
-    assert committed.read_text().strip() == render_markdown().strip(), "run python -m postrl.config.docs"
+    assert committed.read_text().strip() == render_markdown().strip(), (
+        "run python -m postrl.config.docs"
+    )
 
 
 def test_fuse_old_log_prob_resolution_and_errors():
@@ -60,12 +77,34 @@ def test_fuse_old_log_prob_resolution_and_errors():
 
     on = load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"])
     assert old_log_prob_fusion_blockers(on) == [] and resolve_fuse_old_log_prob(on)
-    off = load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "algorithm.use_kl_in_reward=true"])
+    off = load_config(
+        None,
+        [
+            "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=2",
+            "algorithm.use_kl_in_reward=true",
+        ],
+    )
     reasons = old_log_prob_fusion_blockers(off)
     assert len(reasons) == 2 and not resolve_fuse_old_log_prob(off)
-    assert not resolve_fuse_old_log_prob(load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
-                                                            "actor.fuse_old_log_prob=false"]))
-    forced = load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2",
-                                "actor.fuse_old_log_prob=true"])
+    assert not resolve_fuse_old_log_prob(
+        load_config(
+            None,
+            [
+                "data.train_batch_size=4",
+                "actor.ppo_mini_batch_size=4",
+                "actor.fuse_old_log_prob=false",
+            ],
+        )
+    )
+    forced = load_config(
+        None,
+        [
+            "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=4",
+            "actor.ppo_epochs=2",
+            "actor.fuse_old_log_prob=true",
+        ],
+    )
     with pytest.raises(ConfigError, match=r"actor.fuse_old_log_prob=True but actor.ppo_epochs=2"):
         validate_config(forced, check_files=False, check_registries=False)

@@ -39,7 +39,10 @@ class ToyWorker(Worker):
         self.seen.append(len(data))
         x = data.batch["x"]
         out = DataProto.from_dict(
-            {"y": x * scale + self.offset + 0 * self.rank, "rank": torch.full((len(data),), self.rank)}
+            {
+                "y": x * scale + self.offset + 0 * self.rank,
+                "rank": torch.full((len(data),), self.rank),
+            }
         )
         return out
 
@@ -80,14 +83,23 @@ class MeshWorker(Worker):
 
     def __init__(self, tp: int = 2) -> None:
         self.tp_rank = self.rank % tp
-        self.register_dp_info("actor", dp_rank=self.rank // tp, dp_size=self.world_size // tp, is_collect=self.tp_rank == 0)
+        self.register_dp_info(
+            "actor",
+            dp_rank=self.rank // tp,
+            dp_size=self.world_size // tp,
+            is_collect=self.tp_rank == 0,
+        )
 
     @register(dispatch_mode=make_nd_compute_dispatch("actor"))
     def forward(self, data: DataProto) -> DataProto:
         # every tp replica returns its own tp_rank: the driver must only see tp_rank 0
         n = len(data)
         return DataProto.from_dict(
-            {"x": data.batch["x"], "tp": torch.full((n,), self.tp_rank), "rank": torch.full((n,), self.rank)}
+            {
+                "x": data.batch["x"],
+                "tp": torch.full((n,), self.tp_rank),
+                "rank": torch.full((n,), self.rank),
+            }
         )
 
 

@@ -13,13 +13,17 @@ from postrl.protocol import DataProto, DataProtoError
 def test_balance_for_dp_equalises_rank_tokens():
     lens = torch.arange(1, 17)  # sorted lengths: the naive split is maximally unbalanced
     mask = (torch.arange(16)[None, :] < lens[:, None]).long()  # (16, 16)
-    data = DataProto.from_dict({"attention_mask": mask, "x": lens.float()}, {"uid": [str(i) for i in range(16)]})
+    data = DataProto.from_dict(
+        {"attention_mask": mask, "x": lens.float()}, {"uid": [str(i) for i in range(16)]}
+    )
     balanced, m = balance_for_dp(data, 4)
     assert m["balance/imbalance_after"] < m["balance/imbalance_before"]
     loads = [int(c.batch["attention_mask"].sum()) for c in balanced.chunk(4)]
     assert max(loads) - min(loads) <= 1  # sum 136 over 4 ranks: 34 each is reachable
     # rows move intact
-    assert [int(u) + 1 for u in balanced.non_tensor_batch["uid"]] == balanced.batch["x"].long().tolist()
+    assert [int(u) + 1 for u in balanced.non_tensor_batch["uid"]] == balanced.batch[
+        "x"
+    ].long().tolist()
     wg = create_worker_group("local", ToyWorker, world_size=4)
     out = wg.add_offset(balanced)
     assert torch.equal(out.batch["y"], balanced.batch["x"])

@@ -23,7 +23,9 @@ from postrl.protocol import DataProto
 
 
 def rows(n: int) -> DataProto:
-    return DataProto.from_dict({"x": torch.arange(n, dtype=torch.float32)}, {"uid": [f"u{i}" for i in range(n)]})
+    return DataProto.from_dict(
+        {"x": torch.arange(n, dtype=torch.float32)}, {"uid": [f"u{i}" for i in range(n)]}
+    )
 
 
 @pytest.fixture
@@ -75,7 +77,10 @@ def test_future_passes_into_next_call(wg):
 def test_nd_dispatch_fake_2x2_layout():
     g = create_worker_group("local", MeshWorker, world_size=4, name="mesh")
     assert [(i.dp_rank, i.dp_size, i.is_collect) for i in g.dp_info("actor")] == [
-        (0, 2, True), (0, 2, False), (1, 2, True), (1, 2, False)
+        (0, 2, True),
+        (0, 2, False),
+        (1, 2, True),
+        (1, 2, False),
     ]
     out = g.forward(rows(5))  # pad to 6, 3 rows per dp rank
     assert out.batch["x"].tolist() == [0, 1, 2, 3, 4]
@@ -96,7 +101,7 @@ def test_custom_mode_registered_from_outside():
     class W(Worker):
         @register(dispatch_mode="reverse_sum_test")
         def f(self, x: int) -> int:
-            return x * 10 ** self.rank
+            return x * 10**self.rank
 
     g = create_worker_group("local", W, world_size=2)
     assert g.f([1, 2]) == 2 + 10
@@ -123,7 +128,9 @@ def test_constructor_error_is_worker_error():
 
 def test_colocated_roles_namespaced():
     Fused = create_colocated_worker_cls({"actor": ToyWorker, "ref": RefToy})
-    g = create_worker_group("local", Fused, kwargs={"actor": {"offset": 1.0}, "ref": {"bias": -1.0}}, world_size=2)
+    g = create_worker_group(
+        "local", Fused, kwargs={"actor": {"offset": 1.0}, "ref": {"bias": -1.0}}, world_size=2
+    )
     out_a = g.actor.add_offset(rows(4))
     out_b = g.actor_add_offset(rows(4))
     assert torch.equal(out_a.batch["y"], out_b.batch["y"])
@@ -161,11 +168,15 @@ def test_docs_example_mode_runs():
     class Scorer(Worker):
         @register(dispatch_mode="by_group")
         def score(self, data: DataProto) -> DataProto:
-            return DataProto.from_dict({"x": data.batch["x"], "rank": torch.full((len(data),), self.rank)},
-                                       {"uid": data.non_tensor_batch["uid"]})
+            return DataProto.from_dict(
+                {"x": data.batch["x"], "rank": torch.full((len(data),), self.rank)},
+                {"uid": data.non_tensor_batch["uid"]},
+            )
 
     g = create_worker_group("local", Scorer, world_size=3)
-    data = DataProto.from_dict({"x": torch.arange(12.0)}, {"uid": [f"g{i // 4}" for i in range(12)]})
+    data = DataProto.from_dict(
+        {"x": torch.arange(12.0)}, {"uid": [f"g{i // 4}" for i in range(12)]}
+    )
     out = g.score(data)
     assert out.batch["x"].tolist() == list(range(12))  # original order restored
     for grp in range(3):  # a group's rows were scored on one rank

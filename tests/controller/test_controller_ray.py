@@ -56,7 +56,9 @@ def _wait_dead(pids: list[int], timeout_s: float = 15.0) -> bool:
 
 
 def rows(n: int) -> DataProto:
-    return DataProto.from_dict({"x": torch.arange(n, dtype=torch.float32)}, {"uid": [f"u{i}" for i in range(n)]})
+    return DataProto.from_dict(
+        {"x": torch.arange(n, dtype=torch.float32)}, {"uid": [f"u{i}" for i in range(n)]}
+    )
 
 
 def driver_script(wg) -> dict:
@@ -91,14 +93,18 @@ def test_group_gloo_allreduce_dp_proto_and_local_equivalence(ray_cluster):
     finally:
         wg.shutdown()
     assert _wait_dead(pids), "worker processes outlived shutdown()"
-    local = create_worker_group("local", ToyWorker, kwargs={"offset": 100.0}, world_size=2, name="toy")
+    local = create_worker_group(
+        "local", ToyWorker, kwargs={"offset": 100.0}, world_size=2, name="toy"
+    )
     assert driver_script(local) == res_ray
 
 
 def test_nd_dispatch_2x2_in_colocated_group(ray_cluster):
     """Fake dp=2 x tp=2 layout (rank r: dp r//2, tp r%2) hosted next to a second role."""
     fused = create_colocated_worker_cls({"mesh": MeshWorker, "ref": RefToy})
-    wg = create_worker_group("ray", fused, kwargs={"ref": {"bias": 0.5}}, world_size=4, name="fused", init_dist=False)
+    wg = create_worker_group(
+        "ray", fused, kwargs={"ref": {"bias": 0.5}}, world_size=4, name="fused", init_dist=False
+    )
     try:
         out = wg.mesh.forward(rows(6))  # same shard to both tp ranks, collected once per dp rank
         assert out.batch["x"].tolist() == list(range(6))
@@ -112,8 +118,14 @@ def test_nd_dispatch_2x2_in_colocated_group(ray_cluster):
 def test_raising_then_killed_worker(ray_cluster):
     """A raise names rank+method (group kept: shutdown_on_error=False); a kill errors fast."""
     wg = create_worker_group(
-        "ray", ToyWorker, world_size=2, name="actor", init_dist=False, shutdown_on_error=False,
-        timeouts=Timeouts(per_method={"sleep": 10.0}), resource_pool=ResourcePool(process_on_nodes=(2,), name="kill_pool"),
+        "ray",
+        ToyWorker,
+        world_size=2,
+        name="actor",
+        init_dist=False,
+        shutdown_on_error=False,
+        timeouts=Timeouts(per_method={"sleep": 10.0}),
+        resource_pool=ResourcePool(process_on_nodes=(2,), name="kill_pool"),
     )
     pids = wg.pid()
     with pytest.raises(WorkerError) as ei:
@@ -132,7 +144,11 @@ def test_raising_then_killed_worker(ray_cluster):
 
 def test_stuck_worker_times_out(ray_cluster):
     wg = create_worker_group(
-        "ray", ToyWorker, world_size=1, name="slow", init_dist=False,
+        "ray",
+        ToyWorker,
+        world_size=1,
+        name="slow",
+        init_dist=False,
         timeouts=Timeouts(per_method={"sleep": 1.5}),
     )
     pids = wg.pid()
@@ -147,5 +163,7 @@ def test_unplaceable_pool_fails_fast_with_resources(ray_cluster):
     pool = ResourcePool(process_on_nodes=(2,), num_cpus_per_process=8.0, name="too_big")
     t0 = time.monotonic()
     with pytest.raises(ControllerError, match="could not be placed"):
-        create_worker_group("ray", ToyWorker, resource_pool=pool, timeouts=Timeouts(init_s=2.0), name="big")
+        create_worker_group(
+            "ray", ToyWorker, resource_pool=pool, timeouts=Timeouts(init_s=2.0), name="big"
+        )
     assert time.monotonic() - t0 < 10.0

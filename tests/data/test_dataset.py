@@ -88,7 +88,9 @@ def test_gsm8k_converter(tmp_path):
     import json
 
     src = tmp_path / "g.jsonl"
-    src.write_text(json.dumps({"question": "2 apples and 3 more?", "answer": "2+3=5\n#### 1,005"}) + "\n")
+    src.write_text(
+        json.dumps({"question": "2 apples and 3 more?", "answer": "2+3=5\n#### 1,005"}) + "\n"
+    )
     rows = convert_gsm8k(src)
     assert rows[0]["reward_model"]["ground_truth"] == "1005" and rows[0]["data_source"] == "gsm8k"
     bad = tmp_path / "b.jsonl"

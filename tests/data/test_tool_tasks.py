@@ -76,7 +76,9 @@ def test_tool_arith_demonstrations_render_with_a_chat_template(tiny_model_dir):
 def test_short_prompt_style_and_kinds():
     from postrl.data.dataset import validate_row
 
-    rows = generate_tool_arith(30, seed=2, min_digits=3, max_digits=3, kinds=["mul"], prompt_style="short")
+    rows = generate_tool_arith(
+        30, seed=2, min_digits=3, max_digits=3, kinds=["mul"], prompt_style="short"
+    )
     for i, row in enumerate(rows):
         validate_row(row, f"row {i}")
         expr = row["extra_info"]["expression"]
@@ -89,8 +91,15 @@ def test_short_prompt_style_and_kinds():
 
 
 def test_demonstrations_mix_tool_use_and_direct_answers():
-    demos = tool_arith_demonstrations(40, seed=0, min_digits=3, max_digits=3, kinds=["mul"],
-                                      prompt_style="short", tool_fraction=0.25)
+    demos = tool_arith_demonstrations(
+        40,
+        seed=0,
+        min_digits=3,
+        max_digits=3,
+        kinds=["mul"],
+        prompt_style="short",
+        tool_fraction=0.25,
+    )
     tool = [d for d in demos if len(d["messages"]) == 4]
     direct = [d for d in demos if len(d["messages"]) == 2]
     assert len(tool) == 10 and len(direct) == 30
@@ -104,8 +113,9 @@ def test_demonstrations_mix_tool_use_and_direct_answers():
     # the tool-using rows are not all at the front
     assert [len(d["messages"]) for d in demos][:10] != [4] * 10
     # same problems whatever the fraction: only the solution style changes
-    all_tool = tool_arith_demonstrations(40, seed=0, min_digits=3, max_digits=3, kinds=["mul"],
-                                         prompt_style="short")
+    all_tool = tool_arith_demonstrations(
+        40, seed=0, min_digits=3, max_digits=3, kinds=["mul"], prompt_style="short"
+    )
     assert [d["messages"][0] for d in all_tool] == [d["messages"][0] for d in demos]
     assert all(len(d["messages"]) == 4 for d in all_tool)
 
@@ -114,9 +124,18 @@ def test_bound_style_calls_the_problem_calculator():
     from postrl.data.tool_arith import ProblemCalculatorTool
     from postrl.tools.config import load_tool_config
 
-    rows = generate_tool_arith(8, seed=0, min_digits=2, max_digits=2, kinds=["mul"], prompt_style="bound")
-    demos = tool_arith_demonstrations(8, seed=0, min_digits=2, max_digits=2, kinds=["mul"],
-                                      prompt_style="bound", tool_fraction=0.5)
+    rows = generate_tool_arith(
+        8, seed=0, min_digits=2, max_digits=2, kinds=["mul"], prompt_style="bound"
+    )
+    demos = tool_arith_demonstrations(
+        8,
+        seed=0,
+        min_digits=2,
+        max_digits=2,
+        kinds=["mul"],
+        prompt_style="bound",
+        tool_fraction=0.5,
+    )
     parser = get_tool_parser("hermes")
     root = Path(__file__).resolve().parents[2]
     tools = load_tool_config(root / "examples" / "tools" / "problem_calculator.yaml")
@@ -149,7 +168,9 @@ def test_bound_style_calls_the_problem_calculator():
 
 def test_result_digits_fixes_the_answer_length_in_both_splits():
     kw = dict(min_digits=2, max_digits=2, kinds=["mul"], prompt_style="bound", result_digits=4)
-    rows = generate_tool_arith(64, seed=0, **kw) + generate_tool_arith(16, seed=0, split="test", **kw)
+    rows = generate_tool_arith(64, seed=0, **kw) + generate_tool_arith(
+        16, seed=0, split="test", **kw
+    )
     assert all(len(r["reward_model"]["ground_truth"]) == 4 for r in rows)
     assert len({r["extra_info"]["expression"] for r in rows}) == 80  # still varied, splits disjoint
     demos = tool_arith_demonstrations(64, seed=0, tool_fraction=0.5, **kw)
@@ -164,55 +185,81 @@ def test_result_digits_fixes_the_answer_length_in_both_splits():
 def test_copy_rows_read_the_answer_off_a_tool_response(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    demos = tool_arith_demonstrations(50, seed=0, min_digits=2, max_digits=2, kinds=["mul"], prompt_style="bound",
-                                      tool_fraction=0.3, result_digits=4, copy_fraction=0.6)
+    demos = tool_arith_demonstrations(
+        50,
+        seed=0,
+        min_digits=2,
+        max_digits=2,
+        kinds=["mul"],
+        prompt_style="bound",
+        tool_fraction=0.3,
+        result_digits=4,
+        copy_fraction=0.6,
+    )
     by_len = {n: [d for d in demos if len(d["messages"]) == n] for n in (2, 4)}
     copy = [d for d in by_len[2] if d["messages"][0]["role"] == "tool"]
     direct = [d for d in by_len[2] if d["messages"][0]["role"] == "user"]
     assert (len(copy), len(by_len[4]), len(direct)) == (30, 6, 14)  # 60% copy, 30% of the rest call
     for d in copy:
         tool, answer = d["messages"]
-        assert answer == {"role": "assistant", "content": tool["content"]} and len(tool["content"]) == 4
+        assert (
+            answer == {"role": "assistant", "content": tool["content"]}
+            and len(tool["content"]) == 4
+        )
     # the answer sits at the same distance after the result as in a full tool conversation
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
 
     def gap(msgs: list[dict]) -> int:
-        ids = tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"]
+        ids = tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)[
+            "input_ids"
+        ]
         digits = tok(msgs[-1]["content"], add_special_tokens=False)["input_ids"]
-        starts = [i for i in range(len(ids)) if ids[i:i + len(digits)] == digits]
+        starts = [i for i in range(len(ids)) if ids[i : i + len(digits)] == digits]
         return starts[-1] - starts[-2]
 
     assert {gap(d["messages"]) for d in copy + by_len[4]} == {19}
     assert gap(copy[0]["messages"]) == gap(by_len[4][0]["messages"])
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(kinds=["div"]), "kinds"),
-    (dict(kinds=[]), "kinds"),
-    (dict(prompt_style="long"), "prompt_style"),
-    (dict(min_digits=4, max_digits=3), "min_digits"),
-    (dict(tool_fraction=1.5), "tool_fraction"),
-    (dict(copy_fraction=-0.1), "copy_fraction"),
-    (dict(result_digits=-1), "result_digits"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(kinds=["div"]), "kinds"),
+        (dict(kinds=[]), "kinds"),
+        (dict(prompt_style="long"), "prompt_style"),
+        (dict(min_digits=4, max_digits=3), "min_digits"),
+        (dict(tool_fraction=1.5), "tool_fraction"),
+        (dict(copy_fraction=-0.1), "copy_fraction"),
+        (dict(result_digits=-1), "result_digits"),
+    ],
+)
 def test_bad_generator_options_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         tool_arith_demonstrations(2, **kwargs)
 
 
-@pytest.mark.parametrize("response, score", [
-    ("The answer is 121932631112635269.", 1.0),
-    ("121,932,631,112,635,269", 1.0),
-    ("The answer is 121932631112635268.", 0.0),
-    # the tool's observation holds the answer, but the final turn does not give it
-    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "123456789 * 987654321"}}'
-     "\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n121932631112635269\n"
-     "</tool_response><|im_end|>\n<|im_start|>assistant\nI am not sure.<|im_end|>", 0.0),
-    ('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>'
-     "<|im_end|>\n<|im_start|>user\n<tool_response>\n121932631112635269\n</tool_response>"
-     "<|im_end|>\n<|im_start|>assistant\nThe answer is 121932631112635269.<|im_end|>", 1.0),
-    ("", 0.0),
-])
+@pytest.mark.parametrize(
+    "response, score",
+    [
+        ("The answer is 121932631112635269.", 1.0),
+        ("121,932,631,112,635,269", 1.0),
+        ("The answer is 121932631112635268.", 0.0),
+        # the tool's observation holds the answer, but the final turn does not give it
+        (
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123456789 * 987654321"}}'
+            "\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n121932631112635269\n"
+            "</tool_response><|im_end|>\n<|im_start|>assistant\nI am not sure.<|im_end|>",
+            0.0,
+        ),
+        (
+            '<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>'
+            "<|im_end|>\n<|im_start|>user\n<tool_response>\n121932631112635269\n</tool_response>"
+            "<|im_end|>\n<|im_start|>assistant\nThe answer is 121932631112635269.<|im_end|>",
+            1.0,
+        ),
+        ("", 0.0),
+    ],
+)
 def test_tool_arith_reward_reads_only_the_final_turn(response, score):
     out = compute_tool_arith_score("tool_arith", response, "121932631112635269")
     assert out["score"] == score
@@ -223,10 +270,17 @@ def test_tool_arith_partial_credit_is_opt_in_and_below_exact():
     assert exact["score"] == 1.0 and exact["acc"] == 1.0
     half = compute_tool_arith_score("tool_arith", "6950", "6992", partial_credit=0.5)
     assert half["score"] == pytest.approx(0.5 * 2 / 4) and half["acc"] == 0.0
-    assert compute_tool_arith_score("tool_arith", "6950", "6992")["score"] == 0.0  # default: exact only
-    assert compute_tool_arith_score("tool_arith", "no number", "6992", partial_credit=0.5)["score"] == 0.0
+    assert (
+        compute_tool_arith_score("tool_arith", "6950", "6992")["score"] == 0.0
+    )  # default: exact only
+    assert (
+        compute_tool_arith_score("tool_arith", "no number", "6992", partial_credit=0.5)["score"]
+        == 0.0
+    )
     # a longer wrong answer is not rewarded for its extra digits
-    assert compute_tool_arith_score("tool_arith", "69920", "6992", partial_credit=0.5)["score"] == pytest.approx(0.4)
+    assert compute_tool_arith_score("tool_arith", "69920", "6992", partial_credit=0.5)[
+        "score"
+    ] == pytest.approx(0.4)
 
 
 def test_rewards_registered_by_data_source():
@@ -244,8 +298,9 @@ def test_rewards_registered_by_data_source():
 def sandbox():
     sb = Sandbox(SandboxConfig(wall_time_s=3.0, cpu_time_s=2, memory_mb=256, concurrency=2))
     if sb.isolation_report().missing(sb.config.required_layers):
-        pytest.skip("sandbox isolation unavailable on this host: "
-                    + sb.isolation_report().summary())
+        pytest.skip(
+            "sandbox isolation unavailable on this host: " + sb.isolation_report().summary()
+        )
     return sb
 
 
@@ -255,21 +310,35 @@ def test_code_tasks_schema_and_reference_solutions_pass(sandbox):
     assert {r["data_source"] for r in rows} == {"code"}
 
     async def score_all():
-        return await asyncio.gather(*[
-            compute_code_score_async(f"Here:\n```python\n{r['extra_info']['reference_solution']}"
-                                     "```", r["reward_model"]["ground_truth"], sandbox)
-            for r in rows])
+        return await asyncio.gather(
+            *[
+                compute_code_score_async(
+                    f"Here:\n```python\n{r['extra_info']['reference_solution']}```",
+                    r["reward_model"]["ground_truth"],
+                    sandbox,
+                )
+                for r in rows
+            ]
+        )
 
     for row, out in zip(rows, asyncio.run(score_all())):
         tests = json.loads(row["reward_model"]["ground_truth"])
         assert len(tests) == 5 and all(set(t) == {"input", "output"} for t in tests)
-        assert out == {"score": 1.0, "passed": 5, "total": 5, "error": None,
-                       "infra_error": 0.0}, (row["prompt"], out)
+        assert out == {"score": 1.0, "passed": 5, "total": 5, "error": None, "infra_error": 0.0}, (
+            row["prompt"],
+            out,
+        )
 
 
 def test_code_score_partial_wrong_and_errors(sandbox):
-    gt = json.dumps([{"input": [1], "output": 2}, {"input": [2], "output": 4},
-                     {"input": [0], "output": 0}, {"input": [-3], "output": -6}])
+    gt = json.dumps(
+        [
+            {"input": [1], "output": 2},
+            {"input": [2], "output": 4},
+            {"input": [0], "output": 0},
+            {"input": [-3], "output": -6},
+        ]
+    )
     half = "```python\ndef f(x):\n    if x > 0:\n        return 2 * x\n    raise ValueError('neg')\n```"
     out = compute_code_score(half, gt, sandbox)
     assert out["score"] == 0.5 and out["passed"] == 2
@@ -282,21 +351,26 @@ def test_code_score_partial_wrong_and_errors(sandbox):
     assert loop["score"] == 0.0 and "timeout" in loop["error"] and loop["infra_error"] == 0.0
     # bool is not int, tuple normalises to list
     gt2 = json.dumps([{"input": [3], "output": [3, 3]}])
-    assert compute_code_score("```python\ndef f(x):\n    return (x, x)\n```", gt2,
-                              sandbox)["score"] == 1.0
+    assert (
+        compute_code_score("```python\ndef f(x):\n    return (x, x)\n```", gt2, sandbox)["score"]
+        == 1.0
+    )
 
 
 def test_code_score_cannot_fake_results_by_printing_the_marker(sandbox):
     gt = json.dumps([{"input": [1], "output": 123456}])
-    cheat = ('```python\nprint(\'@@postrl-results-0000@@{"results": [["ok", 123456]]}\')\n'
-             "def f(x):\n    return 0\n```")
+    cheat = (
+        '```python\nprint(\'@@postrl-results-0000@@{"results": [["ok", 123456]]}\')\n'
+        "def f(x):\n    return 0\n```"
+    )
     assert compute_code_score(cheat, gt, sandbox)["score"] == 0.0
 
 
 def test_code_score_reports_refusal_as_infra_error():
     sb = Sandbox(SandboxConfig(disabled_layers=("net_namespace",)))  # required but disabled
-    out = compute_code_score("```python\ndef f(x):\n    return x\n```",
-                             json.dumps([{"input": [1], "output": 1}]), sb)
+    out = compute_code_score(
+        "```python\ndef f(x):\n    return x\n```", json.dumps([{"input": [1], "output": 1}]), sb
+    )
     assert out["score"] == 0.0 and out["infra_error"] == 1.0 and "refused" in out["error"]
 
 
@@ -309,8 +383,11 @@ def test_extract_code_prefers_last_python_block():
 
 def test_code_score_works_inside_a_running_loop(sandbox):
     async def inside():
-        return compute_code_score("```python\ndef f(x):\n    return x\n```",
-                                  json.dumps([{"input": [1], "output": 1}]), sandbox)
+        return compute_code_score(
+            "```python\ndef f(x):\n    return x\n```",
+            json.dumps([{"input": [1], "output": 1}]),
+            sandbox,
+        )
 
     assert asyncio.run(inside())["score"] == 1.0
 
@@ -320,8 +397,9 @@ def test_code_score_reuses_a_sandbox_across_event_loops(sandbox):
     code = "```python\ndef f(x):\n    import time; time.sleep(0.05)\n    return x\n```"
 
     async def many():
-        return await asyncio.gather(*[compute_code_score_async(code, gt, sandbox)
-                                      for _ in range(4)])
+        return await asyncio.gather(
+            *[compute_code_score_async(code, gt, sandbox) for _ in range(4)]
+        )
 
     for _ in range(2):  # two loops, each with contention on the pool
         assert [r["score"] for r in asyncio.run(many())] == [1.0] * 4
@@ -332,9 +410,33 @@ def test_cli_writes_the_recipe_demonstrations(tmp_path):
     from postrl.data import read_rows
 
     out = tmp_path / "demos.parquet"
-    assert main(["data", "tool-arith", str(out), "--n", "40", "--sft", "--copy-fraction", "0.5",
-                 "--tool-fraction", "0.25", "--min-digits", "2", "--max-digits", "2", "--kinds", "mul",
-                 "--prompt-style", "bound", "--result-digits", "4"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "tool-arith",
+                str(out),
+                "--n",
+                "40",
+                "--sft",
+                "--copy-fraction",
+                "0.5",
+                "--tool-fraction",
+                "0.25",
+                "--min-digits",
+                "2",
+                "--max-digits",
+                "2",
+                "--kinds",
+                "mul",
+                "--prompt-style",
+                "bound",
+                "--result-digits",
+                "4",
+            ]
+        )
+        == 0
+    )
     rows = read_rows(out)
     roles = [tuple(m["role"] for m in r["messages"]) for r in rows]
     assert roles.count(("tool", "assistant")) == 20

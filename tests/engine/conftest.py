@@ -17,7 +17,9 @@ def synth_batch(
     """
     g = torch.Generator().manual_seed(seed)
     b = num_prompts * n
-    prompts = torch.randint(0, vocab, (num_prompts, p), generator=g).repeat_interleave(n, 0)  # (B, P)
+    prompts = torch.randint(0, vocab, (num_prompts, p), generator=g).repeat_interleave(
+        n, 0
+    )  # (B, P)
     plen = torch.randint(1, p + 1, (num_prompts,), generator=g).repeat_interleave(n)  # (B,)
     rlen = torch.randint(1, r + 1, (b,), generator=g)
     cols_p = torch.arange(p).unsqueeze(0)

@@ -17,7 +17,9 @@ def _actor(model_dir, sgd=True, **kw):
     (Adam divides by sqrt(v): on parameters whose gradient is ~0 it turns float noise into
     ±lr steps, so "same update" is only testable tightly on the gradient itself.)
     """
-    cfg = ActorConfig(ppo_mini_batch_size=2, optim=OptimConfig(lr=1e-2, grad_clip=100.0), entropy_coeff=0.01, **kw)
+    cfg = ActorConfig(
+        ppo_mini_batch_size=2, optim=OptimConfig(lr=1e-2, grad_clip=100.0), entropy_coeff=0.01, **kw
+    )
     actor = Actor(load_policy(ModelConfig(path=str(model_dir))), cfg, rollout_n=4)
     if sgd:
         actor.optimizer = torch.optim.SGD(actor.params, lr=1e-2)
@@ -35,10 +37,13 @@ def _weights(actor):
     return {n: p.detach().clone() for n, p in actor.policy.module.named_parameters()}
 
 
-@pytest.mark.parametrize(("a_kw", "b_kw"), [
-    (dict(ppo_max_token_len_per_gpu=64), dict(ppo_max_token_len_per_gpu=512)),
-    (dict(share_prompt_prefix=False), dict(share_prompt_prefix=True)),
-])
+@pytest.mark.parametrize(
+    ("a_kw", "b_kw"),
+    [
+        (dict(ppo_max_token_len_per_gpu=64), dict(ppo_max_token_len_per_gpu=512)),
+        (dict(share_prompt_prefix=False), dict(share_prompt_prefix=True)),
+    ],
+)
 def test_update_invariance(tiny_model_dir, make_batch, a_kw, b_kw):
     """Token budget 64 vs 512 (many vs one micro-batch), and shared vs unshared prompts: same update."""
     batch = make_batch(num_prompts=4, n=4, seed=3)
@@ -46,14 +51,22 @@ def test_update_invariance(tiny_model_dir, make_batch, a_kw, b_kw):
     for kw in (a_kw, b_kw):
         actor = _actor(tiny_model_dir, **kw)
         b = _prep(actor, batch)
-        b.batch["old_log_probs"] = b.batch["old_log_probs"] + 0.05 * b.batch["response_mask"]  # make ratios ≠ 1
+        b.batch["old_log_probs"] = (
+            b.batch["old_log_probs"] + 0.05 * b.batch["response_mask"]
+        )  # make ratios ≠ 1
         m = actor.update_policy(b)
         outs.append((_weights(actor), m))
     (w1, m1), (w2, m2) = outs
     assert m1["actor/grad_norm"] > 0
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=1e-7, rtol=1e-5)
-    for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl"):
+    for k in (
+        "actor/pg_loss",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+    ):
         assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-6), k
     w0 = dict(load_policy(ModelConfig(path=str(tiny_model_dir))).module.named_parameters())
     changed = [k for k in w1 if not torch.equal(w1[k], w0[k])]
@@ -69,7 +82,9 @@ def test_nonfinite_grad_skips_step(tiny_model_dir, make_batch):
     assert m["actor/grad_norm_nonfinite_skips"] == 1.0
     for k, v in _weights(actor).items():
         assert torch.equal(v, before[k]), k
-    assert actor.optimizer.state == {} or all(s["step"] == 0 for s in actor.optimizer.state.values())
+    assert actor.optimizer.state == {} or all(
+        s["step"] == 0 for s in actor.optimizer.state.values()
+    )
 
 
 def test_empty_rows_contribute_nothing(tiny_model_dir, make_batch):
@@ -90,13 +105,17 @@ def test_empty_rows_contribute_nothing(tiny_model_dir, make_batch):
 
 def test_fused_old_log_prob_equals_separate_pass(tiny_model_dir, make_batch):
     """On-policy update without old_log_probs (fused) == the update after a separate old-log-prob pass."""
-    batch = make_batch(num_prompts=2, n=4, seed=5)  # 8 rows = ppo_mini_batch_size 2 × n 4: one mini-batch
+    batch = make_batch(
+        num_prompts=2, n=4, seed=5
+    )  # 8 rows = ppo_mini_batch_size 2 × n 4: one mini-batch
     sep = _actor(tiny_model_dir)
     b = _prep(sep, batch)
     m_sep = sep.update_policy(b)
     fused = _actor(tiny_model_dir)
     m_fused = fused.update_policy(batch)
-    torch.testing.assert_close(fused.fused_old_log_probs, b.batch["old_log_probs"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        fused.fused_old_log_probs, b.batch["old_log_probs"], atol=1e-5, rtol=0
+    )
     assert sep.fused_old_log_probs is None
     w_sep, w_fused = _weights(sep), _weights(fused)
     for k in w_sep:
@@ -106,10 +125,13 @@ def test_fused_old_log_prob_equals_separate_pass(tiny_model_dir, make_batch):
     assert m_fused["actor/ppo_kl"] == 0.0 and m_fused["actor/pg_clipfrac"] == 0.0  # ratio exactly 1
 
 
-@pytest.mark.parametrize(("kw", "rows", "match"), [
-    (dict(ppo_epochs=2), 8, "ppo_epochs=1"),
-    (dict(), 16, "one mini-batch"),
-])
+@pytest.mark.parametrize(
+    ("kw", "rows", "match"),
+    [
+        (dict(ppo_epochs=2), 8, "ppo_epochs=1"),
+        (dict(), 16, "one mini-batch"),
+    ],
+)
 def test_fused_old_log_prob_refuses_off_policy(tiny_model_dir, make_batch, kw, rows, match):
     """Without old_log_probs an off-policy update (2 epochs, 2 mini-batches) is an error, not a silent ratio of 1."""
     actor = _actor(tiny_model_dir, **kw)

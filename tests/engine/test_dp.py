@@ -43,16 +43,39 @@ def ray_cluster():
 @pytest.fixture(scope="module", params=["ddp", "fsdp2"])
 def groups(request, ray_cluster, tiny_model_dir):
     """(local dp=1 actor group, ray dp=2 actor group with ``actor.strategy=<param>``) from one config."""
-    cfg = load_config(None, [
-        f"model.path={tiny_model_dir}", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2",
-        "actor.optim.lr=10.0", "actor.optim.eps=1000.0", "actor.optim.grad_clip=1e6", "actor.entropy_coeff=0.01",
-        "actor.ppo_max_token_len_per_gpu=32", f"actor.strategy={request.param}", "trainer.num_threads=1",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "rollout.n=4",
+            "actor.ppo_mini_batch_size=4",
+            "actor.ppo_epochs=2",
+            "actor.optim.lr=10.0",
+            "actor.optim.eps=1000.0",
+            "actor.optim.grad_clip=1e6",
+            "actor.entropy_coeff=0.01",
+            "actor.ppo_max_token_len_per_gpu=32",
+            f"actor.strategy={request.param}",
+            "trainer.num_threads=1",
+        ],
+    )
     local = ray_wg = None
     try:
-        local = create_worker_group("local", ActorWorker, kwargs={"cfg": cfg, "total_steps": 1}, world_size=1, name="actor_dp1")
-        ray_wg = create_worker_group("ray", ActorWorker, kwargs={"cfg": cfg, "total_steps": 1}, world_size=2,
-                                     name=f"actor_dp2_{request.param}", init_dist=True)
+        local = create_worker_group(
+            "local",
+            ActorWorker,
+            kwargs={"cfg": cfg, "total_steps": 1},
+            world_size=1,
+            name="actor_dp1",
+        )
+        ray_wg = create_worker_group(
+            "ray",
+            ActorWorker,
+            kwargs={"cfg": cfg, "total_steps": 1},
+            world_size=2,
+            name=f"actor_dp2_{request.param}",
+            init_dist=True,
+        )
         yield local, ray_wg, request.param
     finally:
         for g in (local, ray_wg):
@@ -74,7 +97,9 @@ def _weights_ray(wg) -> dict[str, torch.Tensor]:
 def _prepared(local, make_batch, rows: int, masked_rows: slice | None) -> DataProto:
     batch = make_batch(num_prompts=4, n=4, seed=11)[list(range(rows))]
     batch = batch.union(local.compute_log_prob(batch))
-    batch.batch["old_log_probs"] = batch.batch["old_log_probs"] + 0.05 * batch.batch["response_mask"]  # ratios ≠ 1
+    batch.batch["old_log_probs"] = (
+        batch.batch["old_log_probs"] + 0.05 * batch.batch["response_mask"]
+    )  # ratios ≠ 1
     if masked_rows is not None:
         rm = batch.batch["response_mask"].clone()
         rm[masked_rows] = 0
@@ -85,8 +110,12 @@ def _prepared(local, make_batch, rows: int, masked_rows: slice | None) -> DataPr
 # Run in order on the same two groups: each case starts from the weights the previous one left.
 CASES = [
     pytest.param(16, None, id="even-split"),
-    pytest.param(15, None, id="padded-row-masked"),  # 15 rows → one masked pad row, not a re-trained duplicate
-    pytest.param(16, slice(8, 16), id="rank1-has-no-valid-row"),  # rank 1 runs placeholders, no deadlock
+    pytest.param(
+        15, None, id="padded-row-masked"
+    ),  # 15 rows → one masked pad row, not a re-trained duplicate
+    pytest.param(
+        16, slice(8, 16), id="rank1-has-no-valid-row"
+    ),  # rank 1 runs placeholders, no deadlock
     pytest.param(16, slice(2, 5), id="some-empty-rows"),
 ]
 
@@ -99,7 +128,9 @@ def test_dp2_update_equals_dp1(groups, make_batch, rows, masked):
     torch.testing.assert_close(_weights_ray(ray_wg), before, atol=1e-6, rtol=1e-5)  # same start
 
     m1 = local.update_actor(batch).meta_info["metrics"]
-    m2 = ray_wg.update_actor(pad_masked_rows(batch, 2)).meta_info["metrics"]  # what Roles.update_actor sends
+    m2 = ray_wg.update_actor(pad_masked_rows(batch, 2)).meta_info[
+        "metrics"
+    ]  # what Roles.update_actor sends
     w1, w2 = _weights_local(local), _weights_ray(ray_wg)
 
     assert set(m1) == set(m2)
@@ -107,9 +138,13 @@ def test_dp2_update_equals_dp1(groups, make_batch, rows, masked):
         assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
     assert m1["actor/grad_norm"] > 0
     moved = max(float((w1[k] - before[k]).abs().max()) for k in w1)
-    assert moved > 1e-4, f"the update barely moved the weights ({moved}); the comparison would be vacuous"
+    assert moved > 1e-4, (
+        f"the update barely moved the weights ({moved}); the comparison would be vacuous"
+    )
     for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], atol=1e-6, rtol=1e-5, msg=lambda s, k=k: f"{k}: {s}")
+        torch.testing.assert_close(
+            w2[k], w1[k], atol=1e-6, rtol=1e-5, msg=lambda s, k=k: f"{k}: {s}"
+        )
 
 
 def test_unmasked_dispatch_padding_would_train_a_row_twice(groups, make_batch):

@@ -40,11 +40,23 @@ def _cfg(model_dir):
 
 def _overrides(model_dir) -> list[str]:
     return [
-        f"model.path={model_dir}", "rollout.n=4", "actor.ppo_mini_batch_size=2", "actor.ppo_epochs=1",
-        "actor.optim.lr=1000.0", "actor.optim.eps=1000.0", "actor.optim.grad_clip=1e6", "actor.entropy_coeff=0.01",
-        "actor.ppo_max_token_len_per_gpu=32", "actor.strategy=fsdp2",
-        "critic.ppo_mini_batch_size=2", "critic.ppo_epochs=2", "critic.optim.lr=10.0", "critic.optim.eps=1000.0",
-        "critic.optim.grad_clip=1e6", "critic.ppo_max_token_len_per_gpu=32", "critic.strategy=fsdp2",
+        f"model.path={model_dir}",
+        "rollout.n=4",
+        "actor.ppo_mini_batch_size=2",
+        "actor.ppo_epochs=1",
+        "actor.optim.lr=1000.0",
+        "actor.optim.eps=1000.0",
+        "actor.optim.grad_clip=1e6",
+        "actor.entropy_coeff=0.01",
+        "actor.ppo_max_token_len_per_gpu=32",
+        "actor.strategy=fsdp2",
+        "critic.ppo_mini_batch_size=2",
+        "critic.ppo_epochs=2",
+        "critic.optim.lr=10.0",
+        "critic.optim.eps=1000.0",
+        "critic.optim.grad_clip=1e6",
+        "critic.ppo_max_token_len_per_gpu=32",
+        "critic.strategy=fsdp2",
         "trainer.num_threads=1",
     ]
 
@@ -56,9 +68,18 @@ def groups(tiny_model_dir):
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     local = ray_wg = None
     try:
-        local = create_worker_group("local", ActorWorker, kwargs={"cfg": cfg, "total_steps": 8}, name="fsdp_dp1")
-        ray_wg = create_worker_group("ray", ActorWorker, kwargs={"cfg": cfg, "total_steps": 8}, world_size=2,
-                                     name="fsdp_dp2", init_dist=True, shutdown_on_error=False)
+        local = create_worker_group(
+            "local", ActorWorker, kwargs={"cfg": cfg, "total_steps": 8}, name="fsdp_dp1"
+        )
+        ray_wg = create_worker_group(
+            "ray",
+            ActorWorker,
+            kwargs={"cfg": cfg, "total_steps": 8},
+            world_size=2,
+            name="fsdp_dp2",
+            init_dist=True,
+            shutdown_on_error=False,
+        )
         yield local, ray_wg, cfg
     finally:
         for g in (local, ray_wg):
@@ -68,7 +89,11 @@ def groups(tiny_model_dir):
 
 
 def _frames(wg) -> list[tuple[str, torch.Tensor]]:
-    return [(k, v.clone()) for frame in wg.get_weight_frames() for k, v in unpack_bucket(decode_frame(frame))]
+    return [
+        (k, v.clone())
+        for frame in wg.get_weight_frames()
+        for k, v in unpack_bucket(decode_frame(frame))
+    ]
 
 
 def _local(wg) -> dict[str, torch.Tensor]:
@@ -86,9 +111,13 @@ def _assert_same_update(m1: dict, m2: dict, w1: dict, w2: dict, before: dict) ->
     for k in m1:
         assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
     moved = max(float((w1[k] - before[k]).abs().max()) for k in w1)
-    assert moved > 1e-4, f"the update barely moved the weights ({moved}); the comparison would be vacuous"
+    assert moved > 1e-4, (
+        f"the update barely moved the weights ({moved}); the comparison would be vacuous"
+    )
     for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], atol=1e-6, rtol=1e-5, msg=lambda s, k=k: f"{k}: {s}")
+        torch.testing.assert_close(
+            w2[k], w1[k], atol=1e-6, rtol=1e-5, msg=lambda s, k=k: f"{k}: {s}"
+        )
 
 
 def test_params_are_sharded(groups):
@@ -204,8 +233,15 @@ def test_lora_fsdp2_matches_dp1(tiny_model_dir, groups, make_batch):
     """LoRA adapters on an FSDP2-sharded model: dp=2 takes dp=1's update (merged weights streamed
     from the shards equal dp=1's), and the LoRA reference (adapters off) is the base model."""
     # lr/eps = 20: the merged LoRA delta (alpha/r)·B·A of one step is small next to a full-weight step
-    cfg = load_config(None, [*_overrides(tiny_model_dir), "model.lora_rank=4", "model.lora_alpha=8",
-                             "actor.optim.lr=20000.0"])
+    cfg = load_config(
+        None,
+        [
+            *_overrides(tiny_model_dir),
+            "model.lora_rank=4",
+            "model.lora_alpha=8",
+            "actor.optim.lr=20000.0",
+        ],
+    )
     with _dp1_and_sharded_dp2(ActorWorker, cfg, "lora", total_steps=8) as (g1, g2):
         before = dict(_frames(g1))
         batch = _batch(make_batch, seed=30)
@@ -218,7 +254,9 @@ def test_lora_fsdp2_matches_dp1(tiny_model_dir, groups, make_batch):
         ref1 = g1.compute_ref_log_prob(batch).batch["ref_log_prob"]
         ref2 = g2.compute_ref_log_prob(batch).batch["ref_log_prob"]
         torch.testing.assert_close(ref2, ref1, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(ref1, lp1, atol=1e-5, rtol=1e-5)  # adapters off = the untrained base
+        torch.testing.assert_close(
+            ref1, lp1, atol=1e-5, rtol=1e-5
+        )  # adapters off = the untrained base
 
 
 def test_reward_model_fsdp2_matches_dp1(tiny_model_dir, groups, make_batch, tmp_path):
@@ -227,13 +265,23 @@ def test_reward_model_fsdp2_matches_dp1(tiny_model_dir, groups, make_batch, tmp_
     from postrl.testing import make_model
 
     rm_dir = make_model(tmp_path / "rm", head="reward", seed=5)
-    cfg = load_config(None, [*_overrides(tiny_model_dir), "reward.model.enable=true", f"reward.model.path={rm_dir}",
-                             "reward.model.micro_batch_size=3"])
+    cfg = load_config(
+        None,
+        [
+            *_overrides(tiny_model_dir),
+            "reward.model.enable=true",
+            f"reward.model.path={rm_dir}",
+            "reward.model.micro_batch_size=3",
+        ],
+    )
     with _dp1_and_sharded_dp2(RewardModelWorker, cfg, "rmw") as (w1, w2):
         b = make_batch(num_prompts=4, n=4, seed=31)
         msgs = [[{"role": "user", "content": f"question {i // 4}"}] for i in range(len(b))]
         b = b.union(DataProto.from_dict(non_tensors={"messages": msgs}))
-        s1, s2 = w1.compute_rm_score(b).batch["rm_scores"], w2.compute_rm_score(b).batch["rm_scores"]
+        s1, s2 = (
+            w1.compute_rm_score(b).batch["rm_scores"],
+            w2.compute_rm_score(b).batch["rm_scores"],
+        )
         assert float(s1.std()) > 0
         torch.testing.assert_close(s2, s1, atol=1e-5, rtol=1e-5)
 
@@ -251,8 +299,13 @@ def test_sharded_checkpoint_format(tiny_model_dir, groups, make_batch, tmp_path)
         ck = tmp_path / "ck"
         g2.save_checkpoint(str(ck))
         assert sorted(f.name for f in ck.iterdir()) == [
-            "model-rank00000.safetensors", "model-rank00001.safetensors", "optim-rank00000.safetensors",
-            "optim-rank00001.safetensors", "rng.safetensors", "state.json"]
+            "model-rank00000.safetensors",
+            "model-rank00001.safetensors",
+            "optim-rank00000.safetensors",
+            "optim-rank00001.safetensors",
+            "rng.safetensors",
+            "state.json",
+        ]
         saved = dict(_frames(g2))
         full = sum(t.numel() for t in saved.values())
         for r in (0, 1):
@@ -286,8 +339,14 @@ def _dp1_and_sharded_dp2(worker_cls, cfg, name: str, **kwargs):
     g1 = create_worker_group("local", worker_cls, kwargs={"cfg": cfg, **kwargs}, name=f"{name}_dp1")
     g2 = None
     try:
-        g2 = create_worker_group("ray", worker_cls, kwargs={"cfg": cfg, **kwargs}, world_size=2, name=f"{name}_dp2",
-                                 init_dist=True)
+        g2 = create_worker_group(
+            "ray",
+            worker_cls,
+            kwargs={"cfg": cfg, **kwargs},
+            world_size=2,
+            name=f"{name}_dp2",
+            init_dist=True,
+        )
         assert all(abs(s["local"] - s["full"] / 2) <= 0.01 * s["full"] for s in g2.shard_stats())
         yield g1, g2
     finally:
@@ -312,7 +371,9 @@ def test_critic_fsdp2_matches_dp1(groups, make_batch):
     with _dp1_and_sharded_dp2(CriticWorker, cfg, "critic") as (c1, c2):
         batch = make_batch(num_prompts=4, n=4, seed=25)
         batch = batch.union(c1.compute_values(batch))
-        batch.batch["returns"] = torch.linspace(-1, 1, batch.batch["values"].numel()).view_as(batch.batch["values"])
+        batch.batch["returns"] = torch.linspace(-1, 1, batch.batch["values"].numel()).view_as(
+            batch.batch["values"]
+        )
         batch.batch["returns"] = batch.batch["returns"] * batch.batch["response_mask"]
         m1 = c1.update_critic(batch[DP1_ORDER]).meta_info["metrics"]
         m2 = c2.update_critic(batch).meta_info["metrics"]
@@ -330,8 +391,9 @@ def test_mixed_precision_fsdp2_bf16_compute(tiny_model_dir, groups, make_batch):
     within bf16 rounding of fp32 (and not equal: the casting took effect), an update in the same
     direction as fp32's, and weights that stay fp32."""
     cfg = load_config(None, [*_overrides(tiny_model_dir), "model.compute_dtype=bfloat16"])
-    fp32 = create_worker_group("local", ActorWorker, kwargs={"cfg": _cfg(tiny_model_dir), "total_steps": 8},
-                               name="mp_fp32")
+    fp32 = create_worker_group(
+        "local", ActorWorker, kwargs={"cfg": _cfg(tiny_model_dir), "total_steps": 8}, name="mp_fp32"
+    )
     try:
         with _dp1_and_sharded_dp2(ActorWorker, cfg, "mp", total_steps=8) as (auto1, mp2):
             batch = _batch(make_batch, seed=27)
@@ -341,7 +403,9 @@ def test_mixed_precision_fsdp2_bf16_compute(tiny_model_dir, groups, make_batch):
             mask = batch.batch["response_mask"].bool()
             for name, lp in (("dp=1 autocast", lp1), ("dp=2 FSDP2", lp2)):
                 err = float((lp - lp0)[mask].abs().max())
-                assert 1e-4 < err < 0.1, f"{name}: max |log-prob - fp32| = {err} (bf16 rounding is ~1e-3)"
+                assert 1e-4 < err < 0.1, (
+                    f"{name}: max |log-prob - fp32| = {err} (bf16 rounding is ~1e-3)"
+                )
             before = _local(fp32)
             fp32.update_actor(batch[DP1_ORDER])
             mp2.update_actor(batch)

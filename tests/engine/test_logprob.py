@@ -13,11 +13,15 @@ from postrl.engine.model import load_policy
 
 def _padded_reference(model_dir, batch, temperature):
     """Plain HF forward on the padded batch (sdpa + 2D mask), log-softmax over the full vocab."""
-    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="sdpa", dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), attn_implementation="sdpa", dtype=torch.float32
+    )
     ids, am = batch.batch["input_ids"], batch.batch["attention_mask"]
     r = batch.batch["responses"].shape[1]
     with torch.no_grad():
-        logits = ref(input_ids=ids, attention_mask=am, position_ids=batch.batch["position_ids"]).logits
+        logits = ref(
+            input_ids=ids, attention_mask=am, position_ids=batch.batch["position_ids"]
+        ).logits
     logits = logits[:, -r - 1 : -1].float() / temperature  # (B, R, V): state t-1 predicts token t
     logp_all = torch.log_softmax(logits, -1)
     lp = logp_all.gather(-1, ids[:, -r:].unsqueeze(-1)).squeeze(-1)
@@ -35,8 +39,14 @@ def test_packed_equals_padded(tiny_model_factory, make_batch, arch, share):
     ref_lp, ref_ent = _padded_reference(d, batch, 0.7)
     with torch.no_grad():
         lp, ent = policy_logprobs(
-            pol.decoder, pol.lm_head, batch.batch["input_ids"], batch.batch["attention_mask"], 6,
-            temperature=0.7, calculate_entropy=True, share_prefix=share,
+            pol.decoder,
+            pol.lm_head,
+            batch.batch["input_ids"],
+            batch.batch["attention_mask"],
+            6,
+            temperature=0.7,
+            calculate_entropy=True,
+            share_prefix=share,
         )
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
@@ -51,7 +61,9 @@ def test_chunked_logprobs_and_entropy_by_hand():
     h = torch.tensor([[0.0, 0.0], [torch.log(torch.tensor(2.0)), 0.0]])
     y = torch.tensor([1, 0])
     for chunk in (1, 8):  # chunking (with checkpoint under grad) must not change values
-        lp, ent = chunked_token_logprobs(h.requires_grad_(True), head, y, temperature=1.0, chunk_size=chunk)
+        lp, ent = chunked_token_logprobs(
+            h.requires_grad_(True), head, y, temperature=1.0, chunk_size=chunk
+        )
         ln2, ln3 = torch.log(torch.tensor(2.0)), torch.log(torch.tensor(3.0))
         torch.testing.assert_close(lp, torch.stack([-ln3, -ln2]))
         torch.testing.assert_close(ent, torch.stack([ln3, 1.5 * ln2]))
@@ -69,7 +81,9 @@ def test_shared_prefix_with_empty_responses(tiny_model_factory, make_batch, empt
     pol = load_policy(ModelConfig(path=str(d)))
     ref_lp, _ = _padded_reference(d, batch, 1.0)
     with torch.no_grad():
-        lp, _ = policy_logprobs(pol.decoder, pol.lm_head, batch.batch["input_ids"], am, 6, share_prefix=True)
+        lp, _ = policy_logprobs(
+            pol.decoder, pol.lm_head, batch.batch["input_ids"], am, 6, share_prefix=True
+        )
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
     assert bool((lp[rows] == 0).all())
 
@@ -90,14 +104,19 @@ def test_padded_fallback_when_model_cannot_run_varlen(tiny_model_factory, make_b
     ref_lp, ref_ent = _padded_reference(d, batch, 0.9)
     good_critic = load_critic(ModelConfig(path=str(d)))
     assert good_critic.packed
-    head = torch.nn.Linear(good_critic.value_head.in_features, 1)  # a non-zero head: values worth comparing
+    head = torch.nn.Linear(
+        good_critic.value_head.in_features, 1
+    )  # a non-zero head: values worth comparing
     good_critic.value_head.load_state_dict(head.state_dict())
     with torch.no_grad():
         ref_v = good_critic(ids, am, 6)
     assert bool((ref_v != 0).any())
     # the "model" routes attention_implementation='postrl_varlen' to plain sdpa: our function never runs
-    monkeypatch.setattr(model_mod, "register_varlen_attention",
-                        lambda: AttentionInterface.register(ATTN_NAME, sdpa_attention_forward))
+    monkeypatch.setattr(
+        model_mod,
+        "register_varlen_attention",
+        lambda: AttentionInterface.register(ATTN_NAME, sdpa_attention_forward),
+    )
     try:
         pol = load_policy(ModelConfig(path=str(d)))
         critic = load_critic(ModelConfig(path=str(d)))
@@ -105,7 +124,9 @@ def test_padded_fallback_when_model_cannot_run_varlen(tiny_model_factory, make_b
         assert not pol.packed and not critic.packed
         assert pol.causal_lm.config._attn_implementation == "sdpa"
         with torch.no_grad():
-            lp, ent = pol.logprobs(ids, am, 6, temperature=0.9, calculate_entropy=True, share_prefix=True)
+            lp, ent = pol.logprobs(
+                ids, am, 6, temperature=0.9, calculate_entropy=True, share_prefix=True
+            )
             v = critic(ids, am, 6)
     finally:
         register_varlen_attention()

@@ -46,7 +46,9 @@ def test_long_conversations_keep_their_end_and_are_counted(rm_dir):
     long, short = "1" * 40, "7"
     ids, cut = rm.encode(render_conversations(rm.tokenizer, [MSGS, MSGS], [long, short]))
     assert cut == [True, True]  # the template alone is longer than 12 tokens
-    full = rm.tokenizer(render_conversations(rm.tokenizer, [MSGS], [long])[0], add_special_tokens=False)["input_ids"]
+    full = rm.tokenizer(
+        render_conversations(rm.tokenizer, [MSGS], [long])[0], add_special_tokens=False
+    )["input_ids"]
     assert ids[0] == full[-12:]
     scores, n_cut = rm.score([MSGS, MSGS], [long, short])
     assert n_cut == 2
@@ -75,8 +77,15 @@ def test_worker_scores_decoded_responses(rm_dir, tiny_model_dir, make_batch):
     from postrl.engine.workers import RewardModelWorker
     from postrl.protocol import DataProto
 
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "reward.model.enable=true", f"reward.model.path={rm_dir}",
-                             "reward.model.max_length=40"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "reward.model.enable=true",
+            f"reward.model.path={rm_dir}",
+            "reward.model.max_length=40",
+        ],
+    )
     b = make_batch(num_prompts=2, n=3, seed=8, vocab=120)
     msgs = [[{"role": "user", "content": f"question {i // 3}"}] for i in range(len(b))]
     b = b.union(DataProto.from_dict(non_tensors={"messages": msgs}))
@@ -90,7 +99,9 @@ def test_worker_scores_decoded_responses(rm_dir, tiny_model_dir, make_batch):
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     R = b.batch["responses"].shape[1]
     lens = b.batch["attention_mask"][:, -R:].sum(1).tolist()
-    texts = tok.batch_decode([r[:n] for r, n in zip(b.batch["responses"].tolist(), lens)], skip_special_tokens=True)
+    texts = tok.batch_decode(
+        [r[:n] for r, n in zip(b.batch["responses"].tolist(), lens)], skip_special_tokens=True
+    )
     rm = RewardModel(rm_dir, max_length=40)
     ref, n_cut = rm.score(msgs, texts)
     torch.testing.assert_close(out.batch["rm_scores"], ref)
@@ -100,7 +111,11 @@ def test_worker_scores_decoded_responses(rm_dir, tiny_model_dir, make_batch):
 def test_shared_prompt_scoring_equals_whole_sequences(rm_dir):
     """The worker's path (each prompt computed once for its samples, padding-free) gives the
     scores of scoring every conversation whole — also when max_length cuts into the prompt."""
-    msgs = [[{"role": "user", "content": f"What is {i}+{i + 5}? Reply with the number."}] for i in range(3) for _ in range(4)]
+    msgs = [
+        [{"role": "user", "content": f"What is {i}+{i + 5}? Reply with the number."}]
+        for i in range(3)
+        for _ in range(4)
+    ]
     resps = [str(2 * (j // 4) + 5 + j % 4) * (1 + j % 3) for j in range(12)]
     for max_length in (1024, 30):
         rm = RewardModel(rm_dir, max_length=max_length, micro_batch_size=8)
@@ -108,6 +123,12 @@ def test_shared_prompt_scoring_equals_whole_sequences(rm_dir):
         ids, cut_whole = rm.encode(render_conversations(rm.tokenizer, msgs, resps))
         assert cut == cut_whole and [p + r for p, r in zip(prompts, rest)] == ids
         if max_length == 1024:
-            assert len({tuple(p) for p in prompts}) == 3  # one prompt per group: shared in the forward
-        torch.testing.assert_close(rm.score_split(prompts, rest), _hf_scores(rm_dir, rm, rm.tokenizer.batch_decode(ids)),
-                                   atol=1e-5, rtol=1e-5)
+            assert (
+                len({tuple(p) for p in prompts}) == 3
+            )  # one prompt per group: shared in the forward
+        torch.testing.assert_close(
+            rm.score_split(prompts, rest),
+            _hf_scores(rm_dir, rm, rm.tokenizer.batch_decode(ids)),
+            atol=1e-5,
+            rtol=1e-5,
+        )

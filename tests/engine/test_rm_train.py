@@ -29,10 +29,22 @@ def test_rm_learns_a_preference_and_scores_it_at_rl_time(tiny_model_dir, tmp_pat
     """A learnable preference (a number over a word): held-out accuracy 1, the loss falls from
     ≈log 2 to near 0, and the written model — a one-label sequence classifier with the policy's
     tokenizer — ranks the pairs the same way through the RL-time scorer."""
-    rows = [{**p, "rejected": "banana"} for p in preference_pairs(TASKS["addition"](400, seed=3), seed=3)]
+    rows = [
+        {**p, "rejected": "banana"}
+        for p in preference_pairs(TASKS["addition"](400, seed=3), seed=3)
+    ]
     data = write_parquet(rows, tmp_path / "pairs.parquet")
-    m = run_rm(str(tiny_model_dir), str(data), str(tmp_path / "rm"), lr=1e-3, batch_size=16, max_steps=40,
-               eval_fraction=0.2, warmup_steps=5, log_every=0)
+    m = run_rm(
+        str(tiny_model_dir),
+        str(data),
+        str(tmp_path / "rm"),
+        lr=1e-3,
+        batch_size=16,
+        max_steps=40,
+        eval_fraction=0.2,
+        warmup_steps=5,
+        log_every=0,
+    )
     assert m["rm/eval_acc"] == 1.0 and m["rm/eval_pairs"] == 80
     assert m["rm/final_loss"] < 0.1 < m["rm/first_loss"]
     assert (tmp_path / "rm" / "rm_metrics.json").exists()
@@ -51,9 +63,14 @@ def test_rm_rejects_rows_without_pairs(tiny_model_dir, tmp_path):
 
 def test_cli_writes_pairs(tmp_path):
     out = tmp_path / "p.parquet"
-    subprocess.run([sys.executable, "-m", "postrl.cli", "data", "addition", str(out), "--n", "12", "--pairs"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "postrl.cli", "data", "addition", str(out), "--n", "12", "--pairs"],
+        check=True,
+        capture_output=True,
+    )
     rows = read_rows(str(out))
     assert len(rows) == 12 and {"prompt", "chosen", "rejected"} <= set(rows[0])
-    r = subprocess.run([sys.executable, "-m", "postrl.cli", "rm", "lr=1e-3"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "postrl.cli", "rm", "lr=1e-3"], capture_output=True, text=True
+    )
     assert r.returncode != 0 and "missing ['model_path', 'train_file', 'out_dir']" in r.stderr

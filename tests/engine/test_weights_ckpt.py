@@ -21,7 +21,9 @@ def test_weight_generator_names_and_values(tiny_model_dir):
     names = [n for n, _ in got]
     assert len(names) == len(set(names)), "a tensor was yielded twice"
     on_disk = load_file(str(tiny_model_dir / "model.safetensors"))
-    assert set(names) == set(on_disk), "names must be the HF checkpoint's (tied lm_head not repeated)"
+    assert set(names) == set(on_disk), (
+        "names must be the HF checkpoint's (tied lm_head not repeated)"
+    )
     for n, t in got:
         assert torch.equal(t, sd[n]), n
 
@@ -58,7 +60,9 @@ def test_checkpoint_resume_identical_next_step(tiny_model_dir, make_batch, tmp_p
     """save → load into a fresh worker → the next update is bit-identical to the uninterrupted one."""
     cfg = _cfg(tiny_model_dir, shuffle=True)
     b1, b2 = make_batch(2, 4, seed=11), make_batch(2, 4, seed=12)
-    wg = create_worker_group("local", ActorWorker, kwargs={"cfg": cfg, "total_steps": 4}, name="actor")
+    wg = create_worker_group(
+        "local", ActorWorker, kwargs={"cfg": cfg, "total_steps": 4}, name="actor"
+    )
     b1 = b1.union(wg.compute_log_prob(b1))
     wg.update_actor(b1)
     wg.save_checkpoint(str(tmp_path / "ck"))
@@ -66,7 +70,9 @@ def test_checkpoint_resume_identical_next_step(tiny_model_dir, make_batch, tmp_p
     m_a = wg.update_actor(b2).meta_info["metrics"]
     w_a = dict(iter_hf_params(wg.workers[0].policy))
     torch.manual_seed(123)  # RNG must come back from the checkpoint
-    wg2 = create_worker_group("local", ActorWorker, kwargs={"cfg": cfg, "total_steps": 4}, name="actor2")
+    wg2 = create_worker_group(
+        "local", ActorWorker, kwargs={"cfg": cfg, "total_steps": 4}, name="actor2"
+    )
     wg2.load_checkpoint(str(tmp_path / "ck"))
     m_b = wg2.update_actor(b2).meta_info["metrics"]
     w_b = dict(iter_hf_params(wg2.workers[0].policy))
@@ -81,6 +87,7 @@ def test_checkpoint_resume_identical_next_step(tiny_model_dir, make_batch, tmp_p
     sd = m.state_dict()
     ck_pol = load_policy(dataclasses.replace(cfg.model))
     from safetensors.torch import load_model
+
     load_model(ck_pol.module, str(tmp_path / "ck" / "model.safetensors"))
     for n, t in iter_hf_params(ck_pol):
         assert torch.equal(sd[n], t), n

@@ -47,7 +47,11 @@ def test_client_abort_is_final(tiny_model_dir):
     client = RolloutClient(be)
 
     async def run():
-        task = asyncio.create_task(client.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=1000, ignore_eos=True), "x"))
+        task = asyncio.create_task(
+            client.generate(
+                [1, 2, 3], SamplingParams(temperature=0, max_new_tokens=1000, ignore_eos=True), "x"
+            )
+        )
         while be.num_running == 0 or int(be.s_ngen[0]) < 3:
             await asyncio.sleep(0.002)
         client.abort("x")
@@ -58,16 +62,23 @@ def test_client_abort_is_final(tiny_model_dir):
 
 
 def test_load_balancer_least_loaded_and_sticky(tiny_model_dir):
-    reps = [RolloutReplica(create_rollout_backend("native", tiny_model_dir, max_num_seqs=8, max_model_len=64), i) for i in range(2)]
+    reps = [
+        RolloutReplica(
+            create_rollout_backend("native", tiny_model_dir, max_num_seqs=8, max_model_len=64), i
+        )
+        for i in range(2)
+    ]
     lb = LoadBalancer(reps)
     client = RolloutClient(lb)
     sp = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
     seen: list[int] = []
     orig = [r.generate for r in reps]
     for i, r in enumerate(reps):
+
         async def wrapped(*a, _i=i, **k):
             seen.append(_i)
             return await orig[_i](*a, **k)
+
         r.generate = wrapped
 
     async def run():
@@ -78,7 +89,9 @@ def test_load_balancer_least_loaded_and_sticky(tiny_model_dir):
     seen.clear()
 
     async def turns():
-        for t in range(3):  # the same trajectory's turns go to one replica even when others are idle
+        for t in range(
+            3
+        ):  # the same trajectory's turns go to one replica even when others are idle
             await client.generate([7, t], sp, f"turn{t}", trajectory_id="traj-A")
 
     asyncio.run(turns())

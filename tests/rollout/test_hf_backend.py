@@ -16,12 +16,24 @@ def test_hf_backend_greedy_matches_native(tiny_model_dir):
     sps = [SamplingParams(temperature=0, max_new_tokens=6 + i, ignore_eos=True) for i in range(3)]
 
     async def run(be):
-        return await asyncio.gather(*[be.generate(p, s, str(i)) for i, (p, s) in enumerate(zip(prompts, sps))])
+        return await asyncio.gather(
+            *[be.generate(p, s, str(i)) for i, (p, s) in enumerate(zip(prompts, sps))]
+        )
 
     a, b = asyncio.run(run(hf)), asyncio.run(run(nat))
     for x, y, s in zip(a, b, sps):
         assert x.token_ids == y.token_ids and len(x.token_ids) == s.max_new_tokens
-        torch.testing.assert_close(torch.tensor(x.log_probs), torch.tensor(y.log_probs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(x.log_probs), torch.tensor(y.log_probs), atol=1e-4, rtol=0
+        )
     stop = a[0].token_ids[2]
-    out = asyncio.run(hf.generate(prompts[0], SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=(stop,), ignore_eos=True), "s"))
+    out = asyncio.run(
+        hf.generate(
+            prompts[0],
+            SamplingParams(
+                temperature=0, max_new_tokens=6, stop_token_ids=(stop,), ignore_eos=True
+            ),
+            "s",
+        )
+    )
     assert out.finish_reason == "stop" and out.token_ids[-1] == stop

@@ -13,8 +13,10 @@ from postrl.rollout import RolloutError, SamplingParams, create_rollout_backend
 from postrl.rollout.native import kernels
 from postrl.rollout.native.model import apply_rope
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                 reason="no C compiler: the engine runs its torch path (tested elsewhere)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="no C compiler: the engine runs its torch path (tested elsewhere)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,11 @@ def test_rope_kv_rotates_in_place_and_writes_the_cache(kern, qk_norm):
     plen = torch.tensor([2, 6, 5, 1, 4])
     ang = torch.rand(32, D // 2, generator=g) * 6
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-    qn, kn = (torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5) if qk_norm else (None, None)
+    qn, kn = (
+        (torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5)
+        if qk_norm
+        else (None, None)
+    )
     kc, vc = torch.zeros(S, Hkv, Tmax, D), torch.zeros(S, Hkv, Tmax, D)
     q, k, v = qkv.clone().split([H * D, Hkv * D, Hkv * D], -1)
     q, k, v = q.reshape(B, H, D), k.reshape(B, Hkv, D), v.reshape(B, Hkv, D)
@@ -54,7 +60,9 @@ def test_rope_kv_rotates_in_place_and_writes_the_cache(kern, qk_norm):
     slot = torch.tensor([4, 0, 7, 2, 5])  # any cache slot per row
     kern.rope_kv(qkv, H, Hkv, D, cos, sin, pos, slot, pos - plen, qn, kn, eps, kc, vc)
     torch.testing.assert_close(qkv[:, : H * D].reshape(B, H, D), q, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(qkv[:, H * D:(H + Hkv) * D].reshape(B, Hkv, D), k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        qkv[:, H * D : (H + Hkv) * D].reshape(B, Hkv, D), k, rtol=1e-5, atol=1e-5
+    )
     for b in range(B):
         off, sb = int(pos[b] - plen[b]), int(slot[b])
         torch.testing.assert_close(kc[sb, :, off], k[b], rtol=1e-5, atol=1e-5)
@@ -65,8 +73,19 @@ def test_rope_kv_rotates_in_place_and_writes_the_cache(kern, qk_norm):
 
 # head_dim % 16 == 0 takes the 16-wide kernels (blocks of 8 K rows, 64-column V blocks, head
 # pairs plus a single head when the group is odd); other multiples of 8 the 8-wide ones
-@pytest.mark.parametrize(("H", "Hkv", "D"), [(4, 2, 64), (6, 2, 24), (3, 3, 8), (8, 1, 40), (4, 2, 128),
-                                             (6, 2, 16), (2, 2, 48), (3, 1, 80)])
+@pytest.mark.parametrize(
+    ("H", "Hkv", "D"),
+    [
+        (4, 2, 64),
+        (6, 2, 24),
+        (3, 3, 8),
+        (8, 1, 40),
+        (4, 2, 128),
+        (6, 2, 16),
+        (2, 2, 48),
+        (3, 1, 80),
+    ],
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_attention_equals_softmax_reference(kern, H, Hkv, D, threads):
     """Each row: softmax over [its prompt's prefix keys, its own keys 0..off] — checked against
@@ -79,17 +98,17 @@ def test_decode_attention_equals_softmax_reference(kern, H, Hkv, D, threads):
     pid = torch.tensor([0, 0, 1, 2, 2, 2, 3, 4, 0])
     plen = torch.tensor([5, 5, 1, 12, 12, 12, 7, 19, 5])
     pos = plen + torch.tensor([0, 3, 0, 6, 1, 0, 12, 0, 7])  # own offsets 0 .. 12
-    scale = D ** -0.5
+    scale = D**-0.5
     out = kern.decode_attention(qkv, H, Hkv, D, pk, pv, kc, vc, pid, plen, pos, scale, threads)
     for b in range(B):
         n1, n2 = int(plen[b]), int(pos[b] - plen[b]) + 1
         for h in range(H):
             kh = h // G
-            q = qkv[b, h * D:(h + 1) * D]
+            q = qkv[b, h * D : (h + 1) * D]
             K = torch.cat([pk[pid[b], kh, :n1], kc[b, kh, :n2]])
             V = torch.cat([pv[pid[b], kh, :n1], vc[b, kh, :n2]])
             ref = torch.softmax(K @ q * scale, 0) @ V
-            torch.testing.assert_close(out[b, h * D:(h + 1) * D], ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out[b, h * D : (h + 1) * D], ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [3, 700])  # serial and OpenMP-parallel paths
@@ -110,11 +129,15 @@ def test_sample_equals_torch_sampler(kern):
     logits = torch.randn(B, V, generator=g) * 3
     temp = torch.rand(B, generator=g) * 1.5
     temp[::7] = 0.0  # greedy rows
-    seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
+    seeds = torch.randint(-(2**62), 2**62, (B,), generator=g)
     counters = torch.randint(0, 500, (B,), generator=g)
-    ref_t, ref_lp = sample_tokens(logits, temp, torch.zeros(B, dtype=torch.long), torch.ones(B), seeds, counters, False)
+    ref_t, ref_lp = sample_tokens(
+        logits, temp, torch.zeros(B, dtype=torch.long), torch.ones(B), seeds, counters, False
+    )
     tok, lp = kern.sample(logits, temp, seeds, counters)
-    assert (tok == ref_t).float().mean() > 0.999  # a flip needs u within float rounding of a CDF step
+    assert (
+        tok == ref_t
+    ).float().mean() > 0.999  # a flip needs u within float rounding of a CDF step
     same = tok == ref_t
     torch.testing.assert_close(lp[same], ref_lp[same], rtol=0, atol=1e-5)
 
@@ -149,7 +172,10 @@ def test_engine_fused_equals_torch_path(tiny_model_factory, arch):
     kernels='fused' and kernels='torch': same tokens, log-probs equal to float rounding."""
     d = tiny_model_factory(arch)
     g = torch.Generator().manual_seed(3)
-    base = [torch.randint(0, 256, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(6)]
+    base = [
+        torch.randint(0, 256, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(6)
+    ]
     prompts = [p for p in base[:3] for _ in range(4)] + base[3:]
     sp = SamplingParams(temperature=1.0, max_new_tokens=20, seed=11, logprobs=True)
     outs = {}
@@ -160,7 +186,9 @@ def test_engine_fused_equals_torch_path(tiny_model_factory, arch):
         be.close()
     for a, b in zip(outs["fused"], outs["torch"]):
         assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(a.log_probs), torch.tensor(b.log_probs), rtol=0, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
@@ -171,7 +199,9 @@ def test_whole_step_equals_per_op_kernels(tiny_model_factory, arch):
 
     d = tiny_model_factory(arch)
     be = create_rollout_backend("native", d, max_num_seqs=8, max_model_len=64)
-    _run(be, [[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=2))  # engine warm, store live
+    _run(
+        be, [[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=2)
+    )  # engine warm, store live
     step = be.kernels.decode_step(be.weights, be.cfg, be.kv, 8)
     assert step is not None, "torch's sgemm_ was not resolved"
     g = torch.Generator().manual_seed(4)
@@ -184,7 +214,9 @@ def test_whole_step_equals_per_op_kernels(tiny_model_factory, arch):
         pos = plen + torch.tensor([0, 4, 1, 1, 7, 2])
         pid = torch.tensor([0, 0, 1, 1, 1, 2])
         slot = torch.arange(B)
-        ref = decode_fused(be.weights, be.cfg, be.kernels, tok, pos, plen, pid, be.cos, be.sin, be.kv, be._ar_s, 1)
+        ref = decode_fused(
+            be.weights, be.cfg, be.kernels, tok, pos, plen, pid, be.cos, be.sin, be.kv, be._ar_s, 1
+        )
         k_ref = be.kv.k.clone()
         out = step(tok, pos, plen, pid, slot, be.cos, be.sin, 1)
     assert torch.equal(out, ref)
@@ -204,11 +236,21 @@ def test_whole_step_equals_per_op_kernels(tiny_model_factory, arch):
 
 def test_kernel_option_errors(tiny_model_dir):
     with pytest.raises(ValueError, match="kernels='bogus' is not one of"):
-        create_rollout_backend("native", tiny_model_dir, max_num_seqs=2, max_model_len=32, kernels="bogus")
+        create_rollout_backend(
+            "native", tiny_model_dir, max_num_seqs=2, max_model_len=32, kernels="bogus"
+        )
     with pytest.raises(RolloutError, match="dtype torch.bfloat16"):
-        create_rollout_backend("native", tiny_model_dir, max_num_seqs=2, max_model_len=32, kernels="fused",
-                               dtype="bfloat16")
-    be = create_rollout_backend("native", tiny_model_dir, max_num_seqs=2, max_model_len=32, dtype="bfloat16")
+        create_rollout_backend(
+            "native",
+            tiny_model_dir,
+            max_num_seqs=2,
+            max_model_len=32,
+            kernels="fused",
+            dtype="bfloat16",
+        )
+    be = create_rollout_backend(
+        "native", tiny_model_dir, max_num_seqs=2, max_model_len=32, dtype="bfloat16"
+    )
     assert be.kernels is None  # auto: the torch path, not an error
 
 

@@ -22,7 +22,9 @@ def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 20) -> list[list[int]
 
 def _gen(be, prompts, sps):
     async def run():
-        return await asyncio.gather(*[be.generate(p, s, f"r{i}") for i, (p, s) in enumerate(zip(prompts, sps))])
+        return await asyncio.gather(
+            *[be.generate(p, s, f"r{i}") for i, (p, s) in enumerate(zip(prompts, sps))]
+        )
 
     return asyncio.run(run())
 
@@ -48,8 +50,13 @@ def test_greedy_equals_transformers(tiny_model_factory, arch):
     prompts = _prompts(4, seed=1)
     outs = _gen(be, prompts, [GREEDY] * len(prompts))
     for p, o in zip(prompts, outs):
-        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             do_sample=False, max_new_tokens=12, min_new_tokens=12)[0, len(p):].tolist()
+        ref = model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=12,
+            min_new_tokens=12,
+        )[0, len(p) :].tolist()
         assert o.token_ids == ref
         assert o.finish_reason == "length"
 
@@ -62,12 +69,21 @@ def test_logprobs_equal_teacher_forced(tiny_model_factory, arch):
     model = _hf(d)
     prompts = _prompts(3, seed=2)
     for T, k, p in [(0.7, -1, 1.0), (1.3, 20, 0.9)]:
-        sps = [SamplingParams(temperature=T, top_k=k, top_p=p, max_new_tokens=10, ignore_eos=True, seed=i) for i in range(3)]
+        sps = [
+            SamplingParams(
+                temperature=T, top_k=k, top_p=p, max_new_tokens=10, ignore_eos=True, seed=i
+            )
+            for i in range(3)
+        ]
         for pr, o in zip(prompts, _gen(be, prompts, sps)):
             full = torch.tensor([pr + o.token_ids])
             with torch.no_grad():
                 logits = model(full).logits[0, len(pr) - 1 : -1].float()
-            ref = torch.log_softmax(logits / T, -1).gather(1, torch.tensor(o.token_ids)[:, None]).squeeze(1)
+            ref = (
+                torch.log_softmax(logits / T, -1)
+                .gather(1, torch.tensor(o.token_ids)[:, None])
+                .squeeze(1)
+            )
             assert (ref - torch.tensor(o.log_probs)).abs().max().item() < 1e-4
 
 
@@ -76,17 +92,31 @@ def test_seeded_sampling_reproducible_and_batch_invariant(backend):
     sp = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=1234)
     alone = _gen(backend, prompts[:1], [sp])[0]
     again = _gen(backend, prompts[:1], [sp])[0]
-    others = [SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=n, ignore_eos=True, seed=n) for n in range(3, 11)]
+    others = [
+        SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=n, ignore_eos=True, seed=n)
+        for n in range(3, 11)
+    ]
     mixed = _gen(backend, prompts, [sp] + others)[0]
     assert alone.token_ids == again.token_ids == mixed.token_ids
-    other_seed = _gen(backend, prompts[:1], [SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=99)])[0]
+    other_seed = _gen(
+        backend,
+        prompts[:1],
+        [SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=99)],
+    )[0]
     assert other_seed.token_ids != alone.token_ids  # the seed matters (264-way draws: collision ~0)
 
 
 def test_top_k_one_is_greedy(backend):
     prompts = _prompts(3, seed=4)
     greedy = _gen(backend, prompts, [GREEDY] * 3)
-    topk1 = _gen(backend, prompts, [SamplingParams(temperature=1.0, top_k=1, max_new_tokens=12, ignore_eos=True, seed=i) for i in range(3)])
+    topk1 = _gen(
+        backend,
+        prompts,
+        [
+            SamplingParams(temperature=1.0, top_k=1, max_new_tokens=12, ignore_eos=True, seed=i)
+            for i in range(3)
+        ],
+    )
     assert [o.token_ids for o in greedy] == [o.token_ids for o in topk1]
 
 
@@ -98,11 +128,27 @@ def test_stop_token_ids_and_strings(backend, tiny_model_dir):
     full = _gen(backend, [prompt], [GREEDY])[0].token_ids
     stop_id = full[4]
     first = full.index(stop_id)
-    out = _gen(backend, [prompt], [SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(stop_id,), ignore_eos=True)])[0]
-    assert out.token_ids == full[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
+    out = _gen(
+        backend,
+        [prompt],
+        [
+            SamplingParams(
+                temperature=0, max_new_tokens=12, stop_token_ids=(stop_id,), ignore_eos=True
+            )
+        ],
+    )[0]
+    assert (
+        out.token_ids == full[: first + 1]
+        and out.finish_reason == "stop"
+        and out.stop_reason == stop_id
+    )
     stop_str = tok.decode(full[5:7])
     n = next(i for i in range(1, 13) if stop_str in tok.decode(full[:i]))
-    out = _gen(backend, [prompt], [SamplingParams(temperature=0, max_new_tokens=12, stop=(stop_str,), ignore_eos=True)])[0]
+    out = _gen(
+        backend,
+        [prompt],
+        [SamplingParams(temperature=0, max_new_tokens=12, stop=(stop_str,), ignore_eos=True)],
+    )[0]
     assert out.token_ids == full[:n] and out.finish_reason == "stop" and out.stop_reason == stop_str
 
 
@@ -121,13 +167,17 @@ def test_eos_stops_unless_ignored(tiny_model_dir):
 def test_continuous_batching_64_concurrent_equals_one_by_one(tiny_model_dir):
     be = create_rollout_backend("native", tiny_model_dir, max_num_seqs=16, max_model_len=128)
     prompts = _prompts(64, seed=7, lo=2, hi=40)
-    sps = [SamplingParams(temperature=0, max_new_tokens=2 + i % 11, ignore_eos=True) for i in range(64)]
+    sps = [
+        SamplingParams(temperature=0, max_new_tokens=2 + i % 11, ignore_eos=True) for i in range(64)
+    ]
     together = _gen(be, prompts, sps)
     for p, s, o in zip(prompts, sps, together):
         alone = _gen(be, [p], [s])[0]
         assert o.token_ids == alone.token_ids
         assert len(o.token_ids) == s.max_new_tokens
-        torch.testing.assert_close(torch.tensor(o.log_probs), torch.tensor(alone.log_probs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(o.log_probs), torch.tensor(alone.log_probs), atol=1e-5, rtol=0
+        )
 
 
 def test_abort_returns_partial_output(tiny_model_dir):
@@ -147,18 +197,27 @@ def test_abort_returns_partial_output(tiny_model_dir):
     out = asyncio.run(run())
     assert out.finish_reason == "abort"
     assert 5 <= len(out.token_ids) < 1000 and len(out.log_probs) == len(out.token_ids)
-    ref = _gen(be, [prompt], [SamplingParams(temperature=0, max_new_tokens=len(out.token_ids), ignore_eos=True)])[0]
+    ref = _gen(
+        be,
+        [prompt],
+        [SamplingParams(temperature=0, max_new_tokens=len(out.token_ids), ignore_eos=True)],
+    )[0]
     assert ref.token_ids == out.token_ids
 
 
 def test_shared_prefill_equals_independent(backend):
     prompt = _prompts(1, seed=9)[0]
-    sps = [SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=100 + i) for i in range(8)]
+    sps = [
+        SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=100 + i)
+        for i in range(8)
+    ]
     shared = _gen(backend, [prompt] * 8, sps)  # one prefill, KV copied into 8 slots
     for s, o in zip(sps, shared):
         alone = _gen(backend, [prompt], [s])[0]
         assert o.token_ids == alone.token_ids
-        torch.testing.assert_close(torch.tensor(o.log_probs), torch.tensor(alone.log_probs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(o.log_probs), torch.tensor(alone.log_probs), atol=1e-5, rtol=0
+        )
     assert len({tuple(o.token_ids) for o in shared}) > 1  # different seeds, different samples
 
 
@@ -167,11 +226,18 @@ def test_update_weights_equals_reload(tiny_model_factory):
     be = create_rollout_backend("native", d0, max_num_seqs=8, max_model_len=128)
     fresh = create_rollout_backend("native", d1, max_num_seqs=8, max_model_len=128)
     prompts = _prompts(3, seed=10)
-    sps = [SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=i) for i in range(3)]
+    sps = [
+        SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=i)
+        for i in range(3)
+    ]
     before = _gen(be, prompts, sps)
-    be.update_weights(_hf(d1).named_parameters())  # an actor's per-tensor stream (tied lm_head omitted)
+    be.update_weights(
+        _hf(d1).named_parameters()
+    )  # an actor's per-tensor stream (tied lm_head omitted)
     after, ref = _gen(be, prompts, sps), _gen(fresh, prompts, sps)
-    assert [o.token_ids for o in after] == [o.token_ids for o in ref] != [o.token_ids for o in before]
+    assert (
+        [o.token_ids for o in after] == [o.token_ids for o in ref] != [o.token_ids for o in before]
+    )
     for a, r in zip(after, ref):
         assert a.log_probs == r.log_probs
     with pytest.raises(KeyError, match="unknown parameter"):
@@ -184,7 +250,11 @@ def test_sleep_aborts_and_wake_restores(tiny_model_dir):
     ref = _gen(be, [prompt], [GREEDY])[0]
 
     async def run():
-        task = asyncio.create_task(be.generate(prompt, SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True), "x"))
+        task = asyncio.create_task(
+            be.generate(
+                prompt, SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True), "x"
+            )
+        )
         while be.num_running == 0 or int(be.s_ngen[0]) < 2:
             await asyncio.sleep(0.005)
         be.sleep()
@@ -210,9 +280,11 @@ def test_bad_requests_raise(backend):
 
 
 def test_import_is_lazy():
-    code = ("import sys, postrl.rollout; "
-            "bad = [m for m in ('vllm', 'sglang', 'postrl.rollout.native.engine', 'transformers') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, postrl.rollout; "
+        "bad = [m for m in ('vllm', 'sglang', 'postrl.rollout.native.engine', 'transformers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
     assert {"native", "hf", "vllm", "sglang"} <= set(ROLLOUT_BACKENDS.names())
 

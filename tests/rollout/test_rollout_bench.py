@@ -10,8 +10,14 @@ from postrl.rollout.bench import main, run_bench
 def test_bench_rollout_rows_are_consistent(tiny_model_dir):
     threads = torch.get_num_threads()
     try:
-        rows = run_bench(str(tiny_model_dir), batch=8, group=4, new_tokens=(3,), scenarios=("w1", "distinct"),
-                         compare_torch=True)
+        rows = run_bench(
+            str(tiny_model_dir),
+            batch=8,
+            group=4,
+            new_tokens=(3,),
+            scenarios=("w1", "distinct"),
+            compare_torch=True,
+        )
     finally:
         torch.set_num_threads(threads)
     assert [(r["scenario"], r["new_tokens"]) for r in rows] == [("w1", 3), ("distinct", 3)]
@@ -24,8 +30,25 @@ def test_bench_rollout_rows_are_consistent(tiny_model_dir):
 def test_bench_rollout_cli_prints_a_table(tiny_model_dir, capsys):
     threads = torch.get_num_threads()
     try:
-        assert main(["--model", str(tiny_model_dir), "--batch", "4", "--group", "2", "--new-tokens", "2",
-                     "--scenarios", "w1", "--kernels", "torch"]) == 0
+        assert (
+            main(
+                [
+                    "--model",
+                    str(tiny_model_dir),
+                    "--batch",
+                    "4",
+                    "--group",
+                    "2",
+                    "--new-tokens",
+                    "2",
+                    "--scenarios",
+                    "w1",
+                    "--kernels",
+                    "torch",
+                ]
+            )
+            == 0
+        )
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out

@@ -13,8 +13,13 @@ from postrl.rollout import SamplingParams, create_rollout_backend
 
 SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
 }
 
@@ -31,7 +36,9 @@ def test_rope_scaling_matches_transformers(tiny_model_factory, tmp_path, kind):
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     be = create_rollout_backend("native", d, max_num_seqs=2, max_model_len=128)
     prompt = list(range(40, 80))
-    out = asyncio.run(be.generate(prompt, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True), "r"))
+    out = asyncio.run(
+        be.generate(prompt, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True), "r")
+    )
     ids = torch.tensor([prompt + out.token_ids])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1]

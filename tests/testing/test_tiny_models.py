@@ -11,7 +11,9 @@ def test_tokenizer_is_byte_level_and_lossless():
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert len(ids) == len(text.encode("utf-8"))  # one token per byte, no merges
     assert tok.decode(ids) == text
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -57,7 +59,9 @@ def test_tool_tags_are_single_non_special_tokens_that_round_trip(tmp_path):
         decoded = tok.decode(enc + [tok.eos_token_id], skip_special_tokens=True)
         assert decoded == text
         parsed = get_tool_parser("hermes").parse(decoded)
-        assert [(c.name, c.arguments) for c in parsed.calls] == [("calculator", {"expression": "2*3"})]
+        assert [(c.name, c.arguments) for c in parsed.calls] == [
+            ("calculator", {"expression": "2*3"})
+        ]
         assert not parsed.errors
         chat = tok.apply_chat_template([{"role": "tool", "content": "6"}], tokenize=False)
         chat_ids = tok(chat, add_special_tokens=False)["input_ids"]
@@ -69,6 +73,8 @@ def test_tool_tags_keep_the_model_and_other_ids_unchanged(tmp_path):
     assert len(tok) == 263
     # bytes and ChatML specials keep the ids they had before the tool tags were added
     assert tok("a\n", add_special_tokens=False)["input_ids"] == [64, 198]
-    assert [tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [256, 257, 258]
+    assert [
+        tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+    ] == [256, 257, 258]
     weights = load_file(str(make_model(tmp_path / "m") / "model.safetensors"))
     assert weights["model.embed_tokens.weight"].shape == (264, 256)

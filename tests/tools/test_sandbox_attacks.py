@@ -20,8 +20,16 @@ from postrl.tools.sandbox import Sandbox, SandboxConfig, processes_of_uid
 
 PROJECT = Path(__file__).resolve().parents[2]
 SECRET = "postrl-attack-secret-8c1f"
-FAST = dict(wall_time_s=2.0, cpu_time_s=1, memory_mb=256, file_size_mb=8, workdir_size_mb=32,
-            max_processes=16, max_output_bytes=64 * 1024, concurrency=2)
+FAST = dict(
+    wall_time_s=2.0,
+    cpu_time_s=1,
+    memory_mb=256,
+    file_size_mb=8,
+    workdir_size_mb=32,
+    max_processes=16,
+    max_output_bytes=64 * 1024,
+    concurrency=2,
+)
 
 
 def _full_isolation() -> bool:
@@ -29,8 +37,9 @@ def _full_isolation() -> bool:
     return not rep.missing(SandboxConfig().required_layers) and rep.active["landlock"]
 
 
-pytestmark = pytest.mark.skipif(not _full_isolation(),
-                                reason="host lacks root/namespaces/landlock for the attack suite")
+pytestmark = pytest.mark.skipif(
+    not _full_isolation(), reason="host lacks root/namespaces/landlock for the attack suite"
+)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +93,9 @@ def run(sandbox: Sandbox, code: str, **kw):
 
 
 def test_read_shadow_project_ssh_and_world_readable_host_files(sandbox, canary):
-    res = run(sandbox, f"""
+    res = run(
+        sandbox,
+        f"""
         import os
         found = []
         for p in ["/etc/shadow", "{PROJECT}/pyproject.toml", "{canary}", "/root/.ssh/id_rsa",
@@ -97,7 +108,8 @@ def test_read_shadow_project_ssh_and_world_readable_host_files(sandbox, canary):
             except Exception as e:
                 print("blocked", p, type(e).__name__)
         print("FOUND", found)
-    """)
+    """,
+    )
     assert res.status == "ok", res
     assert "FOUND []" in res.stdout, res.stdout
     assert SECRET not in res.stdout and "[project]" not in res.stdout
@@ -117,7 +129,9 @@ def test_each_filesystem_layer_alone_hides_the_project(disabled, canary):
 
 def test_write_outside_workdir_is_blocked_and_project_unchanged(sandbox, canary):
     before = canary.read_text()
-    res = run(sandbox, f"""
+    res = run(
+        sandbox,
+        f"""
         import os
         ok = []
         for p in ["{canary}", "{canary.parent}/new.txt", "/usr/evil", "/etc/evil", "/evil",
@@ -134,7 +148,8 @@ def test_write_outside_workdir_is_blocked_and_project_unchanged(sandbox, canary)
             pass
         open("inside.txt", "w").write("fine")   # the workdir itself is writable
         print("WROTE", ok)
-    """)
+    """,
+    )
     assert res.status == "ok", res
     assert "WROTE []" in res.stdout
     assert canary.read_text() == before
@@ -143,7 +158,9 @@ def test_write_outside_workdir_is_blocked_and_project_unchanged(sandbox, canary)
 
 def test_env_and_proc_environ_secrets_are_invisible(sandbox, monkeypatch):
     monkeypatch.setenv("POSTRL_TEST_SECRET", SECRET)
-    res = run(sandbox, """
+    res = run(
+        sandbox,
+        """
         import os
         print(dict(os.environ))
         print("ppid", os.getppid(), "pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
@@ -153,7 +170,8 @@ def test_env_and_proc_environ_secrets_are_invisible(sandbox, monkeypatch):
                     print(p, open(f"/proc/{p}/environ").read())
                 except Exception as e:
                     print(p, type(e).__name__)
-    """)
+    """,
+    )
     assert res.status == "ok", res
     assert SECRET not in res.stdout
     assert "POSTRL" not in res.stdout
@@ -161,14 +179,17 @@ def test_env_and_proc_environ_secrets_are_invisible(sandbox, monkeypatch):
 
 
 def test_fork_bomb_is_bounded(sandbox):
-    res = run(sandbox, """
+    res = run(
+        sandbox,
+        """
         import os
         while True:
             try:
                 os.fork()
             except OSError:
                 pass
-    """)
+    """,
+    )
     assert res.status in ("timeout", "killed"), res
     assert "limit" in res.reason or "signal" in res.reason
 
@@ -199,12 +220,15 @@ def test_print_1gb_is_truncated_and_killed(sandbox):
 
 
 def test_write_2gb_file_hits_file_size_limit(sandbox):
-    res = run(sandbox, """
+    res = run(
+        sandbox,
+        """
         with open("big.bin", "wb") as f:
             for _ in range(2048):
                 f.write(b"x" * 2**20)
         print("wrote 2GB")
-    """)
+    """,
+    )
     assert res.status == "file_size", res
     assert "wrote" not in res.stdout
 
@@ -220,7 +244,9 @@ def test_network_loopback_and_outside_are_unreachable(disabled):
     server.setblocking(False)
     port = server.getsockname()[1]
     try:
-        res = run(sb, f"""
+        res = run(
+            sb,
+            f"""
             import socket
             for addr in [("127.0.0.1", {port}), ("1.1.1.1", 53), ("10.255.255.1", 80)]:
                 s = socket.socket()
@@ -230,7 +256,8 @@ def test_network_loopback_and_outside_are_unreachable(disabled):
                     print("CONNECTED", addr)
                 except OSError as e:
                     print("blocked", addr, type(e).__name__)
-        """)
+        """,
+        )
         with pytest.raises(BlockingIOError):
             server.accept()  # nobody connected to the trainer's port
     finally:
@@ -240,7 +267,9 @@ def test_network_loopback_and_outside_are_unreachable(disabled):
 
 
 def test_double_fork_daemon_does_not_outlive_the_call(sandbox):
-    res = run(sandbox, """
+    res = run(
+        sandbox,
+        """
         import os, time
         if os.fork() == 0:
             os.setsid()
@@ -250,13 +279,16 @@ def test_double_fork_daemon_does_not_outlive_the_call(sandbox):
             os._exit(0)
         time.sleep(0.1)
         print("parent done")
-    """)
+    """,
+    )
     assert res.status == "ok" and "parent done" in res.stdout, res
     # run() asserted that no process of the sandbox uids is left
 
 
 def test_killing_its_parent_does_not_hurt_the_trainer(sandbox):
-    res = run(sandbox, f"""
+    res = run(
+        sandbox,
+        f"""
         import os, signal
         for pid in [os.getppid(), 1, {os.getpid()}, {os.getppid()}]:
             try:
@@ -265,7 +297,8 @@ def test_killing_its_parent_does_not_hurt_the_trainer(sandbox):
             except OSError as e:
                 print("blocked", pid, type(e).__name__)
         os.killpg(0, signal.SIGKILL)
-    """)
+    """,
+    )
     assert res.status in ("killed", "ok"), res
     assert res.describe().startswith("[sandbox: ")
     # the trainer (this test process) is alive and the sandbox works afterwards
@@ -276,8 +309,9 @@ def test_killing_its_parent_does_not_hurt_the_trainer(sandbox):
 def test_concurrent_calls_are_bounded_by_the_pool(sandbox):
     async def go():
         t0 = time.monotonic()
-        res = await asyncio.gather(*[sandbox.run_python("import time; time.sleep(0.3)")
-                                     for _ in range(4)])
+        res = await asyncio.gather(
+            *[sandbox.run_python("import time; time.sleep(0.3)") for _ in range(4)]
+        )
         return res, time.monotonic() - t0
 
     res, dt = asyncio.run(go())
@@ -292,8 +326,12 @@ def test_concurrent_calls_never_share_a_uid(sandbox):
 
     async def go():
         code = "import os, time; time.sleep(0.2); print(os.getuid())"
-        return await asyncio.gather(sandbox.run_python(code), sandbox.run_python(code),
-                                    other.run_python(code), other.run_python(code))
+        return await asyncio.gather(
+            sandbox.run_python(code),
+            sandbox.run_python(code),
+            other.run_python(code),
+            other.run_python(code),
+        )
 
     uids = [int(r.stdout) for r in asyncio.run(go())]
     assert len(set(uids)) == 4 and all(u >= sandbox.config.uid_base for u in uids)

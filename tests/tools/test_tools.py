@@ -31,17 +31,20 @@ def test_calculator_exact_big_integers():
     assert safe_eval("-7 // 2") == -4 and safe_eval("7 % -3") == -2
 
 
-@pytest.mark.parametrize("expr, why", [
-    ("__import__('os').system('id')", "not allowed"),
-    ("x + 1", "not allowed"),
-    ("(1).real", "not allowed"),
-    ("9**9**9", "exponent"),
-    ("10**5000 * 10**5000 * 10**5000", "digits"),
-    ("1/0", "division by zero"),
-    ("2 +", "not a valid expression"),
-    ("1 < 2", "not allowed"),
-    ("'a' * 3", "not allowed"),
-])
+@pytest.mark.parametrize(
+    "expr, why",
+    [
+        ("__import__('os').system('id')", "not allowed"),
+        ("x + 1", "not allowed"),
+        ("(1).real", "not allowed"),
+        ("9**9**9", "exponent"),
+        ("10**5000 * 10**5000 * 10**5000", "digits"),
+        ("1/0", "division by zero"),
+        ("2 +", "not a valid expression"),
+        ("1 < 2", "not allowed"),
+        ("'a' * 3", "not allowed"),
+    ],
+)
 def test_calculator_rejects(expr, why):
     t0 = time.monotonic()
     with pytest.raises(CalculatorError, match=why):
@@ -61,9 +64,11 @@ def test_calculator_tool_returns_errors_as_text():
 
 
 def test_search_tool_bm25_over_jsonl_and_parquet(tmp_path):
-    docs = [{"id": 0, "title": "Paris", "text": "Paris is the capital of France."},
-            {"id": 1, "title": "Berlin", "text": "Berlin is the capital of Germany."},
-            {"id": 2, "title": "Bananas", "text": "Bananas are yellow fruit rich in potassium."}]
+    docs = [
+        {"id": 0, "title": "Paris", "text": "Paris is the capital of France."},
+        {"id": 1, "title": "Berlin", "text": "Berlin is the capital of Germany."},
+        {"id": 2, "title": "Bananas", "text": "Bananas are yellow fruit rich in potassium."},
+    ]
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("\n".join(json.dumps(d) for d in docs))
     import pyarrow as pa
@@ -72,8 +77,9 @@ def test_search_tool_bm25_over_jsonl_and_parquet(tmp_path):
     parquet = tmp_path / "docs.parquet"
     pq.write_table(pa.Table.from_pylist(docs), parquet)
     for path in (jsonl, parquet):
-        tools = load_tool_config([{"class_name": "search",
-                                   "config": {"corpus_path": str(path), "top_k": 2}}])
+        tools = load_tool_config(
+            [{"class_name": "search", "config": {"corpus_path": str(path), "top_k": 2}}]
+        )
         resp = asyncio.run(tools["search"].execute("i", {"query": "capital of Germany"}))
         assert resp.text.splitlines()[0].startswith("[1] Berlin:"), resp.text
         assert "Bananas" not in resp.text
@@ -109,13 +115,19 @@ tools:
 
 def test_tool_config_reports_all_errors_at_once():
     with pytest.raises(ToolConfigError) as e:
-        load_tool_config({"tools": [
-            {"class_name": "calculater"},
-            {"class_name": "calculator", "tool_schema": {"type": "function",
-                                                         "function": {"name": ""}}},
-            {"class_name": "search", "config": {}},
-            {"class_name": "calculator", "bogus": 1},
-        ]})
+        load_tool_config(
+            {
+                "tools": [
+                    {"class_name": "calculater"},
+                    {
+                        "class_name": "calculator",
+                        "tool_schema": {"type": "function", "function": {"name": ""}},
+                    },
+                    {"class_name": "search", "config": {}},
+                    {"class_name": "calculator", "bogus": 1},
+                ]
+            }
+        )
     msg = str(e.value)
     assert "tools[0]" in msg and "did you mean 'calculator'" in msg
     assert "tools[1]" in msg and "name must be a non-empty string" in msg
@@ -129,9 +141,14 @@ def test_tool_config_reports_all_errors_at_once():
 class _Misbehaving(BaseTool):
     @classmethod
     def default_schema(cls):
-        return {"type": "function", "function": {"name": "bad", "description": "",
-                                                 "parameters": {"type": "object",
-                                                                "properties": {}}}}
+        return {
+            "type": "function",
+            "function": {
+                "name": "bad",
+                "description": "",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
 
     async def execute(self, instance_id, parameters):
         mode = parameters.get("mode")
@@ -166,20 +183,26 @@ class _BlockingHang(_Misbehaving):
 
 @pytest.fixture()
 def executor():
-    return ToolExecutor([_Misbehaving(), _BlockingHang(), TOOLS.get("calculator")()],
-                        max_tool_response_length=1000, timeout_s=0.3)
+    return ToolExecutor(
+        [_Misbehaving(), _BlockingHang(), TOOLS.get("calculator")()],
+        max_tool_response_length=1000,
+        timeout_s=0.3,
+    )
 
 
-@pytest.mark.parametrize("name, args, metric, text", [
-    ("nope", {}, "unknown_tool", "unknown tool 'nope'; available tools: bad, blocking, calc"),
-    ("bad", '{"mode": "raise"', "bad_arguments", "not valid JSON"),
-    ("bad", '[1, 2]', "bad_arguments", "must be a JSON object"),
-    ("bad", {"mode": "raise"}, "exception", "RuntimeError: boom"),
-    ("bad", {"mode": "hang"}, "timeout", "did not finish within 0.3s"),
-    ("blocking", {}, "timeout", "did not finish within 0.3s"),
-    ("bad", {"mode": "nonstring"}, "bad_return", "returned int"),
-    ("bad", {"mode": "nonstring_text"}, "bad_return", "returned dict"),
-])
+@pytest.mark.parametrize(
+    "name, args, metric, text",
+    [
+        ("nope", {}, "unknown_tool", "unknown tool 'nope'; available tools: bad, blocking, calc"),
+        ("bad", '{"mode": "raise"', "bad_arguments", "not valid JSON"),
+        ("bad", "[1, 2]", "bad_arguments", "must be a JSON object"),
+        ("bad", {"mode": "raise"}, "exception", "RuntimeError: boom"),
+        ("bad", {"mode": "hang"}, "timeout", "did not finish within 0.3s"),
+        ("blocking", {}, "timeout", "did not finish within 0.3s"),
+        ("bad", {"mode": "nonstring"}, "bad_return", "returned int"),
+        ("bad", {"mode": "nonstring_text"}, "bad_return", "returned dict"),
+    ],
+)
 def test_executor_turns_every_failure_into_an_observation(executor, name, args, metric, text):
     async def go():
         t0 = time.monotonic()
@@ -199,8 +222,9 @@ def test_executor_truncates_huge_output_and_passes_good_results(executor):
         huge = await executor.execute_tool_call("bad", {"mode": "huge"}, iid)
         good = await executor.execute_tool_call("bad", "{}", iid)
         tup = await executor.execute_tool_call("bad", {"mode": "tuple"}, iid)
-        calc = await executor.execute_tool_call("calculator",
-                                                '{"expression": "123456789*987654321"}', iid)
+        calc = await executor.execute_tool_call(
+            "calculator", '{"expression": "123456789*987654321"}', iid
+        )
         await executor.release(iid)
         return huge, good, tup, calc
 
@@ -232,20 +256,25 @@ def test_hermes_valid_and_multiple_calls():
     p = get_tool_parser("hermes")
     text = "Let me compute.\n" + CALL + "\n" + CALL.replace("2+2", "3*3")
     res = p.parse(text)
-    assert [tuple(c) for c in res.calls] == [("calculator", {"expression": "2+2"}),
-                                             ("calculator", {"expression": "3*3"})]
+    assert [tuple(c) for c in res.calls] == [
+        ("calculator", {"expression": "2+2"}),
+        ("calculator", {"expression": "3*3"}),
+    ]
     assert res.errors == [] and res.content == "Let me compute."
     name, args = res.calls[0]
     assert name == "calculator"
 
 
-@pytest.mark.parametrize("body, why", [
-    ('{"name": "calculator", "arguments": {"expression": "2+2"}', "not valid JSON"),
-    ('[1, 2]', "must be a JSON object"),
-    ('{"arguments": {}}', "no string 'name'"),
-    ('{"name": "c", "arguments": [1]}', "'arguments' must be a JSON object"),
-    ('{"name": "c", "arguments": "{bad"}', "'arguments' string is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        ('{"name": "calculator", "arguments": {"expression": "2+2"}', "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"arguments": {}}', "no string 'name'"),
+        ('{"name": "c", "arguments": [1]}', "'arguments' must be a JSON object"),
+        ('{"name": "c", "arguments": "{bad"}', "'arguments' string is not valid JSON"),
+    ],
+)
 def test_hermes_malformed_calls_become_errors(body, why):
     res = get_tool_parser("hermes").parse(f"x <tool_call>{body}</tool_call> " + CALL)
     assert len(res.errors) == 1 and why in res.errors[0].message
@@ -283,8 +312,9 @@ def test_python_tool_through_the_executor():
 
     if Sandbox(SandboxConfig()).isolation_report().missing(SandboxConfig().required_layers):
         pytest.skip("sandbox isolation unavailable on this host")
-    tools = load_tool_config([{"class_name": "python",
-                               "config": {"wall_time_s": 1.0, "max_output_chars": 100}}])
+    tools = load_tool_config(
+        [{"class_name": "python", "config": {"wall_time_s": 1.0, "max_output_chars": 100}}]
+    )
     ex = ToolExecutor(tools, timeout_s=5.0)
 
     async def go():

@@ -12,7 +12,10 @@ def test_jsonl_rows_nan_as_null_and_resume_truncation(tmp_path):
     t.log({"critic/score/mean": 0.7}, 2)
     t.close()
     rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [{"step": 1, "actor/pg_loss": None, "critic/score/mean": 0.5}, {"step": 2, "critic/score/mean": 0.7}]
+    assert rows == [
+        {"step": 1, "actor/pg_loss": None, "critic/score/mean": 0.5},
+        {"step": 2, "critic/score/mean": 0.7},
+    ]
     # a resume at step 2 drops the rows of steps >= 2 and keeps the history before it
     t2 = Tracker(tmp_path, ["jsonl"], total_steps=3, start_step=2)
     assert [r["step"] for r in t2.history] == [1.0] and math.isnan(t2.history[0]["actor/pg_loss"])

@@ -14,11 +14,29 @@ from postrl.config import load_config
 from postrl.trainer.trainer import RLTrainer
 
 EXPECTED_KEYS = {
-    "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "response_length/mean",
-    "response_length/clip_ratio", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
-    "actor/grad_norm", "actor/lr", "timing_s/gen", "timing_s/update_actor", "timing_s/step",
-    "perf/throughput", "perf/time_per_step", "reward/generated", "reward/scored", "reward/failed/total",
-    "rollout_corr/ess", "val/addition/acc", "val/acc/mean", "val/addition/score",
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "response_length/mean",
+    "response_length/clip_ratio",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "timing_s/gen",
+    "timing_s/update_actor",
+    "timing_s/step",
+    "perf/throughput",
+    "perf/time_per_step",
+    "reward/generated",
+    "reward/scored",
+    "reward/failed/total",
+    "rollout_corr/ess",
+    "val/addition/acc",
+    "val/acc/mean",
+    "val/addition/score",
 }
 
 
@@ -29,7 +47,14 @@ def _rows(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("mini", [2, 4], ids=["two-minibatches", "on-policy-fused"])
 def test_grpo_local_runs_updates_and_reports(small_overrides, digits_reward, mini):
     """mini=4 (= train_batch_size): one on-policy mini-batch, old log-probs fused into the update."""
-    cfg = load_config(None, [*small_overrides, f"reward.custom_function.path={digits_reward}", f"actor.ppo_mini_batch_size={mini}"])
+    cfg = load_config(
+        None,
+        [
+            *small_overrides,
+            f"reward.custom_function.path={digits_reward}",
+            f"actor.ppo_mini_batch_size={mini}",
+        ],
+    )
     trainer = RLTrainer(cfg)
     assert trainer.roles.fuse_old_log_prob == (mini == 4)
     try:
@@ -37,15 +62,25 @@ def test_grpo_local_runs_updates_and_reports(small_overrides, digits_reward, min
     finally:
         trainer.close()
     assert EXPECTED_KEYS <= set(last), sorted(EXPECTED_KEYS - set(last))
-    assert all(math.isfinite(v) for k, v in last.items()), {k: v for k, v in last.items() if not math.isfinite(v)}
+    assert all(math.isfinite(v) for k, v in last.items()), {
+        k: v for k, v in last.items() if not math.isfinite(v)
+    }
     assert last["reward/generated"] == 16 == last["reward/scored"] + last["reward/failed/total"]
-    assert any(not torch.equal(before[k], after[k]) for k in before), "the update changed no parameter"
-    if mini == 4:  # no separate pass; ratio exactly 1; mismatch metrics still reported from the fused log-probs
+    assert any(not torch.equal(before[k], after[k]) for k in before), (
+        "the update changed no parameter"
+    )
+    if (
+        mini == 4
+    ):  # no separate pass; ratio exactly 1; mismatch metrics still reported from the fused log-probs
         assert last["timing_s/old_log_prob"] == 0.0 and last["actor/ppo_kl"] == 0.0
         assert last["rollout_corr/kl_k3"] < 1e-3
     run = Path(cfg.trainer.run_dir)
     rows = _rows(run)
-    assert [r["step"] for r in rows] == [0, 1, 2]  # validation before training, then one row per step
+    assert [r["step"] for r in rows] == [
+        0,
+        1,
+        2,
+    ]  # validation before training, then one row per step
     assert (run / "config.yaml").exists() and (run / "summary.txt").exists()
     assert list((run / "plots").glob("*.png"))
 
@@ -58,8 +93,17 @@ def test_failed_rewards_are_masked_counted_not_scored(small_overrides, tmp_path)
         "        raise RuntimeError('boom')\n"
         "    return float('nan') if extra_info['index'] % 4 == 2 else 1.0\n"
     )
-    cfg = load_config(None, [*small_overrides, f"reward.custom_function.path={fn}", "reward.max_failure_ratio=1.0",
-                             "trainer.total_steps=1", "trainer.val_before_train=false", "data.val_files=[]"])
+    cfg = load_config(
+        None,
+        [
+            *small_overrides,
+            f"reward.custom_function.path={fn}",
+            "reward.max_failure_ratio=1.0",
+            "trainer.total_steps=1",
+            "trainer.val_before_train=false",
+            "data.val_files=[]",
+        ],
+    )
     trainer = RLTrainer(cfg)
     try:
         m = trainer.fit()
@@ -75,9 +119,18 @@ def test_max_failure_ratio_stops_the_run(small_overrides, tmp_path):
     from postrl.reward import RewardFailureError
 
     fn = tmp_path / "broken.py"
-    fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    raise ValueError('x')\n")
-    cfg = load_config(None, [*small_overrides, f"reward.custom_function.path={fn}", "reward.max_failure_ratio=0.5",
-                             "trainer.val_before_train=false"])
+    fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    raise ValueError('x')\n"
+    )
+    cfg = load_config(
+        None,
+        [
+            *small_overrides,
+            f"reward.custom_function.path={fn}",
+            "reward.max_failure_ratio=0.5",
+            "trainer.val_before_train=false",
+        ],
+    )
     trainer = RLTrainer(cfg)
     try:
         with pytest.raises(RewardFailureError):

@@ -25,15 +25,24 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
 
 COMMON_KEYS = {
-    "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr",
-    "critic/score/mean", "critic/advantages/mean", "timing_s/step", "reward/scored",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/grad_norm",
+    "actor/lr",
+    "critic/score/mean",
+    "critic/advantages/mean",
+    "timing_s/step",
+    "reward/scored",
 }
 # keys each algorithm must add on top of COMMON_KEYS
 EXPECTED_KEYS: dict[str, set[str]] = {
     "grpo_addition": set(),
     "drgrpo_addition": set(),
     "dapo_addition": {
-        "dynamic_sampling/num_groups", "dynamic_sampling/num_kept_groups", "dynamic_sampling/num_dropped_groups",
+        "dynamic_sampling/num_groups",
+        "dynamic_sampling/num_kept_groups",
+        "dynamic_sampling/num_dropped_groups",
         "reward/overlong_penalty/mean",
     },
     "rloo_addition": {"actor/kl_loss"},
@@ -41,13 +50,25 @@ EXPECTED_KEYS: dict[str, set[str]] = {
     "gspo_addition": set(),
     "grpo_tool_arith": {"agent/num_tool_calls", "agent/token_drift_ratio"},
     "ppo_gae_addition": {
-        "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/values/mean",
-        "critic/returns/mean", "timing_s/values", "timing_s/update_critic", "actor/reward_kl_penalty",
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/vpred_mean",
+        "critic/grad_norm",
+        "critic/values/mean",
+        "critic/returns/mean",
+        "timing_s/values",
+        "timing_s/update_critic",
+        "actor/reward_kl_penalty",
     },
     "grpo_countdown": {"actor/kl_loss", "reward/extra/acc/mean"},
     "ppo_rm_addition": {
-        "critic/vf_loss", "critic/values/mean", "timing_s/update_critic", "actor/reward_kl_penalty",
-        "reward_model/score/mean", "reward_model/truncated", "timing_s/reward_model",
+        "critic/vf_loss",
+        "critic/values/mean",
+        "timing_s/update_critic",
+        "actor/reward_kl_penalty",
+        "reward_model/score/mean",
+        "reward_model/truncated",
+        "timing_s/reward_model",
     },
 }
 
@@ -68,7 +89,9 @@ def countdown_files(tmp_path_factory):
     return str(train), str(test)
 
 
-def _shrunk(name: str, tiny_model_dir, addition_files, countdown_files, digits_reward, run_dir: Path) -> list[str]:
+def _shrunk(
+    name: str, tiny_model_dir, addition_files, countdown_files, digits_reward, run_dir: Path
+) -> list[str]:
     """Overrides turning a full recipe into a ~5 s run (1 step, 4 prompts × 4 responses, 8 tokens)."""
     countdown = "countdown" in name
     train, test = countdown_files if countdown else addition_files
@@ -88,20 +111,40 @@ def _shrunk(name: str, tiny_model_dir, addition_files, countdown_files, digits_r
         "trainer.save_freq=0",
     ]
     if countdown:  # the real rule reward and a tiny validation pass
-        ov += [f"data.val_files=[{test}]", "data.max_val_samples=2", "trainer.val_before_train=false"]
+        ov += [
+            f"data.val_files=[{test}]",
+            "data.max_val_samples=2",
+            "trainer.val_before_train=false",
+        ]
     else:
         # the stand-in reward takes no recipe-specific kwargs (e.g. tool-arith's partial_credit)
-        ov += ["data.val_files=[]", f"reward.custom_function.path={digits_reward}", "reward.reward_kwargs={}"]
+        ov += [
+            "data.val_files=[]",
+            f"reward.custom_function.path={digits_reward}",
+            "reward.reward_kwargs={}",
+        ]
     return ov
 
 
 @pytest.mark.parametrize("path", EXAMPLE_FILES, ids=[p.stem for p in EXAMPLE_FILES])
-def test_example_runs(path: Path, tiny_model_dir, addition_files, countdown_files, digits_reward, reward_model_dir,
-                      tmp_path):
+def test_example_runs(
+    path: Path,
+    tiny_model_dir,
+    addition_files,
+    countdown_files,
+    digits_reward,
+    reward_model_dir,
+    tmp_path,
+):
     run_dir = tmp_path / "run"
-    overrides = _shrunk(path.stem, tiny_model_dir, addition_files, countdown_files, digits_reward, run_dir)
+    overrides = _shrunk(
+        path.stem, tiny_model_dir, addition_files, countdown_files, digits_reward, run_dir
+    )
     if "_rm_" in path.stem:  # the learned reward model (and the critic initialised from it)
-        overrides += [f"reward.model.path={reward_model_dir}", f"critic.model_path={reward_model_dir}"]
+        overrides += [
+            f"reward.model.path={reward_model_dir}",
+            f"critic.model_path={reward_model_dir}",
+        ]
     cfg = load_config(path, overrides)
     trainer = RLTrainer(cfg)
     try:
@@ -121,7 +164,9 @@ def test_example_runs(path: Path, tiny_model_dir, addition_files, countdown_file
     if "critic/vf_loss" in want:  # the critic really trained
         assert last["critic/grad_norm"] > 0 and last["critic/vf_loss"] > 0
     # dense reward → non-zero advantages → the update moved the policy
-    assert any(not torch.equal(before[k], after[k]) for k in before), f"{path.name}: no parameter changed"
+    assert any(not torch.equal(before[k], after[k]) for k in before), (
+        f"{path.name}: no parameter changed"
+    )
 
 
 def test_every_example_is_covered_and_documented():
@@ -129,7 +174,9 @@ def test_every_example_is_covered_and_documented():
     assert {p.stem for p in EXAMPLE_FILES} == set(EXPECTED_KEYS)
     for p in EXAMPLE_FILES:
         head = p.read_text().split("\nmodel:", 1)[0]
-        assert f"postrl train examples/{p.name}" in head, f"{p.name}: header lacks its launch command"
+        assert f"postrl train examples/{p.name}" in head, (
+            f"{p.name}: header lacks its launch command"
+        )
 
 
 def test_examples_select_their_algorithm():
@@ -138,7 +185,11 @@ def test_examples_select_their_algorithm():
     assert cfg["drgrpo_addition"].algorithm.norm_adv_by_std_in_grpo is False
     assert cfg["drgrpo_addition"].actor.loss_agg_mode == "seq-mean-token-sum-norm"
     dapo = cfg["dapo_addition"]
-    assert dapo.actor.clip_ratio_high == 0.28 and dapo.algorithm.filter_groups.enable and dapo.reward.overlong.enable
+    assert (
+        dapo.actor.clip_ratio_high == 0.28
+        and dapo.algorithm.filter_groups.enable
+        and dapo.reward.overlong.enable
+    )
     assert dapo.actor.loss_agg_mode == "token-mean"
     assert cfg["rloo_addition"].algorithm.adv_estimator == "rloo"
     assert cfg["reinforce_pp_addition"].algorithm.adv_estimator == "reinforce_plus_plus"
@@ -146,7 +197,11 @@ def test_examples_select_their_algorithm():
     assert cfg["gspo_addition"].actor.policy_loss == "gspo"
     assert cfg["ppo_gae_addition"].algorithm.adv_estimator == "gae"
     rm = cfg["ppo_rm_addition"]
-    assert rm.algorithm.adv_estimator == "gae" and rm.reward.model.enable and rm.critic.model_path == rm.reward.model.path
+    assert (
+        rm.algorithm.adv_estimator == "gae"
+        and rm.reward.model.enable
+        and rm.critic.model_path == rm.reward.model.path
+    )
     assert all(c.rollout.n > 1 for c in cfg.values())
 
 
@@ -156,32 +211,50 @@ _HALF_CONSTANT = (
     "        return 1.0  # every sample of this prompt scores the same: DAPO drops the group\n"
     "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n"
 )
-_ALL_CONSTANT = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+_ALL_CONSTANT = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+)
 
 
-@pytest.mark.parametrize("reward,mini", [(_HALF_CONSTANT, 6), (_HALF_CONSTANT, 2), (_ALL_CONSTANT, 2)],
-                         ids=["half-dropped", "half-dropped-ragged-minibatch", "all-dropped"])
+@pytest.mark.parametrize(
+    "reward,mini",
+    [(_HALF_CONSTANT, 6), (_HALF_CONSTANT, 2), (_ALL_CONSTANT, 2)],
+    ids=["half-dropped", "half-dropped-ragged-minibatch", "all-dropped"],
+)
 def test_dapo_dynamic_sampling_shrinks_the_batch(small_overrides, tmp_path, reward, mini):
     """Dropped groups shrink the batch (possibly below/off a mini-batch multiple, or to nothing)."""
     fn = tmp_path / "reward.py"
     fn.write_text(reward)
-    ov = [*small_overrides, f"reward.custom_function.path={fn}", "data.val_files=[]", "trainer.total_steps=1",
-          "data.train_batch_size=6", f"actor.ppo_mini_batch_size={mini}",
-          "reward.overlong.enable=false"]  # the length penalty would make constant rewards differ
+    ov = [
+        *small_overrides,
+        f"reward.custom_function.path={fn}",
+        "data.val_files=[]",
+        "trainer.total_steps=1",
+        "data.train_batch_size=6",
+        f"actor.ppo_mini_batch_size={mini}",
+        "reward.overlong.enable=false",
+    ]  # the length penalty would make constant rewards differ
     trainer = RLTrainer(load_config(EXAMPLES / "dapo_addition.yaml", ov))
     try:
         before, last, after = fit_with_snapshots(trainer)
     finally:
         trainer.close()
     moved = any(not torch.equal(before[k], after[k]) for k in before)
-    if reward is _ALL_CONSTANT:  # nothing to learn: no optimizer step at all (AdamW would still move)
-        assert last["dynamic_sampling/num_kept_groups"] == 0 and last["dynamic_sampling/skipped_update"] == 1
+    if (
+        reward is _ALL_CONSTANT
+    ):  # nothing to learn: no optimizer step at all (AdamW would still move)
+        assert (
+            last["dynamic_sampling/num_kept_groups"] == 0
+            and last["dynamic_sampling/skipped_update"] == 1
+        )
         assert not moved
     else:
         assert last["dynamic_sampling/skipped_update"] == 0 and moved
     assert last["dynamic_sampling/num_groups"] == 6
     assert last["dynamic_sampling/num_dropped_groups"] >= 1
-    assert last["dynamic_sampling/num_kept_groups"] + last["dynamic_sampling/num_dropped_groups"] == 6
+    assert (
+        last["dynamic_sampling/num_kept_groups"] + last["dynamic_sampling/num_dropped_groups"] == 6
+    )
     assert all(math.isfinite(v) for v in last.values()), last
 
 
@@ -194,15 +267,26 @@ def test_overlong_penalty_uses_the_configured_length_not_the_batch_width():
     from postrl.trainer.stages import apply_reward_result
 
     lengths = torch.tensor([3, 2, 1])  # the batch is 3 tokens wide; the configured max is 16
-    am = torch.cat([torch.ones(3, 4, dtype=torch.long), (torch.arange(3)[None] < lengths[:, None]).long()], 1)
-    batch = DataProto.from_dict({"responses": torch.zeros(3, 3, dtype=torch.long), "attention_mask": am,
-                                 "response_mask": am[:, -3:].clone()})
-    result = RewardResult.from_samples([SampleScore(1.0, None, None, {}) for _ in range(3)], ["a", "a", "a"])
+    am = torch.cat(
+        [torch.ones(3, 4, dtype=torch.long), (torch.arange(3)[None] < lengths[:, None]).long()], 1
+    )
+    batch = DataProto.from_dict(
+        {
+            "responses": torch.zeros(3, 3, dtype=torch.long),
+            "attention_mask": am,
+            "response_mask": am[:, -3:].clone(),
+        }
+    )
+    result = RewardResult.from_samples(
+        [SampleScore(1.0, None, None, {}) for _ in range(3)], ["a", "a", "a"]
+    )
     ov = SimpleNamespace(enable=True, buffer_len=4, penalty_factor=1.0)
     out, m = apply_reward_result(batch, result, ov, max_response_length=16)
     assert m["reward/overlong_penalty/mean"] == 0.0
     assert out.batch["token_level_scores"].sum(-1).tolist() == [1.0, 1.0, 1.0]
-    _, m = apply_reward_result(batch, result, ov, max_response_length=4)  # ramp over lengths 1..4: -len/4
+    _, m = apply_reward_result(
+        batch, result, ov, max_response_length=4
+    )  # ramp over lengths 1..4: -len/4
     assert m["reward/overlong_penalty/mean"] == pytest.approx(-(3 / 4 + 2 / 4 + 1 / 4) / 3)
     with pytest.raises(ValueError, match="max_response_length"):
         apply_reward_result(batch, result, ov)
@@ -213,11 +297,17 @@ def test_example_data_paths_are_what_quickstart_writes():
     by a `postrl data` command in the recipe's own header."""
     import re
 
-    source = (Path(__file__).resolve().parents[2] / "postrl" / "trainer" / "quickstart.py").read_text()
+    source = (
+        Path(__file__).resolve().parents[2] / "postrl" / "trainer" / "quickstart.py"
+    ).read_text()
     for p in EXAMPLE_FILES:
         text = p.read_text()
         header = text.split("\nmodel:", 1)[0]
-        body = text[len(header):]
+        body = text[len(header) :]
         for name in re.findall(r"runs/quickstart/data/([\w.]+)", body):
-            made = f'"{name}"' in source or re.search(rf"postrl data \S+ runs/quickstart/data/{re.escape(name)}", header)
-            assert made, f"{p.name} reads runs/quickstart/data/{name}, which neither quickstart nor its header writes"
+            made = f'"{name}"' in source or re.search(
+                rf"postrl data \S+ runs/quickstart/data/{re.escape(name)}", header
+            )
+            assert made, (
+                f"{p.name} reads runs/quickstart/data/{name}, which neither quickstart nor its header writes"
+            )

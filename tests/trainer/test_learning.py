@@ -15,8 +15,21 @@ pytestmark = pytest.mark.slow
 def test_grpo_raises_validation_accuracy(tmp_path):
     from postrl.trainer.quickstart import main
 
-    assert main(["--run-dir", str(tmp_path), "--sft-steps", "250", "--grpo-steps", "120",
-                 "trainer.test_freq=30", "trainer.loggers=[jsonl]"]) == 0
+    assert (
+        main(
+            [
+                "--run-dir",
+                str(tmp_path),
+                "--sft-steps",
+                "250",
+                "--grpo-steps",
+                "120",
+                "trainer.test_freq=30",
+                "trainer.loggers=[jsonl]",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(ln) for ln in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     acc = {r["step"]: r["val/acc/mean"] for r in rows if r.get("val/acc/mean") is not None}
     assert sorted(acc) == [0, 30, 60, 90, 120]

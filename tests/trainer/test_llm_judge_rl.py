@@ -25,10 +25,19 @@ def judge_url(tiny_model_dir):
 
 
 def _fit(small_overrides, url: str) -> dict[str, float]:
-    cfg = load_config(None, [*small_overrides, f"reward.custom_function.path={JUDGE}", "reward.max_failure_ratio=1.0",
-                             f"reward.reward_kwargs={{judge_url: '{url}', judge_timeout_s: 20, max_score: 9}}",
-                             "reward.timeout_s=40", "trainer.total_steps=1", "trainer.val_before_train=false",
-                             "data.val_files=[]"])
+    cfg = load_config(
+        None,
+        [
+            *small_overrides,
+            f"reward.custom_function.path={JUDGE}",
+            "reward.max_failure_ratio=1.0",
+            f"reward.reward_kwargs={{judge_url: '{url}', judge_timeout_s: 20, max_score: 9}}",
+            "reward.timeout_s=40",
+            "trainer.total_steps=1",
+            "trainer.val_before_train=false",
+            "data.val_files=[]",
+        ],
+    )
     trainer = RLTrainer(cfg)
     try:
         return trainer.fit()
@@ -70,7 +79,9 @@ def test_judge_parses_scores_and_rejects_the_rest():
         def do_POST(self):  # noqa: N802 (http.server's name)
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append(body["messages"][0]["content"])
-            out = json.dumps({"choices": [{"message": {"role": "assistant", "content": replies[len(seen) - 1]}}]}).encode()
+            out = json.dumps(
+                {"choices": [{"message": {"role": "assistant", "content": replies[len(seen) - 1]}}]}
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(out)))
@@ -84,8 +95,15 @@ def test_judge_parses_scores_and_rejects_the_rest():
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
     try:
-        got = [judge.compute_score("addition", "17", "17", {"question": "What is 8+9?"}, judge_url=url) for _ in replies]
+        got = [
+            judge.compute_score("addition", "17", "17", {"question": "What is 8+9?"}, judge_url=url)
+            for _ in replies
+        ]
     finally:
         srv.shutdown()
     assert got == [{"score": 0.7, "judge_raw": 7}, None, None, {"score": 1.0, "judge_raw": 10}]
-    assert "What is 8+9?" in seen[0] and "Reference answer: 17" in seen[0] and "Response:\n17" in seen[0]
+    assert (
+        "What is 8+9?" in seen[0]
+        and "Reference answer: 17" in seen[0]
+        and "Response:\n17" in seen[0]
+    )

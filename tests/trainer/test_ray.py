@@ -68,7 +68,10 @@ def ray_cluster():
 
 
 def _rows(cfg) -> list[dict]:
-    return [json.loads(ln) for ln in (Path(cfg.trainer.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(ln)
+        for ln in (Path(cfg.trainer.run_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def _run(overrides: list[str]) -> tuple[dict, list[dict], list[int]]:
@@ -86,7 +89,11 @@ def _run(overrides: list[str]) -> tuple[dict, list[dict], list[int]]:
 def _wait_dead(pids: list[int], timeout_s: float = 15.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [
+            p
+            for p in pids
+            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
         if not alive:
             return []
         time.sleep(0.2)
@@ -100,12 +107,20 @@ def _comparable(row: dict) -> dict:
 def test_grpo_ray_dp2_matches_local(ray_cluster, small_overrides, digits_reward, tmp_path):
     base = [*small_overrides, f"reward.custom_function.path={digits_reward}", *SAME_UPDATES]
 
-    last, ray_rows, pids = _run([*base, "trainer.backend=ray", "trainer.num_workers=2",
-                                 f"trainer.run_dir={tmp_path / 'ray'}"])
+    last, ray_rows, pids = _run(
+        [
+            *base,
+            "trainer.backend=ray",
+            "trainer.num_workers=2",
+            f"trainer.run_dir={tmp_path / 'ray'}",
+        ]
+    )
     assert len(pids) == 2, "the ray run should have started 2 actor workers"
     assert not _wait_dead(pids), "actor workers still alive after trainer.close()"
     assert EXPECTED_KEYS <= set(last), sorted(EXPECTED_KEYS - set(last))
-    assert all(math.isfinite(v) for v in last.values()), {k: v for k, v in last.items() if not math.isfinite(v)}
+    assert all(math.isfinite(v) for v in last.values()), {
+        k: v for k, v in last.items() if not math.isfinite(v)
+    }
     assert last["reward/generated"] == 16 == last["reward/scored"] + last["reward/failed/total"]
     assert last["actor/grad_norm"] > 0
 

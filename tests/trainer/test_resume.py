@@ -48,16 +48,28 @@ def resume_setup(tiny_model_dir, tmp_path_factory, digits_reward):
     train = write_parquet(generate_addition(8, seed=3), d / "train.parquet")  # 2 steps per epoch
     test = write_parquet(generate_addition(4, seed=3, split="test"), d / "test.parquet")
     base = [
-        f"model.path={tiny_model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
-        "data.train_batch_size=4", "data.max_prompt_length=48", "actor.ppo_mini_batch_size=2", "actor.optim.lr=1e-4",
-        "rollout.n=4", "rollout.response_length=6", "trainer.total_steps=4", "trainer.test_freq=2",
-        "trainer.save_freq=1", "trainer.val_before_train=false", "trainer.loggers=[jsonl]",
+        f"model.path={tiny_model_dir}",
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{test}]",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=48",
+        "actor.ppo_mini_batch_size=2",
+        "actor.optim.lr=1e-4",
+        "rollout.n=4",
+        "rollout.response_length=6",
+        "trainer.total_steps=4",
+        "trainer.test_freq=2",
+        "trainer.save_freq=1",
+        "trainer.val_before_train=false",
+        "trainer.loggers=[jsonl]",
         f"reward.custom_function.path={digits_reward}",
     ]
     ref = d / "ref"
     assert _train([*base, f"trainer.run_dir={ref}"]) == 0
     first = _final_weights(ref, 1)
-    assert any(not torch.equal(first[k], v) for k, v in _final_weights(ref, 4).items()), "training must move the weights"
+    assert any(not torch.equal(first[k], v) for k, v in _final_weights(ref, 4).items()), (
+        "training must move the weights"
+    )
     return base, d, ref
 
 
@@ -68,7 +80,9 @@ def test_sigkill_and_resume_is_exact(resume_setup, kill_at):
     args = [*base, f"trainer.run_dir={run}"]
     assert _train(args, kill_at=kill_at) == -9  # SIGKILL
     if kill_at.endswith("ckpt_components"):
-        assert list((run / "checkpoints").glob("*.tmp-*")), "the interrupted checkpoint should be left unfinished"
+        assert list((run / "checkpoints").glob("*.tmp-*")), (
+            "the interrupted checkpoint should be left unfinished"
+        )
     assert _train(args) == 0
     assert _rows(run) == _rows(ref)
     a, b = _final_weights(run, 4), _final_weights(ref, 4)

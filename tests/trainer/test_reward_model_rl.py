@@ -21,8 +21,15 @@ def test_reward_model_result_replace_and_add():
     r = reward_model_result(rm, ["a", "b", "c", "d"])
     assert r.valid.tolist() == [True, False, True, True]  # a NaN score is a failure, not a number
     assert r.failure_reason[1] == "nan" and r.scores.tolist() == [0.5, 0.0, -1.0, 2.0]
-    rule = RewardResult.from_samples([SampleScore(1.0, extra={"acc": 1}), SampleScore(0.0), failed("timeout", "slow"),
-                                      SampleScore(0.0, extra={"acc": 0})], ["a", "b", "c", "d"])
+    rule = RewardResult.from_samples(
+        [
+            SampleScore(1.0, extra={"acc": 1}),
+            SampleScore(0.0),
+            failed("timeout", "slow"),
+            SampleScore(0.0, extra={"acc": 0}),
+        ],
+        ["a", "b", "c", "d"],
+    )
     s = reward_model_result(rm, ["a", "b", "c", "d"], rule=rule)
     assert s.valid.tolist() == [True, False, False, True]
     assert s.scores.tolist() == [1.5, 0.0, 0.0, 2.0]
@@ -32,12 +39,24 @@ def test_reward_model_result_replace_and_add():
 
 
 def test_reward_model_config_is_validated(tiny_model_dir):
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "data.train_files=[x.parquet]", "reward.model.enable=true",
-                             "reward.model.mode=mix", "reward.model.micro_batch_size=0"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "data.train_files=[x.parquet]",
+            "reward.model.enable=true",
+            "reward.model.mode=mix",
+            "reward.model.micro_batch_size=0",
+        ],
+    )
     with pytest.raises(ConfigError) as e:
         validate_config(cfg, check_files=False)
     msg = str(e.value)
-    assert "reward.model.path is empty" in msg and "reward.model.mode='mix'" in msg and "micro_batch_size=0" in msg
+    assert (
+        "reward.model.path is empty" in msg
+        and "reward.model.mode='mix'" in msg
+        and "micro_batch_size=0" in msg
+    )
 
 
 def _fit(cfg) -> dict[str, float]:
@@ -59,11 +78,23 @@ def rm_dir(tmp_path_factory):
 def test_grpo_with_reward_model(small_overrides, rm_dir, mode):
     """The step scores every trajectory with the reward model; in ``replace`` mode the reward is
     its score (times ``weight``), in ``add`` mode the rule reward plus it; metrics report it."""
-    cfg = load_config(None, [*small_overrides, "reward.model.enable=true", f"reward.model.path={rm_dir}",
-                             f"reward.model.mode={mode}", "reward.model.weight=10.0", "trainer.total_steps=2",
-                             "trainer.val_before_train=false"])
+    cfg = load_config(
+        None,
+        [
+            *small_overrides,
+            "reward.model.enable=true",
+            f"reward.model.path={rm_dir}",
+            f"reward.model.mode={mode}",
+            "reward.model.weight=10.0",
+            "trainer.total_steps=2",
+            "trainer.val_before_train=false",
+        ],
+    )
     last = _fit(cfg)
-    rows = [json.loads(ln) for ln in (Path(cfg.trainer.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(ln)
+        for ln in (Path(cfg.trainer.run_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
     train = [r for r in rows if "reward_model/score/mean" in r]
     assert len(train) == 2
     for r in train:
@@ -80,7 +111,9 @@ def test_grpo_with_reward_model(small_overrides, rm_dir, mode):
     assert "val/reward_model/score" in last
 
 
-def test_preference_only_data_trains_and_validates_on_the_reward_model(small_overrides, addition_files, rm_dir, tmp_path):
+def test_preference_only_data_trains_and_validates_on_the_reward_model(
+    small_overrides, addition_files, rm_dir, tmp_path
+):
     """A data_source with no reward function: replace mode needs none, validation reports the RM
     score only; add mode fails loudly for it."""
     from postrl.data import write_parquet
@@ -91,8 +124,14 @@ def test_preference_only_data_trains_and_validates_on_the_reward_model(small_ove
         rows = [{**r, "data_source": "chat_prefs"} for r in read_rows(str(f))]
         files.append(write_parquet(rows, tmp_path / Path(f).name))
     over = [o for o in small_overrides if not o.startswith(("data.train_files", "data.val_files"))]
-    common = [*over, f"data.train_files=[{files[0]}]", f"data.val_files=[{files[1]}]", "reward.model.enable=true",
-              f"reward.model.path={rm_dir}", "trainer.total_steps=1"]
+    common = [
+        *over,
+        f"data.train_files=[{files[0]}]",
+        f"data.val_files=[{files[1]}]",
+        "reward.model.enable=true",
+        f"reward.model.path={rm_dir}",
+        "trainer.total_steps=1",
+    ]
     trainer = RLTrainer(load_config(None, common))
     try:
         last = trainer.fit()
@@ -100,7 +139,9 @@ def test_preference_only_data_trains_and_validates_on_the_reward_model(small_ove
         trainer.close()
     assert "val/reward_model/score" in last and "val/acc/mean" not in last
     assert last["reward/scored"] == 16 and math.isfinite(last["critic/score/mean"])
-    trainer = RLTrainer(load_config(None, [*common, "reward.model.mode=add", "trainer.val_before_train=false"]))
+    trainer = RLTrainer(
+        load_config(None, [*common, "reward.model.mode=add", "trainer.val_before_train=false"])
+    )
     try:
         with pytest.raises(Exception, match="chat_prefs"):
             trainer.fit()
@@ -126,8 +167,19 @@ def test_ppo_with_reward_model_and_critic_initialised_from_it(small_overrides, r
         values = critic(ids, mask, 3)  # value of response token t = state that predicts it
     torch.testing.assert_close(values[[0, 1], [2, 1]], scores, atol=1e-5, rtol=1e-5)
 
-    cfg = load_config(None, [*small_overrides, "algorithm.adv_estimator=gae", "critic.optim.lr=1e-4",
-                             "reward.model.enable=true", f"reward.model.path={rm_dir}", f"critic.model_path={rm_dir}",
-                             "trainer.total_steps=1", "trainer.val_before_train=false", "data.val_files=[]"])
+    cfg = load_config(
+        None,
+        [
+            *small_overrides,
+            "algorithm.adv_estimator=gae",
+            "critic.optim.lr=1e-4",
+            "reward.model.enable=true",
+            f"reward.model.path={rm_dir}",
+            f"critic.model_path={rm_dir}",
+            "trainer.total_steps=1",
+            "trainer.val_before_train=false",
+            "data.val_files=[]",
+        ],
+    )
     last = _fit(cfg)
     assert math.isfinite(last["critic/vf_loss"]) and "reward_model/score/mean" in last

@@ -62,8 +62,13 @@ class FirstTurnScript:
         self.scripted[request_id] = ids
         return TokenOutput(ids, [-1.0] * len(ids), "stop")
 
-    async def generate(self, prompt_ids: list[int], sampling: Any, request_id: str,
-                       trajectory_id: str | None = None) -> TokenOutput:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: Any,
+        request_id: str,
+        trajectory_id: str | None = None,
+    ) -> TokenOutput:
         k, turn = (int(g) for g in _K.search(request_id).groups())
         text = self.tok.decode(prompt_ids, skip_special_tokens=False)
         if turn == 0:
@@ -74,8 +79,9 @@ class FirstTurnScript:
             return self._out(f"<tool_call>\n{call}\n</tool_call>", request_id)
         if turn == 1 and k % 2 == 0:
             return self._out(f"The answer is {_RESULT.findall(text)[-1]}.", request_id)
-        return await self.inner.generate(prompt_ids, sampling, request_id=request_id,
-                                         trajectory_id=trajectory_id)
+        return await self.inner.generate(
+            prompt_ids, sampling, request_id=request_id, trajectory_id=trajectory_id
+        )
 
 
 @register_trainer("sync_tool_script_test", override=True)
@@ -99,7 +105,9 @@ class ScriptedToolMode(SyncMode):
 @pytest.fixture(scope="module")
 def tool_arith_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("tool_arith")
-    train = write_parquet(generate_tool_arith(16, seed=0, min_digits=2, max_digits=3), d / "train.parquet")
+    train = write_parquet(
+        generate_tool_arith(16, seed=0, min_digits=2, max_digits=3), d / "train.parquet"
+    )
     return str(train)
 
 
@@ -153,7 +161,9 @@ def test_grpo_with_tool_loop_end_to_end(tiny_model_dir, tool_arith_files, tmp_pa
     # even samples copy the tool result (reward 1), odd ones are the random model (reward 0)
     assert last["critic/score/mean"] == pytest.approx(0.5)
     assert last["reward/scored"] == 4
-    assert any(not torch.equal(before[k], after[k]) for k in before), "the update changed no parameter"
+    assert any(not torch.equal(before[k], after[k]) for k in before), (
+        "the update changed no parameter"
+    )
 
     assert len(mode.trained) == 2
     for batch in mode.trained:
@@ -166,15 +176,18 @@ def test_grpo_with_tool_loop_end_to_end(tiny_model_dir, tool_arith_files, tmp_pa
             # policy call, observation, policy answer: exactly one masked span, in the middle
             assert [v for v, _ in runs] == [1, 0, 1], runs
             call_len, obs_len = runs[0][1], runs[1][1]
-            obs = tok.decode(ids[call_len: call_len + obs_len].tolist(), skip_special_tokens=False)
+            obs = tok.decode(ids[call_len : call_len + obs_len].tolist(), skip_special_tokens=False)
             assert obs.startswith(OBS_HEAD) and obs.endswith(OBS_TAIL), obs
             policy = tok.decode(ids[mask.bool()].tolist(), skip_special_tokens=False)
             assert "<tool_call>" in policy and "<tool_response>" not in policy
             # the scripted call is trained exactly as generated, the observation follows it
-            rid = next(r for r, s in mode.script.scripted.items()
-                       if r.endswith("-t0") and s == ids[:call_len].tolist())
+            rid = next(
+                r
+                for r, s in mode.script.scripted.items()
+                if r.endswith("-t0") and s == ids[:call_len].tolist()
+            )
             k = int(_K.search(rid).group(1))
-            inner = obs[len(OBS_HEAD): -len(OBS_TAIL)]
+            inner = obs[len(OBS_HEAD) : -len(OBS_TAIL)]
             if k % 4 == 3:
                 assert inner.startswith("Error:"), inner
             else:
@@ -211,16 +224,36 @@ def test_sft_on_demonstrations_teaches_tool_calls(tiny_model_dir, tmp_path):
     """200 demonstrations, a short SFT, then a real rollout: parseable calls at a non-zero rate."""
     from postrl.engine.sft import run_sft
 
-    demos = write_parquet(tool_arith_demonstrations(200, seed=1, min_digits=2, max_digits=3),
-                          tmp_path / "demos.parquet")
-    train = write_parquet(generate_tool_arith(4, seed=3, min_digits=2, max_digits=3), tmp_path / "train.parquet")
-    m = run_sft(str(tiny_model_dir), str(demos), str(tmp_path / "sft"), epochs=3, lr=3e-3, log_every=10,
-                batch_tokens=2048, warmup_steps=2)  # small steps learn the format faster
+    demos = write_parquet(
+        tool_arith_demonstrations(200, seed=1, min_digits=2, max_digits=3),
+        tmp_path / "demos.parquet",
+    )
+    train = write_parquet(
+        generate_tool_arith(4, seed=3, min_digits=2, max_digits=3), tmp_path / "train.parquet"
+    )
+    m = run_sft(
+        str(tiny_model_dir),
+        str(demos),
+        str(tmp_path / "sft"),
+        epochs=3,
+        lr=3e-3,
+        log_every=10,
+        batch_tokens=2048,
+        warmup_steps=2,
+    )  # small steps learn the format faster
     assert m["sft/final_loss"] < m["sft/first_loss"]
     ov = [
-        f"model.path={tmp_path / 'sft'}", f"data.train_files=[{train}]", "data.val_files=[]", "data.max_prompt_length=512",
-        "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "rollout.response_length=96", "rollout.temperature=0.7",
-        f"trainer.run_dir={tmp_path / 'run'}", "trainer.loggers=[jsonl]",
+        f"model.path={tmp_path / 'sft'}",
+        f"data.train_files=[{train}]",
+        "data.val_files=[]",
+        "data.max_prompt_length=512",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "rollout.n=4",
+        "rollout.response_length=96",
+        "rollout.temperature=0.7",
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "trainer.loggers=[jsonl]",
     ]
     trainer = RLTrainer(load_config(EXAMPLE, [*ov, TOOLS]))
     try:
@@ -238,12 +271,17 @@ def test_code_reward_through_the_reward_loop():
     """Correct programs score 1, wrong ones < 1, and a sandbox that refuses is a failure, not 0."""
     rows = generate_code_tasks(3, seed=0)
     good = [f"Here you go:\n```python\n{r['extra_info']['reference_solution']}```" for r in rows]
-    wrong = ["```python\ndef f(*args):\n    return None\n```", "no code at all",
-             "```python\ndef f(x:\n```"]
+    wrong = [
+        "```python\ndef f(*args):\n    return None\n```",
+        "no code at all",
+        "```python\ndef f(x:\n```",
+    ]
 
     def requests(texts: list[str]) -> list[RewardRequest]:
-        return [RewardRequest("code", t, r["reward_model"]["ground_truth"], r["extra_info"], uid=i)
-                for i, (t, r) in enumerate(zip(texts, rows))]
+        return [
+            RewardRequest("code", t, r["reward_model"]["ground_truth"], r["extra_info"], uid=i)
+            for i, (t, r) in enumerate(zip(texts, rows))
+        ]
 
     with RewardLoop(timeout_s=30, num_workers=1) as loop:
         res = loop.score(requests(good) + requests(wrong))

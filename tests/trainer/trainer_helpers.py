@@ -12,7 +12,9 @@ def actor_params(trainer: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.roles.actor.get_per_tensor_param()}
 
 
-def fit_with_snapshots(trainer: Any) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, torch.Tensor]]:
+def fit_with_snapshots(
+    trainer: Any,
+) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, torch.Tensor]]:
     """``(actor weights before, last step's metrics, actor weights after)`` of ``trainer.fit()``."""
     before = actor_params(trainer)
     last = trainer.fit()

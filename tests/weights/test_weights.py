@@ -41,7 +41,11 @@ def test_roundtrip_exact_through_frames():
     for (_, a), (_, b) in zip(src, out):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     headers = [decode_frame(f).header for f in frames]
-    assert headers[-1]["last"] and not any(h["last"] for h in headers[:-1]) and headers[0]["version"] == 7
+    assert (
+        headers[-1]["last"]
+        and not any(h["last"] for h in headers[:-1])
+        and headers[0]["version"] == 7
+    )
 
 
 def test_buckets_bounded_and_stream_consumed_lazily():
@@ -53,7 +57,10 @@ def test_buckets_bounded_and_stream_consumed_lazily():
     def gen():
         for i in range(40):
             pulled.append(i)
-            yield f"t{i}", torch.full((i % 9 + 1,) if i != 20 else (200,), float(i))  # t20 = 800 bytes
+            yield (
+                f"t{i}",
+                torch.full((i % 9 + 1,) if i != 20 else (200,), float(i)),
+            )  # t20 = 800 bytes
 
     seen = 0
     for b in pack_buckets(gen(), bucket_bytes=bucket):
@@ -92,7 +99,9 @@ def test_sync_into_engine_equals_reload(tiny_model_factory, name):
     stats = sync.sync(iter(sorted(new.items())), [be])
     assert stats.num_tensors == len(new)
     if name == "bucketed":
-        largest = max(t.numel() * t.element_size() for t in new.values())  # oversized ones travel alone
+        largest = max(
+            t.numel() * t.element_size() for t in new.values()
+        )  # oversized ones travel alone
         assert stats.num_buckets > 5 and stats.max_bucket_bytes <= max(100_000, largest)
     sp = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=3)
 

@@ -45,7 +45,13 @@ class LocalWorkerGroup(WorkerGroup):
         resource_pool: Any = None,
     ) -> None:
         name = name or worker_cls.__name__
-        super().__init__(worker_cls, world_size=world_size, name=name, timeouts=timeouts, shutdown_on_error=shutdown_on_error)
+        super().__init__(
+            worker_cls,
+            world_size=world_size,
+            name=name,
+            timeouts=timeouts,
+            shutdown_on_error=shutdown_on_error,
+        )
         if init_dist:
             if world_size != 1:
                 raise ControllerError(
@@ -55,7 +61,9 @@ class LocalWorkerGroup(WorkerGroup):
         self.workers: list[Any] = []
         for rank in range(world_size):
             with worker_context(WorkerContext(rank, world_size, rank, name)):
-                out = invoke(worker_cls, "__call__", tuple(args), dict(kwargs or {}), role=name, rank=rank)
+                out = invoke(
+                    worker_cls, "__call__", tuple(args), dict(kwargs or {}), role=name, rank=rank
+                )
             if isinstance(out, RemoteFailure):
                 out.method = "__init__"
                 self._closed = True
@@ -72,7 +80,10 @@ class LocalWorkerGroup(WorkerGroup):
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+            backend,
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
             timeout=timedelta(seconds=self.timeouts.collective_s),
         )
         self._owns_pg = True
@@ -80,7 +91,9 @@ class LocalWorkerGroup(WorkerGroup):
     def _launch(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
         return invoke(self.workers[rank], method, args, kwargs, role=self.name, rank=rank)
 
-    def _wait(self, handles: list[Any], ranks: list[int], method: str, timeout_s: float) -> list[Any]:
+    def _wait(
+        self, handles: list[Any], ranks: list[int], method: str, timeout_s: float
+    ) -> list[Any]:
         for h in handles:
             if isinstance(h, RemoteFailure):
                 raise h.to_error()

@@ -54,8 +54,14 @@ class _WorkerHost:
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(
-        self, worker_cls: type, args: tuple, kwargs: dict, env: dict[str, str], init_dist: bool,
-        dist_backend: str, pg_timeout_s: float,
+        self,
+        worker_cls: type,
+        args: tuple,
+        kwargs: dict,
+        env: dict[str, str],
+        init_dist: bool,
+        dist_backend: str,
+        pg_timeout_s: float,
     ) -> Any:
         os.environ.update(env)
         self.role, self.rank = env["POSTRL_ROLE"], int(env["RANK"])
@@ -69,12 +75,22 @@ class _WorkerHost:
                 import torch.distributed as dist
 
                 dist.init_process_group(
-                    dist_backend, rank=ctx.rank, world_size=ctx.world_size, timeout=timedelta(seconds=pg_timeout_s)
+                    dist_backend,
+                    rank=ctx.rank,
+                    world_size=ctx.world_size,
+                    timeout=timedelta(seconds=pg_timeout_s),
                 )
         except Exception as e:
             import traceback
 
-            return RemoteFailure(self.role, self.rank, "init_process_group", type(e).__name__, str(e), traceback.format_exc())
+            return RemoteFailure(
+                self.role,
+                self.rank,
+                "init_process_group",
+                type(e).__name__,
+                str(e),
+                traceback.format_exc(),
+            )
         with worker_context(ctx):
             out = invoke(worker_cls, "__call__", args, kwargs, role=self.role, rank=self.rank)
         if isinstance(out, RemoteFailure):
@@ -110,7 +126,11 @@ def _acquire_pool(pool: ResourcePool, timeout_s: float) -> _PoolState:
     state = _POOLS.get(pool)
     if state is None:
         pgs = [
-            placement_group([pool.bundle()] * n, strategy=pool.strategy, name=f"{pool.name}_node{i}_{os.getpid()}")
+            placement_group(
+                [pool.bundle()] * n,
+                strategy=pool.strategy,
+                name=f"{pool.name}_node{i}_{os.getpid()}",
+            )
             for i, n in enumerate(pool.process_on_nodes)
         ]
         try:
@@ -166,11 +186,19 @@ class RayWorkerGroup(WorkerGroup):
         resource_pool: ResourcePool | None = None,
     ) -> None:
         name = name or worker_cls.__name__
-        super().__init__(worker_cls, world_size=world_size, name=name, timeouts=timeouts, shutdown_on_error=shutdown_on_error)
+        super().__init__(
+            worker_cls,
+            world_size=world_size,
+            name=name,
+            timeouts=timeouts,
+            shutdown_on_error=shutdown_on_error,
+        )
         if not ray.is_initialized():
             logger.info("ray is not initialised; starting a local Ray instance")
             ray.init()
-        self.pool = resource_pool or ResourcePool(process_on_nodes=(world_size,), name=f"{name}_pool")
+        self.pool = resource_pool or ResourcePool(
+            process_on_nodes=(world_size,), name=f"{name}_pool"
+        )
         self.hosts: list[Any] = []
         self.pids: list[int] = []
         self._pool_state: _PoolState | None = None
@@ -190,42 +218,73 @@ class RayWorkerGroup(WorkerGroup):
         placement: list[tuple[int, int]] = []  # (local_rank, local_world) per global rank
         for pg, n in zip(self._pool_state.pgs, self.pool.process_on_nodes):
             for b in range(n):
-                strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=b)
-                self.hosts.append(_remote_host().options(scheduling_strategy=strategy, **opts).remote())
+                strategy = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=b
+                )
+                self.hosts.append(
+                    _remote_host().options(scheduling_strategy=strategy, **opts).remote()
+                )
                 placement.append((b, n))
         remaining = max(1.0, self.timeouts.init_s - (time.monotonic() - t0))
-        master_addr, master_port = self._wait([self.hosts[0].node_info.remote()], [0], "node_info", remaining)[0]
+        master_addr, master_port = self._wait(
+            [self.hosts[0].node_info.remote()], [0], "node_info", remaining
+        )[0]
         backend = "nccl" if self.pool.use_gpu else "gloo"
         refs = []
         for rank, host in enumerate(self.hosts):
             env = {
-                "MASTER_ADDR": str(master_addr), "MASTER_PORT": str(master_port), "RANK": str(rank),
-                "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(placement[rank][0]),
-                "LOCAL_WORLD_SIZE": str(placement[rank][1]), "POSTRL_ROLE": self.name,
+                "MASTER_ADDR": str(master_addr),
+                "MASTER_PORT": str(master_port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(placement[rank][0]),
+                "LOCAL_WORLD_SIZE": str(placement[rank][1]),
+                "POSTRL_ROLE": self.name,
             }
-            refs.append(host.setup.remote(self.worker_cls, args, kwargs, env, init_dist, backend, self.timeouts.collective_s))
+            refs.append(
+                host.setup.remote(
+                    self.worker_cls,
+                    args,
+                    kwargs,
+                    env,
+                    init_dist,
+                    backend,
+                    self.timeouts.collective_s,
+                )
+            )
         remaining = max(1.0, self.timeouts.init_s - (time.monotonic() - t0))
         self.pids = self._wait(refs, list(range(self.world_size)), "__init__", remaining)
-        logger.info("%s: %d ray workers up in %.1fs", self.name, self.world_size, time.monotonic() - t0)
+        logger.info(
+            "%s: %d ray workers up in %.1fs", self.name, self.world_size, time.monotonic() - t0
+        )
 
     # ------------------------------------------------------------------ hooks
     def _launch(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
         return self.hosts[rank].execute.remote(method, *args, **kwargs)
 
-    def _wait(self, handles: list[Any], ranks: list[int], method: str, timeout_s: float) -> list[Any]:
+    def _wait(
+        self, handles: list[Any], ranks: list[int], method: str, timeout_s: float
+    ) -> list[Any]:
         deadline = time.monotonic() + timeout_s
         index = {h: j for j, h in enumerate(handles)}
         results: list[Any] = [None] * len(handles)
         pending = list(handles)
         while pending:
             remaining = deadline - time.monotonic()
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, remaining)) if remaining > 0 else ([], pending)
+            ready, pending = (
+                ray.wait(pending, num_returns=1, timeout=max(0.0, remaining))
+                if remaining > 0
+                else ([], pending)
+            )
             if not ready:
                 stuck = sorted(ranks[index[h]] for h in pending)
                 raise WorkerTimeoutError(
                     f"no result after {timeout_s:.1f}s from rank(s) {stuck}; raise the deadline via "
                     f"@register(timeout_s=...) or Timeouts(per_method={{{method!r}: ...}}) if this is expected",
-                    role=self.name, rank=stuck[0], method=method, exc_type="Timeout",
+                    role=self.name,
+                    rank=stuck[0],
+                    method=method,
+                    exc_type="Timeout",
                 )
             for h in ready:
                 j = index[h]
@@ -234,10 +293,19 @@ class RayWorkerGroup(WorkerGroup):
                 except RayActorError as e:
                     raise WorkerDiedError(
                         f"worker process died ({type(e).__name__}): {str(e).splitlines()[0] if str(e) else ''}",
-                        role=self.name, rank=ranks[j], method=method, exc_type=type(e).__name__,
+                        role=self.name,
+                        rank=ranks[j],
+                        method=method,
+                        exc_type=type(e).__name__,
                     ) from e
                 except RayError as e:
-                    raise WorkerError(str(e), role=self.name, rank=ranks[j], method=method, exc_type=type(e).__name__) from e
+                    raise WorkerError(
+                        str(e),
+                        role=self.name,
+                        rank=ranks[j],
+                        method=method,
+                        exc_type=type(e).__name__,
+                    ) from e
                 if isinstance(value, RemoteFailure):
                     raise value.to_error()
                 results[j] = value

@@ -39,8 +39,14 @@ from postrl.rollout.types import RolloutError, SamplingParams, TokenOutput, Weig
 __all__ = ["NativeBackend"]
 
 logger = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 _MAX_STOP = 8
 
 
@@ -101,12 +107,16 @@ class NativeBackend:
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.weights = load_weights(model_path, self.cfg, self.dtype, self.device)
         self.kernels = _load_kernels(kernels, self.cfg.head_dim, self.dtype, self.device)
-        self.kernels_step = self.kernels is not None  # whole-step C decode (per-op kernels if unavailable)
+        self.kernels_step = (
+            self.kernels is not None
+        )  # whole-step C decode (per-op kernels if unavailable)
         self._step_fn: _kernels.DecodeStep | None = None
         self._sample_scratch = torch.empty(0)  # C sampler workspace (B, V), reused across steps
         self.cos, self.sin = rope_tables(self.cfg, self.max_model_len, self.dtype, self.device)
         half = self.cfg.head_dim // 2
-        self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)  # for apply_rope_fast
+        self.sin_signed = torch.cat(
+            [-self.sin[:, :half], self.sin[:, half:]], dim=-1
+        )  # for apply_rope_fast
         self.weight_version = 0
         self._rng = random.Random(seed)
         self._lock = threading.RLock()  # guards engine state (step / update / sleep)
@@ -144,36 +154,72 @@ class NativeBackend:
             self.s_logp = torch.zeros(S, T, dtype=torch.float32, device=dev)
             self._ar_s = torch.arange(S, **i64)
             self._ar_t = torch.arange(T, **i64)
-        self._state_tensors = [self.s_last, self.s_pos, self.s_ngen, self.s_maxnew, self.s_seed, self.s_topk,
-                               self.s_temp, self.s_topp, self.s_plen, self.s_pid, self.s_stop, self.s_out, self.s_logp]
+        self._state_tensors = [
+            self.s_last,
+            self.s_pos,
+            self.s_ngen,
+            self.s_maxnew,
+            self.s_seed,
+            self.s_topk,
+            self.s_temp,
+            self.s_topp,
+            self.s_plen,
+            self.s_pid,
+            self.s_stop,
+            self.s_out,
+            self.s_logp,
+        ]
         self._layout: DecodeLayout | None = None
         self._use_filters = self._any_stop_str = False
         self._admitting: list[_Request] = []
 
     def _new_kv(self) -> KVStore:
         c = self.cfg
-        return KVStore(c.num_layers, self.max_num_seqs, c.num_kv_heads, self.max_model_len, c.head_dim,
-                       c.vocab_size, self.dtype, self.device)
+        return KVStore(
+            c.num_layers,
+            self.max_num_seqs,
+            c.num_kv_heads,
+            self.max_model_len,
+            c.head_dim,
+            c.vocab_size,
+            self.dtype,
+            self.device,
+        )
 
     # ------------------------------------------------------------------ public API
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> TokenOutput:
         """Queue one request and await its completion (see ``RolloutBackend.generate``)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
-            raise RolloutError(f"request {request_id!r}: prompt_ids is empty; pass at least one token")
+            raise RolloutError(
+                f"request {request_id!r}: prompt_ids is empty; pass at least one token"
+            )
         if len(prompt) >= self.max_model_len:
             raise RolloutError(
                 f"request {request_id!r}: prompt has {len(prompt)} tokens but max_model_len={self.max_model_len}; "
                 f"shorten the prompt or raise max_model_len"
             )
         if max(prompt) >= self.cfg.vocab_size or min(prompt) < 0:
-            raise RolloutError(f"request {request_id!r}: token id out of range [0, {self.cfg.vocab_size})")
-        stop_ids = list(dict.fromkeys(list(sampling.stop_token_ids) + ([] if sampling.ignore_eos else list(self.cfg.eos_token_ids))))
+            raise RolloutError(
+                f"request {request_id!r}: token id out of range [0, {self.cfg.vocab_size})"
+            )
+        stop_ids = list(
+            dict.fromkeys(
+                list(sampling.stop_token_ids)
+                + ([] if sampling.ignore_eos else list(self.cfg.eos_token_ids))
+            )
+        )
         if len(stop_ids) > _MAX_STOP:
-            raise RolloutError(f"request {request_id!r}: at most {_MAX_STOP} stop token ids (got {len(stop_ids)})")
+            raise RolloutError(
+                f"request {request_id!r}: at most {_MAX_STOP} stop token ids (got {len(stop_ids)})"
+            )
         loop = asyncio.get_running_loop()
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
-        req = _Request(request_id, prompt, sampling, loop.create_future(), loop, int(seed), stop_ids)
+        req = _Request(
+            request_id, prompt, sampling, loop.create_future(), loop, int(seed), stop_ids
+        )
         with self._qlock:
             self._waiting.append(req)
         self._ensure_running(loop)
@@ -199,11 +245,15 @@ class NativeBackend:
                 if dst is None:
                     if name.endswith("rotary_emb.inv_freq"):
                         continue
-                    raise KeyError(f"update_weights: unknown parameter {name!r} (expected HF names such as "
-                                   f"{next(iter(views))!r})")
+                    raise KeyError(
+                        f"update_weights: unknown parameter {name!r} (expected HF names such as "
+                        f"{next(iter(views))!r})"
+                    )
                 if tuple(dst.shape) != tuple(tensor.shape):
-                    raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"engine expects {tuple(dst.shape)}")
+                    raise ValueError(
+                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                        f"engine expects {tuple(dst.shape)}"
+                    )
                 dst.copy_(tensor)
                 n += 1
             self.weight_version = self.weight_version + 1 if version is None else int(version)
@@ -365,13 +415,20 @@ class NativeBackend:
         once; sample every new slot's first token. Returns the new slot indices."""
         B, n, dev, kv = len(self._slots), len(new), self.device, self.kv
         pids, fresh = kv.lookup([tuple(r.prompt) for r in new])
-        order_new = sorted(range(n), key=lambda i: pids[i])  # group samples of a prompt contiguously
+        order_new = sorted(
+            range(n), key=lambda i: pids[i]
+        )  # group samples of a prompt contiguously
         new, pids = [new[i] for i in order_new], [pids[i] for i in order_new]
-        order = sorted(fresh, key=lambda r: len(kv.keys[r]))  # chunk by length under the token budget
+        order = sorted(
+            fresh, key=lambda r: len(kv.keys[r])
+        )  # chunk by length under the token budget
         start = 0
         while start < len(order):
             end = start + 1
-            while end < len(order) and (end - start + 1) * len(kv.keys[order[end]]) <= self.max_num_batched_tokens:
+            while (
+                end < len(order)
+                and (end - start + 1) * len(kv.keys[order[end]]) <= self.max_num_batched_tokens
+            ):
                 end += 1
             rows = order[start:end]
             P = len(kv.keys[rows[-1]])
@@ -381,27 +438,46 @@ class NativeBackend:
             lens = torch.tensor([len(kv.keys[r]) for r in rows], device=dev)
             rows_t = torch.tensor(rows, device=dev)
             if self.kernels is not None:
-                kv.logits[rows_t] = prefill_fused(self.weights, self.cfg, self.kernels, toks.to(dev), lens, self.cos,
-                                                  self.sin, kv.pk, kv.pv, rows_t)
+                kv.logits[rows_t] = prefill_fused(
+                    self.weights,
+                    self.cfg,
+                    self.kernels,
+                    toks.to(dev),
+                    lens,
+                    self.cos,
+                    self.sin,
+                    kv.pk,
+                    kv.pv,
+                    rows_t,
+                )
             else:
-                kv.logits[rows_t] = prefill(self.weights, self.cfg, toks.to(dev), lens, self.cos, self.sin_signed,
-                                            kv.pk, kv.pv, rows_t)
+                kv.logits[rows_t] = prefill(
+                    self.weights,
+                    self.cfg,
+                    toks.to(dev),
+                    lens,
+                    self.cos,
+                    self.sin_signed,
+                    kv.pk,
+                    kv.pv,
+                    rows_t,
+                )
             start = end
         sp = [r.sampling for r in new]
         plen = torch.tensor([len(r.prompt) for r in new], device=dev)
-        self.s_pos[B:B + n] = plen
-        self.s_plen[B:B + n] = plen
-        self.s_pid[B:B + n] = torch.tensor(pids, device=dev)
-        self.s_ngen[B:B + n] = 0
-        self.s_maxnew[B:B + n] = torch.tensor([s.max_new_tokens for s in sp], device=dev)
-        self.s_seed[B:B + n] = torch.tensor([r.seed for r in new], device=dev)
-        self.s_topk[B:B + n] = torch.tensor([s.top_k for s in sp], device=dev)
-        self.s_temp[B:B + n] = torch.tensor([s.temperature for s in sp], device=dev)
-        self.s_topp[B:B + n] = torch.tensor([s.top_p for s in sp], device=dev)
+        self.s_pos[B : B + n] = plen
+        self.s_plen[B : B + n] = plen
+        self.s_pid[B : B + n] = torch.tensor(pids, device=dev)
+        self.s_ngen[B : B + n] = 0
+        self.s_maxnew[B : B + n] = torch.tensor([s.max_new_tokens for s in sp], device=dev)
+        self.s_seed[B : B + n] = torch.tensor([r.seed for r in new], device=dev)
+        self.s_topk[B : B + n] = torch.tensor([s.top_k for s in sp], device=dev)
+        self.s_temp[B : B + n] = torch.tensor([s.temperature for s in sp], device=dev)
+        self.s_topp[B : B + n] = torch.tensor([s.top_p for s in sp], device=dev)
         stop = torch.full((n, _MAX_STOP), -1, dtype=torch.int64)
         for i, r in enumerate(new):
             stop[i, : len(r.stop_ids)] = torch.tensor(r.stop_ids, dtype=torch.int64)
-        self.s_stop[B:B + n] = stop.to(dev)
+        self.s_stop[B : B + n] = stop.to(dev)
         self._slots.extend(new)
         self._membership_changed()
         rows = slice(B, B + n)
@@ -412,19 +488,52 @@ class NativeBackend:
         B = len(self._slots)
         step = self._decode_step()
         if step is not None:  # the whole step in one C call
-            logits = step(self.s_last[:B], self.s_pos[:B], self.s_plen[:B], self.s_pid[:B], self._ar_s[:B], self.cos,
-                          self.sin, torch.get_num_threads())
+            logits = step(
+                self.s_last[:B],
+                self.s_pos[:B],
+                self.s_plen[:B],
+                self.s_pid[:B],
+                self._ar_s[:B],
+                self.cos,
+                self.sin,
+                torch.get_num_threads(),
+            )
         elif self.kernels is not None:  # the same kernels op by op
-            logits = decode_fused(self.weights, self.cfg, self.kernels, self.s_last[:B], self.s_pos[:B], self.s_plen[:B],
-                                  self.s_pid[:B], self.cos, self.sin, self.kv, self._ar_s, torch.get_num_threads())
+            logits = decode_fused(
+                self.weights,
+                self.cfg,
+                self.kernels,
+                self.s_last[:B],
+                self.s_pos[:B],
+                self.s_plen[:B],
+                self.s_pid[:B],
+                self.cos,
+                self.sin,
+                self.kv,
+                self._ar_s,
+                torch.get_num_threads(),
+            )
         else:
             pos = self.s_pos[:B]
             off = pos - self.s_plen[:B]
             lo, hi = torch.stack([off.min(), off.max()]).tolist()
             if self._layout is None:
                 self._layout = self.kv.layout(self.s_pid[:B], self.s_plen[:B])
-            logits = decode(self.weights, self.cfg, self.s_last[:B], pos, off, hi + 1, lo == hi, self.cos,
-                            self.sin_signed, self.kv, self._layout, self._ar_s, self._ar_t)
+            logits = decode(
+                self.weights,
+                self.cfg,
+                self.s_last[:B],
+                pos,
+                off,
+                hi + 1,
+                lo == hi,
+                self.cos,
+                self.sin_signed,
+                self.kv,
+                self._layout,
+                self._ar_s,
+                self._ar_t,
+            )
         rows = slice(0, B)
         self._sample(rows, logits, advance_pos=True)
         return rows
@@ -434,7 +543,9 @@ class NativeBackend:
         if self.kernels is None or not self.kernels_step:
             return None
         if self._step_fn is None or self._step_fn.kv is not self.kv:
-            self._step_fn = self.kernels.decode_step(self.weights, self.cfg, self.kv, self.max_num_seqs)
+            self._step_fn = self.kernels.decode_step(
+                self.weights, self.cfg, self.kv, self.max_num_seqs
+            )
             if self._step_fn is None:
                 self.kernels_step = False
         return self._step_fn if self.kernels_step else None
@@ -446,11 +557,23 @@ class NativeBackend:
             B, V = logits.shape
             if self._sample_scratch.numel() < B * V:  # grown once to the largest batch, then reused
                 self._sample_scratch = torch.empty(B * V, dtype=torch.float32)
-            tok, lp = self.kernels.sample(logits.contiguous(), self.s_temp[rows], self.s_seed[rows], ngen,
-                                          self._sample_scratch[: B * V].view(B, V))
+            tok, lp = self.kernels.sample(
+                logits.contiguous(),
+                self.s_temp[rows],
+                self.s_seed[rows],
+                ngen,
+                self._sample_scratch[: B * V].view(B, V),
+            )
         else:
-            tok, lp = sample_tokens(logits, self.s_temp[rows], self.s_topk[rows], self.s_topp[rows],
-                                    self.s_seed[rows], ngen, self._use_filters)
+            tok, lp = sample_tokens(
+                logits,
+                self.s_temp[rows],
+                self.s_topk[rows],
+                self.s_topp[rows],
+                self.s_seed[rows],
+                ngen,
+                self._use_filters,
+            )
         idx = ngen[:, None]
         self.s_out[rows].scatter_(1, idx, tok[:, None])
         self.s_logp[rows].scatter_(1, idx, lp[:, None].to(self.s_logp.dtype))
@@ -461,14 +584,20 @@ class NativeBackend:
 
     def _done_rows(self, rows: slice) -> list[tuple[int, str]]:
         hit_stop = (self.s_stop[rows] == self.s_last[rows, None]).any(-1)
-        hit_len = (self.s_ngen[rows] >= self.s_maxnew[rows]) | (self.s_pos[rows] >= self.max_model_len - 1)
+        hit_len = (self.s_ngen[rows] >= self.s_maxnew[rows]) | (
+            self.s_pos[rows] >= self.max_model_len - 1
+        )
         flags = (hit_stop.to(torch.int8) * 2 + hit_len.to(torch.int8)).tolist()
         base = rows.start
         out = [(base + i, "stop" if f >= 2 else "length") for i, f in enumerate(flags) if f]
         if self._any_stop_str:
             taken = {i for i, _ in out}
             for i in range(base, base + len(flags)):
-                if i not in taken and self._slots[i].sampling.stop and self._stop_string(i) is not None:
+                if (
+                    i not in taken
+                    and self._slots[i].sampling.stop
+                    and self._stop_string(i) is not None
+                ):
                     out.append((i, "stop_str"))
         return out
 
@@ -503,7 +632,9 @@ class NativeBackend:
                 reason, stop_reason = "stop", self._stop_string(i)
             else:
                 reason, stop_reason = why, None
-            results.append((req, TokenOutput(toks, lps, reason, stop_reason, [(n, self.weight_version)])))
+            results.append(
+                (req, TokenOutput(toks, lps, reason, stop_reason, [(n, self.weight_version)]))
+            )
         gone = {i for i, _ in done_slots}
         dead_pids = self.s_pid[sorted(gone)].tolist()
         B = len(self._slots)
@@ -530,7 +661,9 @@ class NativeBackend:
         return results
 
 
-def _load_kernels(mode: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> _kernels.DecodeKernels | None:
+def _load_kernels(
+    mode: str, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> _kernels.DecodeKernels | None:
     """Resolve the ``kernels`` option (see ``NativeBackend``) to loaded kernels or None."""
     if mode not in ("auto", "fused", "torch"):
         raise ValueError(f"kernels={mode!r} is not one of 'auto', 'fused', 'torch'")
@@ -541,8 +674,10 @@ def _load_kernels(mode: str, head_dim: int, dtype: torch.dtype, device: torch.de
     if kern is None:
         why = why or _kernels.build_error()
         if mode == "fused":
-            raise RolloutError(f"native engine: kernels='fused' but the fused CPU kernels cannot run: {why}; "
-                               f"use kernels='auto' or 'torch'")
+            raise RolloutError(
+                f"native engine: kernels='fused' but the fused CPU kernels cannot run: {why}; "
+                f"use kernels='auto' or 'torch'"
+            )
         logger.info("native engine: decoding with torch ops (fused kernels off: %s)", why)
     return kern
 

@@ -26,7 +26,9 @@ from postrl.rollout.native.model import (
 __all__ = ["prefill", "prefill_fused", "decode", "decode_fused"]
 
 
-def _qkv(x: torch.Tensor, lw, cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv(
+    x: torch.Tensor, lw, cfg: DecoderConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Project ``x`` (..., hidden) to q (..., H, D), k, v (..., H_kv, D) with optional q/k-norm."""
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = F.linear(x, lw.w_qkv, lw.b_qkv)
@@ -47,7 +49,13 @@ def _qkv_fused(x: torch.Tensor, lw, cfg: DecoderConfig) -> tuple[torch.Tensor, t
     qk = qkv[:, : (H + Hkv) * D].reshape(B, H + Hkv, D)
     v = qkv[:, (H + Hkv) * D :].reshape(B, Hkv, D)
     if lw.q_norm is not None:  # Qwen3: separate q/k norm weights over head_dim
-        qk = torch.cat([rms_norm(qk[:, :H], lw.q_norm, cfg.rms_norm_eps), rms_norm(qk[:, H:], lw.k_norm, cfg.rms_norm_eps)], 1)
+        qk = torch.cat(
+            [
+                rms_norm(qk[:, :H], lw.q_norm, cfg.rms_norm_eps),
+                rms_norm(qk[:, H:], lw.k_norm, cfg.rms_norm_eps),
+            ],
+            1,
+        )
     return qk, v
 
 
@@ -83,7 +91,9 @@ def prefill(
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (U, H|Hkv, P, D)
         k_cache[li, rows, :, :P] = k
         v_cache[li, rows, :, :P] = v
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)  # (U, H, P, D)
+        o = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=Hkv != H
+        )  # (U, H, P, D)
         x = x + F.linear(o.transpose(1, 2).reshape(U, P, H * D), lw.w_o, lw.b_o)
         x = x + mlp(rms_norm(x, lw.ln2, cfg.rms_norm_eps), lw)
     last = x[torch.arange(U, device=x.device), lens - 1]  # (U, hidden)
@@ -131,7 +141,9 @@ def decode(
     own_mask = torch.zeros(B, 1, 1, T, dtype=x.dtype, device=x.device)
     own_mask.masked_fill_((arange_t[:T][None, :] > off[:, None])[:, None, None, :], float("-inf"))
     mask = torch.cat([lay.pre_mask, own_mask], dim=-1)  # (B, 1, 1, Pm + T)
-    wflat = ((arange_b[:B, None] * Hkv + arange_b[None, :Hkv]) * Tmax + off[:, None]).reshape(-1)  # (B·Hkv,)
+    wflat = ((arange_b[:B, None] * Hkv + arange_b[None, :Hkv]) * Tmax + off[:, None]).reshape(
+        -1
+    )  # (B·Hkv,)
     scale = D**-0.5
 
     def to_groups(t: torch.Tensor) -> torch.Tensor:  # (B, Hkv, G, X) -> (NG, Hkv, nmax·G, X)
@@ -144,7 +156,12 @@ def decode(
         X = t.shape[-1]
         if lay.identity:
             return t.view(NG, Hkv, nmax, G, X).transpose(1, 2).reshape(B, Hkv, G, X)
-        return t.view(NG, Hkv, nmax, G, X).transpose(1, 2).reshape(NG * nmax, Hkv, G, X).index_select(0, lay.flat)
+        return (
+            t.view(NG, Hkv, nmax, G, X)
+            .transpose(1, 2)
+            .reshape(NG * nmax, Hkv, G, X)
+            .index_select(0, lay.flat)
+        )
 
     for li, lw in enumerate(w.layers):
         h = rms_norm(x, lw.ln1, cfg.rms_norm_eps)
@@ -158,7 +175,9 @@ def decode(
             kv.k[li].view(-1, D).index_copy_(0, wflat, k.reshape(B * Hkv, D))
             kv.v[li].view(-1, D).index_copy_(0, wflat, v.reshape(B * Hkv, D))
         qg = q.reshape(B, Hkv, G, D)
-        s_pre = from_groups(torch.matmul(to_groups(qg), kv.pk[li, :NG, :, :Pm].transpose(-1, -2)))  # (B, Hkv, G, Pm)
+        s_pre = from_groups(
+            torch.matmul(to_groups(qg), kv.pk[li, :NG, :, :Pm].transpose(-1, -2))
+        )  # (B, Hkv, G, Pm)
         s_own = torch.matmul(qg, kv.k[li, :B, :, :T].transpose(-1, -2))  # (B, Hkv, G, T)
         scores = torch.cat([s_pre, s_own], dim=-1).mul_(scale).add_(mask)
         p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -201,9 +220,13 @@ def decode_fused(
         kc, vc = kv.k[li], kv.v[li]
         qkv = F.linear(kern.rms_norm(x, lw.ln1, eps), lw.w_qkv, lw.b_qkv)  # (B, (H + 2·Hkv)·D)
         kern.rope_kv(qkv, H, Hkv, D, cos, sin, pos, slot, off, lw.q_norm, lw.k_norm, eps, kc, vc)
-        o = kern.decode_attention(qkv, H, Hkv, D, kv.pk[li], kv.pv[li], kc, vc, pid, plen, pos, scale, threads)
+        o = kern.decode_attention(
+            qkv, H, Hkv, D, kv.pk[li], kv.pv[li], kc, vc, pid, plen, pos, scale, threads
+        )
         x = _out_proj(x, o, lw)
-        x = torch.addmm(x, kern.silu_mul(F.linear(kern.rms_norm(x, lw.ln2, eps), lw.w_gu)), lw.w_down.t())
+        x = torch.addmm(
+            x, kern.silu_mul(F.linear(kern.rms_norm(x, lw.ln2, eps), lw.w_gu)), lw.w_down.t()
+        )
     return F.linear(kern.rms_norm(x, w.norm, eps), w.lm_head)
 
 
@@ -248,11 +271,28 @@ def prefill_fused(
         kc, vc = k_cache[li], v_cache[li]
         kern.rope_kv(qkv, H, Hkv, D, cos, sin, pos, slot, pos, lw.q_norm, lw.k_norm, eps, kc, vc)
         if li == L - 1:  # last layer: only the last position's output is needed
-            o = kern.decode_attention(qkv[last].contiguous(), H, Hkv, D, kc, vc, kc, vc, rows, plen_last,
-                                      plen_last - 1, scale, threads)  # (U, H·D)
+            o = kern.decode_attention(
+                qkv[last].contiguous(),
+                H,
+                Hkv,
+                D,
+                kc,
+                vc,
+                kc,
+                vc,
+                rows,
+                plen_last,
+                plen_last - 1,
+                scale,
+                threads,
+            )  # (U, H·D)
             x = x[last]
         else:
-            o = kern.decode_attention(qkv, H, Hkv, D, kc, vc, kc, vc, slot, plen_all, pos, scale, threads)
+            o = kern.decode_attention(
+                qkv, H, Hkv, D, kc, vc, kc, vc, slot, plen_all, pos, scale, threads
+            )
         x = _out_proj(x, o, lw)
-        x = torch.addmm(x, kern.silu_mul(F.linear(kern.rms_norm(x, lw.ln2, eps), lw.w_gu)), lw.w_down.t())
+        x = torch.addmm(
+            x, kern.silu_mul(F.linear(kern.rms_norm(x, lw.ln2, eps), lw.w_gu)), lw.w_down.t()
+        )
     return F.linear(kern.rms_norm(x, w.norm, eps), w.lm_head)

@@ -43,8 +43,12 @@ _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
 # loader hands the kernels torch's (already loaded) runtime and thread pool. Without an OpenMP
 # toolchain (Apple clang): -fopenmp-simd, single-threaded kernels. -march=native is x86/gcc
 # spelling; arm64 compilers may want -mcpu=native; the last variant is plain -O3.
-_VARIANTS = (("-march=native", "-fopenmp"), ("-march=native", "-fopenmp-simd"), ("-mcpu=native", "-fopenmp-simd"),
-             ("-fopenmp-simd",))
+_VARIANTS = (
+    ("-march=native", "-fopenmp"),
+    ("-march=native", "-fopenmp-simd"),
+    ("-mcpu=native", "-fopenmp-simd"),
+    ("-fopenmp-simd",),
+)
 _SERIAL = _VARIANTS[1:]  # when the OpenMP build would bring a second runtime
 _MAX_HEAD_DIM = 1024  # stack buffers in kernels.c
 _BUILD_TIMEOUT_S = 120.0
@@ -74,14 +78,24 @@ def _private_dir(path: Path) -> bool:
         st = path.stat()
     except OSError:
         return False
-    return os.access(path, os.W_OK) and (not hasattr(os, "getuid") or st.st_uid == os.getuid()) and not st.st_mode & 0o022
+    return (
+        os.access(path, os.W_OK)
+        and (not hasattr(os, "getuid") or st.st_uid == os.getuid())
+        and not st.st_mode & 0o022
+    )
 
 
 def _cache_dir() -> Path:
     """``$POSTRL_CACHE_DIR/kernels`` (default ``~/.cache/postrl/kernels``); if that is not a private
     writable directory, a per-user one under the temp dir, else a fresh ``mkdtemp``."""
-    root = os.environ.get("POSTRL_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "postrl")
-    for cand in (Path(root) / "kernels", Path(tempfile.gettempdir()) / f"postrl-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"):
+    root = os.environ.get("POSTRL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "postrl"
+    )
+    for cand in (
+        Path(root) / "kernels",
+        Path(tempfile.gettempdir())
+        / f"postrl-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}",
+    ):
         if _private_dir(cand):
             return cand
     return Path(tempfile.mkdtemp(prefix="postrl-kernels-"))
@@ -95,13 +109,21 @@ def _compile(cc: str, out: Path, variants: tuple[tuple[str, ...], ...]) -> tuple
     errors = []
     try:
         for extra in variants:
-            res = subprocess.run([cc, *_FLAGS, *extra, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True,
-                                 timeout=_BUILD_TIMEOUT_S)
+            res = subprocess.run(
+                [cc, *_FLAGS, *extra, str(_SRC), "-o", tmp, "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=_BUILD_TIMEOUT_S,
+            )
             if res.returncode == 0:
-                os.replace(tmp, out)  # atomic: a concurrent builder's identical file is simply replaced
+                os.replace(
+                    tmp, out
+                )  # atomic: a concurrent builder's identical file is simply replaced
                 out.with_suffix(".flags").write_text(" ".join(extra))
                 return extra
-            errors.append(f"{cc} {' '.join(extra)} failed (exit {res.returncode}): {res.stderr.strip()[-400:]}")
+            errors.append(
+                f"{cc} {' '.join(extra)} failed (exit {res.returncode}): {res.stderr.strip()[-400:]}"
+            )
         raise RuntimeError("; ".join(errors))
     finally:
         if os.path.exists(tmp):
@@ -119,7 +141,9 @@ def openmp_runtimes() -> set[str]:
 
 
 def _build_and_load(cc: str, variants: tuple[tuple[str, ...], ...]) -> DecodeKernels:
-    key = hashlib.sha256("\n".join([_SRC.read_text(), cc, " ".join(_FLAGS), repr(variants), _cpu_flags()]).encode())
+    key = hashlib.sha256(
+        "\n".join([_SRC.read_text(), cc, " ".join(_FLAGS), repr(variants), _cpu_flags()]).encode()
+    )
     path = _cache_dir() / f"decode-{key.hexdigest()[:16]}.so"
     if not path.exists():
         logger.info("native engine: compiling fused CPU kernels -> %s", path)
@@ -136,13 +160,45 @@ class DecodeKernels:
         self.flags = flags
         lib.postrl_rms_norm.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _f32]
         lib.postrl_rms_norm.restype = None
-        lib.postrl_rope_kv.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _ptr,
-                                       _ptr, _i64]
+        lib.postrl_rope_kv.argtypes = [
+            _ptr,
+            _i64,
+            _i64,
+            _i64,
+            _i64,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _f32,
+            _ptr,
+            _ptr,
+            _i64,
+        ]
         lib.postrl_silu_mul.argtypes = [_ptr, _ptr, _i64, _i64]
         lib.postrl_silu_mul.restype = None
         lib.postrl_rope_kv.restype = None
-        lib.postrl_decode_attention.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
-                                                _i64, _i64, _f32, _i64]
+        lib.postrl_decode_attention.argtypes = [
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _i64,
+            _i64,
+            _i64,
+            _i64,
+            _i64,
+            _f32,
+            _i64,
+        ]
         lib.postrl_decode_attention.restype = ctypes.c_int
         lib.postrl_decode_step.argtypes = [_ptr] * 14 + [_i64, _f32, _f32, _i64, _i64, _ptr, _ptr]
         lib.postrl_decode_step.restype = ctypes.c_int
@@ -154,60 +210,127 @@ class DecodeKernels:
     @staticmethod
     def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> int:
         if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"{name}: needs a contiguous CPU {dtype} tensor, got {t.dtype} on {t.device} "
-                             f"(contiguous={t.is_contiguous()})")
+            raise ValueError(
+                f"{name}: needs a contiguous CPU {dtype} tensor, got {t.dtype} on {t.device} "
+                f"(contiguous={t.is_contiguous()})"
+            )
         return t.data_ptr()
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """``w * x / sqrt(mean(x²) + eps)`` over the last dim of ``x`` (rows, dim)."""
         out = torch.empty_like(x)
         dim = x.shape[-1]
-        self._lib.postrl_rms_norm(self._check("x", x, torch.float32), self._check("w", w, torch.float32),
-                                  out.data_ptr(), x.numel() // dim, dim, eps)
+        self._lib.postrl_rms_norm(
+            self._check("x", x, torch.float32),
+            self._check("w", w, torch.float32),
+            out.data_ptr(),
+            x.numel() // dim,
+            dim,
+            eps,
+        )
         return out
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """SwiGLU activation on the fused gate/up output ``gu`` (rows, 2I): ``silu(g) · u`` (rows, I)."""
         rows, two_i = gu.shape
         out = torch.empty(rows, two_i // 2, dtype=gu.dtype)
-        self._lib.postrl_silu_mul(self._check("gu", gu, torch.float32), out.data_ptr(), rows, two_i // 2)
+        self._lib.postrl_silu_mul(
+            self._check("gu", gu, torch.float32), out.data_ptr(), rows, two_i // 2
+        )
         return out
 
-    def rope_kv(self, qkv: torch.Tensor, H: int, Hkv: int, D: int, cos: torch.Tensor, sin: torch.Tensor,
-                pos: torch.Tensor, slot: torch.Tensor, off: torch.Tensor, q_norm: torch.Tensor | None,
-                k_norm: torch.Tensor | None, eps: float, kcache: torch.Tensor, vcache: torch.Tensor) -> None:
+    def rope_kv(
+        self,
+        qkv: torch.Tensor,
+        H: int,
+        Hkv: int,
+        D: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pos: torch.Tensor,
+        slot: torch.Tensor,
+        off: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        kcache: torch.Tensor,
+        vcache: torch.Tensor,
+    ) -> None:
         """In place on ``qkv`` (N, (H+2·Hkv)·D): q/k-norm (when given) and RoPE at ``pos`` (N,); row
         ``r``'s K and V are written to ``kcache``/``vcache`` (S, Hkv, Tmax, D) at ``[slot_r, :, off_r]``."""
         N = qkv.shape[0]
         self._lib.postrl_rope_kv(
-            self._check("qkv", qkv, torch.float32), N, H, Hkv, D, self._check("cos", cos, torch.float32),
-            self._check("sin", sin, torch.float32), self._check("pos", pos, torch.int64),
-            self._check("slot", slot, torch.int64), self._check("off", off, torch.int64),
+            self._check("qkv", qkv, torch.float32),
+            N,
+            H,
+            Hkv,
+            D,
+            self._check("cos", cos, torch.float32),
+            self._check("sin", sin, torch.float32),
+            self._check("pos", pos, torch.int64),
+            self._check("slot", slot, torch.int64),
+            self._check("off", off, torch.int64),
             None if q_norm is None else self._check("q_norm", q_norm, torch.float32),
-            None if k_norm is None else self._check("k_norm", k_norm, torch.float32), eps,
-            self._check("kcache", kcache, torch.float32), self._check("vcache", vcache, torch.float32), kcache.shape[2])
+            None if k_norm is None else self._check("k_norm", k_norm, torch.float32),
+            eps,
+            self._check("kcache", kcache, torch.float32),
+            self._check("vcache", vcache, torch.float32),
+            kcache.shape[2],
+        )
 
-    def decode_attention(self, qkv: torch.Tensor, H: int, Hkv: int, D: int, pk: torch.Tensor, pv: torch.Tensor,
-                         kc: torch.Tensor, vc: torch.Tensor, pid: torch.Tensor, plen: torch.Tensor, pos: torch.Tensor,
-                         scale: float, threads: int) -> torch.Tensor:
+    def decode_attention(
+        self,
+        qkv: torch.Tensor,
+        H: int,
+        Hkv: int,
+        D: int,
+        pk: torch.Tensor,
+        pv: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        pid: torch.Tensor,
+        plen: torch.Tensor,
+        pos: torch.Tensor,
+        scale: float,
+        threads: int,
+    ) -> torch.Tensor:
         """Attention output (B, H·D) of the q heads in ``qkv`` over each row's prompt prefix
         (``pk``/``pv`` row ``pid_b``, ``plen_b`` positions) and own completion (``kc``/``vc``
         slot ``b``, offsets ``0 .. pos_b - plen_b``)."""
         B = qkv.shape[0]
         out = torch.empty(B, H * D, dtype=qkv.dtype)
         rc = self._lib.postrl_decode_attention(
-            self._check("qkv", qkv, torch.float32), self._check("pk", pk, torch.float32),
-            self._check("pv", pv, torch.float32), self._check("kc", kc, torch.float32),
-            self._check("vc", vc, torch.float32), self._check("pid", pid, torch.int64),
-            self._check("plen", plen, torch.int64), self._check("pos", pos, torch.int64), out.data_ptr(),
-            B, H, Hkv, D, kc.shape[2], scale, threads)
+            self._check("qkv", qkv, torch.float32),
+            self._check("pk", pk, torch.float32),
+            self._check("pv", pv, torch.float32),
+            self._check("kc", kc, torch.float32),
+            self._check("vc", vc, torch.float32),
+            self._check("pid", pid, torch.int64),
+            self._check("plen", plen, torch.int64),
+            self._check("pos", pos, torch.int64),
+            out.data_ptr(),
+            B,
+            H,
+            Hkv,
+            D,
+            kc.shape[2],
+            scale,
+            threads,
+        )
         if rc != 0:
-            raise MemoryError("decode_attention: a worker thread could not allocate its score buffer")
+            raise MemoryError(
+                "decode_attention: a worker thread could not allocate its score buffer"
+            )
         return out
 
-
-    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-               counters: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        counters: torch.Tensor,
+        scratch: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``sampler.sample_tokens`` for rows without top-k/top-p, in C: ``(tokens (B,), log_probs (B,))``.
 
         ``scratch``: a contiguous fp32 (B, V) workspace to reuse across calls (allocated if None).
@@ -219,10 +342,17 @@ class DecodeKernels:
             scratch = torch.empty(B, V, dtype=torch.float32)
         elif scratch.shape != (B, V):
             raise ValueError(f"sample: scratch has shape {tuple(scratch.shape)}, needs {(B, V)}")
-        self._lib.postrl_sample(self._check("logits", logits, torch.float32), B, V,
-                                self._check("temperature", temperature, torch.float32),
-                                self._check("seeds", seeds, torch.int64), self._check("counters", counters, torch.int64),
-                                tokens.data_ptr(), logp.data_ptr(), self._check("scratch", scratch, torch.float32))
+        self._lib.postrl_sample(
+            self._check("logits", logits, torch.float32),
+            B,
+            V,
+            self._check("temperature", temperature, torch.float32),
+            self._check("seeds", seeds, torch.int64),
+            self._check("counters", counters, torch.int64),
+            tokens.data_ptr(),
+            logp.data_ptr(),
+            self._check("scratch", scratch, torch.float32),
+        )
         return tokens, logp
 
     def decode_step(self, weights, cfg, kv, max_batch: int) -> DecodeStep | None:
@@ -246,18 +376,51 @@ class DecodeStep:
     """
 
     def __init__(self, kern: DecodeKernels, weights, cfg, kv, max_batch: int) -> None:
-        H, Hkv, D, inter, hid = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.hidden_size
+        H, Hkv, D, inter, hid = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.hidden_size,
+        )
         rows = []
         for li, lw in enumerate(weights.layers):
-            ts = [lw.ln1, lw.w_qkv, lw.b_qkv, lw.w_o, lw.b_o, lw.q_norm, lw.k_norm, lw.ln2, lw.w_gu, lw.w_down,
-                  kv.k[li], kv.v[li], kv.pk[li], kv.pv[li]]
-            rows.append([0 if t is None else kern._check(f"layer {li} tensor", t, torch.float32) for t in ts])
+            ts = [
+                lw.ln1,
+                lw.w_qkv,
+                lw.b_qkv,
+                lw.w_o,
+                lw.b_o,
+                lw.q_norm,
+                lw.k_norm,
+                lw.ln2,
+                lw.w_gu,
+                lw.w_down,
+                kv.k[li],
+                kv.v[li],
+                kv.pk[li],
+                kv.pv[li],
+            ]
+            rows.append(
+                [
+                    0 if t is None else kern._check(f"layer {li} tensor", t, torch.float32)
+                    for t in ts
+                ]
+            )
         self._kern, self._weights, self.kv = kern, weights, kv  # keep the pointed-to tensors alive
         self.layers = torch.tensor(rows, dtype=torch.int64)
-        self.dims = torch.tensor([hid, inter, H, Hkv, D, kv.k.shape[3], weights.lm_head.shape[0], len(rows)],
-                                 dtype=torch.int64)
-        self.ptrs = [kern._check(n, t, torch.float32) for n, t in
-                     (("embed", weights.embed), ("norm", weights.norm), ("lm_head", weights.lm_head))]
+        self.dims = torch.tensor(
+            [hid, inter, H, Hkv, D, kv.k.shape[3], weights.lm_head.shape[0], len(rows)],
+            dtype=torch.int64,
+        )
+        self.ptrs = [
+            kern._check(n, t, torch.float32)
+            for n, t in (
+                ("embed", weights.embed),
+                ("norm", weights.norm),
+                ("lm_head", weights.lm_head),
+            )
+        ]
         self.scratch = torch.empty(max_batch * (2 * hid + (H + 2 * Hkv) * D + H * D + 3 * inter))
         self.off = torch.empty(max_batch, dtype=torch.int64)
         self.eps, self.scale, self.vocab = cfg.rms_norm_eps, D**-0.5, weights.lm_head.shape[0]
@@ -265,23 +428,50 @@ class DecodeStep:
         # attention overlapping GEMMs) rather than parallelising each op: measured 3-7% faster
         self.row_split = True
 
-    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, plen: torch.Tensor, pid: torch.Tensor,
-                 slot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, threads: int) -> torch.Tensor:
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        plen: torch.Tensor,
+        pid: torch.Tensor,
+        slot: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        threads: int,
+    ) -> torch.Tensor:
         """Logits (B, V) of one decode step; ``tokens``/``pos``/``plen``/``pid``/``slot`` (B,) int64."""
         B = tokens.shape[0]
         if B > self.off.numel():
-            raise ValueError(f"decode_step: batch {B} exceeds the {self.off.numel()} rows it was built for")
+            raise ValueError(
+                f"decode_step: batch {B} exceeds the {self.off.numel()} rows it was built for"
+            )
         logits = torch.empty(B, self.vocab)
         k = self._kern
         rc = k._lib.postrl_decode_step(
-            self._kern.sgemm, self.dims.data_ptr(), self.layers.data_ptr(), *self.ptrs,
-            k._check("cos", cos, torch.float32), k._check("sin", sin, torch.float32),
-            k._check("tokens", tokens, torch.int64), k._check("pos", pos, torch.int64),
-            k._check("plen", plen, torch.int64), k._check("pid", pid, torch.int64),
-            k._check("slot", slot, torch.int64), self.off.data_ptr(), B, self.eps, self.scale, threads,
-            int(self.row_split), self.scratch.data_ptr(), logits.data_ptr())
+            self._kern.sgemm,
+            self.dims.data_ptr(),
+            self.layers.data_ptr(),
+            *self.ptrs,
+            k._check("cos", cos, torch.float32),
+            k._check("sin", sin, torch.float32),
+            k._check("tokens", tokens, torch.int64),
+            k._check("pos", pos, torch.int64),
+            k._check("plen", plen, torch.int64),
+            k._check("pid", pid, torch.int64),
+            k._check("slot", slot, torch.int64),
+            self.off.data_ptr(),
+            B,
+            self.eps,
+            self.scale,
+            threads,
+            int(self.row_split),
+            self.scratch.data_ptr(),
+            logits.data_ptr(),
+        )
         if rc != 0:
-            raise MemoryError("decode_step: a worker thread could not allocate its attention score buffer")
+            raise MemoryError(
+                "decode_step: a worker thread could not allocate its attention score buffer"
+            )
         return logits
 
 
@@ -306,16 +496,39 @@ def _torch_sgemm() -> int | None:
 def _sgemm_ok(addr: int) -> bool:
     """C = X·Wᵀ through the column-major BLAS call the kernels use, compared with torch."""
     ci = ctypes.c_int
-    proto = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, *[ctypes.POINTER(ci)] * 3, ctypes.POINTER(_f32),
-                             _ptr, ctypes.POINTER(ci), _ptr, ctypes.POINTER(ci), ctypes.POINTER(_f32), _ptr,
-                             ctypes.POINTER(ci))
+    proto = ctypes.CFUNCTYPE(
+        None,
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        *[ctypes.POINTER(ci)] * 3,
+        ctypes.POINTER(_f32),
+        _ptr,
+        ctypes.POINTER(ci),
+        _ptr,
+        ctypes.POINTER(ci),
+        ctypes.POINTER(_f32),
+        _ptr,
+        ctypes.POINTER(ci),
+    )
     g = torch.Generator().manual_seed(0)
     M, N, K = 3, 5, 7
     X, W, C = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.zeros(M, N)
     m, n, k = ci(N), ci(M), ci(K)
-    proto(addr)(b"T", b"N", ctypes.byref(m), ctypes.byref(n), ctypes.byref(k), ctypes.byref(_f32(1.0)), W.data_ptr(),
-                ctypes.byref(ci(K)), X.data_ptr(), ctypes.byref(ci(K)), ctypes.byref(_f32(0.0)), C.data_ptr(),
-                ctypes.byref(ci(N)))
+    proto(addr)(
+        b"T",
+        b"N",
+        ctypes.byref(m),
+        ctypes.byref(n),
+        ctypes.byref(k),
+        ctypes.byref(_f32(1.0)),
+        W.data_ptr(),
+        ctypes.byref(ci(K)),
+        X.data_ptr(),
+        ctypes.byref(ci(K)),
+        ctypes.byref(_f32(0.0)),
+        C.data_ptr(),
+        ctypes.byref(ci(N)),
+    )
     return bool(torch.allclose(C, X @ W.t(), atol=1e-5))
 
 
@@ -334,10 +547,17 @@ def load() -> DecodeKernels | None:
         if os.environ.get("POSTRL_KERNELS", "1") == "0":
             _error = "disabled by POSTRL_KERNELS=0"
             return None
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        cc = (
+            os.environ.get("CC")
+            or shutil.which("cc")
+            or shutil.which("gcc")
+            or shutil.which("clang")
+        )
         if cc is None:
             _error = "no C compiler found (cc, gcc or clang); install one or set CC"
-            logger.warning("native engine: fused CPU kernels unavailable (%s); using the torch path", _error)
+            logger.warning(
+                "native engine: fused CPU kernels unavailable (%s); using the torch path", _error
+            )
             return None
         try:
             before = openmp_runtimes()
@@ -345,13 +565,18 @@ def load() -> DecodeKernels | None:
             if len(openmp_runtimes()) > max(1, len(before)):
                 # the OpenMP build resolved a runtime other than torch's: two thread pools would
                 # fight for the cores (measured 10x slower), so use the single-threaded build
-                logger.warning("native engine: the kernels' OpenMP runtime is not torch's (%s); using the "
-                               "single-threaded build", sorted(openmp_runtimes() - before))
+                logger.warning(
+                    "native engine: the kernels' OpenMP runtime is not torch's (%s); using the "
+                    "single-threaded build",
+                    sorted(openmp_runtimes() - before),
+                )
                 kern = _build_and_load(cc, _SERIAL)
             _cached = kern
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
             _error = f"{type(e).__name__}: {e}"
-            logger.warning("native engine: fused CPU kernels unavailable (%s); using the torch path", _error)
+            logger.warning(
+                "native engine: fused CPU kernels unavailable (%s); using the torch path", _error
+            )
             return None
         return _cached
 

@@ -28,7 +28,9 @@ __all__ = ["KVStore", "DecodeLayout", "lazy_zeros"]
 _LAZY_MIN_BYTES = 1 << 20
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def lazy_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
     """A zero tensor whose CPU pages are materialised only when first written.
 
     ``torch.zeros`` writes every byte (the KV store is re-created on every ``wake_up``: ~6 ms per
@@ -64,8 +66,17 @@ class DecodeLayout:
 class KVStore:
     """Prefix + slot K/V tensors and the prefix table (prompt → row, refcounts)."""
 
-    def __init__(self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, vocab: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        vocab: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         shape = (num_layers, slots, kv_heads, max_len, head_dim)
         # zero pages on first touch (CPU): only the positions written cost memory and time
         self.k = lazy_zeros(shape, dtype, device)
@@ -138,7 +149,11 @@ class KVStore:
         Pm = max((len(self.keys[p]) for p in counts), default=1)
         flat = pids * nmax + torch.tensor(rank, dtype=torch.int64, device=dev)
         pre_mask = torch.zeros(B, 1, 1, Pm, dtype=self.k.dtype, device=dev)
-        pre_mask.masked_fill_((torch.arange(Pm, device=dev)[None, :] >= plens[:, None])[:, None, None, :], float("-inf"))
+        pre_mask.masked_fill_(
+            (torch.arange(Pm, device=dev)[None, :] >= plens[:, None])[:, None, None, :],
+            float("-inf"),
+        )
         identity = B == len(counts) * nmax == self.num_prefixes * nmax and bool(
-            torch.equal(flat, torch.arange(B, device=dev)))
+            torch.equal(flat, torch.arange(B, device=dev))
+        )
         return DecodeLayout(self.num_prefixes, nmax, Pm, flat, pre_mask, identity)

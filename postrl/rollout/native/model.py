@@ -26,8 +26,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DecoderConfig", "DecoderWeights", "load_config", "load_weights", "rope_tables", "rms_norm", "apply_rope",
-           "apply_rope_fast"]
+__all__ = [
+    "DecoderConfig",
+    "DecoderWeights",
+    "load_config",
+    "load_weights",
+    "rope_tables",
+    "rms_norm",
+    "apply_rope",
+    "apply_rope_fast",
+]
 
 SUPPORTED = ("qwen2", "llama", "qwen3", "mistral")
 
@@ -73,9 +81,13 @@ def load_config(model_dir: str | Path) -> DecoderConfig:
         )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"hidden_act={act!r} unsupported by the native backend (needs 'silu'); use backend='hf'")
+        raise ValueError(
+            f"hidden_act={act!r} unsupported by the native backend (needs 'silu'); use backend='hf'"
+        )
     if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        raise ValueError("sliding-window attention is not supported by the native backend; use backend='hf'")
+        raise ValueError(
+            "sliding-window attention is not supported by the native backend; use backend='hf'"
+        )
     rope = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -85,7 +97,9 @@ def load_config(model_dir: str | Path) -> DecoderConfig:
     eos = _as_tuple(cfg.get("eos_token_id"))
     gen_path = d / "generation_config.json"
     if gen_path.exists():
-        eos = tuple(dict.fromkeys(eos + _as_tuple(json.loads(gen_path.read_text()).get("eos_token_id"))))
+        eos = tuple(
+            dict.fromkeys(eos + _as_tuple(json.loads(gen_path.read_text()).get("eos_token_id")))
+        )
     heads = int(cfg["num_attention_heads"])
     return DecoderConfig(
         model_type=mt,
@@ -117,7 +131,11 @@ def _inv_freq(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:
     if kind == "linear":
         return base / float(sc["factor"]), 1.0
     if kind == "llama3":
-        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        factor, lo, hi = (
+            float(sc["factor"]),
+            float(sc["low_freq_factor"]),
+            float(sc["high_freq_factor"]),
+        )
         old = float(sc["original_max_position_embeddings"])
         wavelen = 2 * math.pi / base
         inv = torch.where(wavelen > old / lo, base / factor, base)
@@ -148,13 +166,17 @@ def _inv_freq(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:
     )
 
 
-def rope_tables(cfg: DecoderConfig, max_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    cfg: DecoderConfig, max_len: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin`` tables of shape (max_len, D) for positions ``0 .. max_len-1``."""
     inv, scale = _inv_freq(cfg)
     pos = torch.arange(max_len, dtype=torch.float32)
     freqs = pos[:, None] * inv[None, :]  # (T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
-    return (emb.cos() * scale).to(device=device, dtype=dtype), (emb.sin() * scale).to(device=device, dtype=dtype)
+    return (emb.cos() * scale).to(device=device, dtype=dtype), (emb.sin() * scale).to(
+        device=device, dtype=dtype
+    )
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -217,14 +239,18 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}; save the model with safe_serialization=True")
+        raise FileNotFoundError(
+            f"no *.safetensors in {model_dir}; save the model with safe_serialization=True"
+        )
     out: dict[str, torch.Tensor] = {}
     for f in files:
         out.update(load_file(str(f)))
     return out
 
 
-def load_weights(model_dir: str | Path, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device) -> DecoderWeights:
+def load_weights(
+    model_dir: str | Path, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device
+) -> DecoderWeights:
     """Load HF safetensors into fused tensors (``dtype``, ``device``)."""
     raw = _read_safetensors(Path(model_dir))
     raw = {k.removeprefix("model.") if k.startswith("model.") else k: v for k, v in raw.items()}
@@ -249,8 +275,12 @@ def load_weights(model_dir: str | Path, cfg: DecoderConfig, dtype: torch.dtype, 
             b_qkv = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"], 0).contiguous()
             for n, v in zip("qkv", b_qkv.split(sizes, 0), strict=True):
                 views[f"model.{a}{n}_proj.bias"] = v
-        w_gu = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0).contiguous()
-        views[f"model.{p}mlp.gate_proj.weight"], views[f"model.{p}mlp.up_proj.weight"] = w_gu.split([inter, inter], 0)
+        w_gu = torch.cat(
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0
+        ).contiguous()
+        views[f"model.{p}mlp.gate_proj.weight"], views[f"model.{p}mlp.up_proj.weight"] = w_gu.split(
+            [inter, inter], 0
+        )
         lw = LayerWeights(
             ln1=take(p + "input_layernorm.weight"),
             ln2=take(p + "post_attention_layernorm.weight"),
@@ -263,9 +293,15 @@ def load_weights(model_dir: str | Path, cfg: DecoderConfig, dtype: torch.dtype, 
             w_gu=w_gu,
             w_down=take(p + "mlp.down_proj.weight"),
         )
-        for attr, name in [("ln1", p + "input_layernorm.weight"), ("ln2", p + "post_attention_layernorm.weight"),
-                           ("w_o", a + "o_proj.weight"), ("b_o", a + "o_proj.bias"), ("q_norm", a + "q_norm.weight"),
-                           ("k_norm", a + "k_norm.weight"), ("w_down", p + "mlp.down_proj.weight")]:
+        for attr, name in [
+            ("ln1", p + "input_layernorm.weight"),
+            ("ln2", p + "post_attention_layernorm.weight"),
+            ("w_o", a + "o_proj.weight"),
+            ("b_o", a + "o_proj.bias"),
+            ("q_norm", a + "q_norm.weight"),
+            ("k_norm", a + "k_norm.weight"),
+            ("w_down", p + "mlp.down_proj.weight"),
+        ]:
             t = getattr(lw, attr)
             if t is not None:
                 views["model." + name] = t

@@ -54,8 +54,12 @@ def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor
     Both 32-bit halves of the seed enter the hash. Returns (B,) float64 (53-bit resolution is not
     needed; 32 bits are used).
     """
-    if seeds.device.type == "cpu":  # same integer math in numpy: ~20 tiny ops cost µs, not 20 kernel launches
-        return torch.from_numpy(_hash(seeds.numpy(), counters.numpy()).astype(np.float64) / 4294967296.0)
+    if (
+        seeds.device.type == "cpu"
+    ):  # same integer math in numpy: ~20 tiny ops cost µs, not 20 kernel launches
+        return torch.from_numpy(
+            _hash(seeds.numpy(), counters.numpy()).astype(np.float64) / 4294967296.0
+        )
     return _hash(seeds, counters).double() / 4294967296.0
 
 
@@ -89,7 +93,9 @@ def sample_tokens(
     # unfiltered rows: inverse CDF in vocabulary order (always computed, so a row's sample never
     # depends on whether *other* rows use filters)
     cdf = torch.softmax(scaled, dim=-1).cumsum(-1)  # (B, V)
-    sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_max(V - 1)
+    sampled = (
+        torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_max(V - 1)
+    )
     if use_filters:
         filtered = (top_k > 0) | (top_p < 1)  # (B,)
         s_logits, s_idx = scaled.sort(dim=-1, descending=True)  # (B, V)
