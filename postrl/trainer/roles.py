@@ -226,8 +226,8 @@ def build_roles(
     from postrl.agent import AgentLoopManager
     from postrl.controller import create_worker_group
     from postrl.data import load_tokenizer
-    from postrl.engine.workers import ActorWorker, CriticWorker, RefWorker, RewardModelWorker
     from postrl.rollout import LoadBalancer, RolloutClient, RolloutReplica, create_rollout_backend
+    from postrl.workers import ActorWorker, CriticWorker, RefWorker, RewardModelWorker
 
     tc = cfg.trainer
     dp = tc.num_workers if tc.backend == "ray" else 1

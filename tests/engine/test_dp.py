@@ -25,9 +25,9 @@ ray = pytest.importorskip("ray")
 from postrl.config import load_config  # noqa: E402
 from postrl.controller import create_worker_group  # noqa: E402
 from postrl.engine.minibatch import pad_masked_rows  # noqa: E402
-from postrl.engine.workers import ActorWorker  # noqa: E402
 from postrl.protocol import DataProto  # noqa: E402
 from postrl.weights import decode_frame, unpack_bucket  # noqa: E402
+from postrl.workers import ActorWorker  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

@@ -24,9 +24,9 @@ ray = pytest.importorskip("ray")
 from postrl.config import load_config  # noqa: E402
 from postrl.controller import create_worker_group  # noqa: E402
 from postrl.engine.checkpoint import export_hf  # noqa: E402
-from postrl.engine.workers import ActorWorker, CriticWorker, RefWorker  # noqa: E402
 from postrl.protocol import DataProto  # noqa: E402
 from postrl.weights import decode_frame, unpack_bucket  # noqa: E402
+from postrl.workers import ActorWorker, CriticWorker, RefWorker  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -261,8 +261,8 @@ def test_lora_fsdp2_matches_dp1(tiny_model_dir, groups, make_batch):
 
 def test_reward_model_fsdp2_matches_dp1(tiny_model_dir, groups, make_batch, tmp_path):
     """The reward model is FSDP2-sharded on dp=2 (half the weights per rank) and scores like dp=1."""
-    from postrl.engine.workers import RewardModelWorker
     from postrl.testing import make_model
+    from postrl.workers import RewardModelWorker
 
     rm_dir = make_model(tmp_path / "rm", head="reward", seed=5)
     cfg = load_config(

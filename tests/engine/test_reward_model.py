@@ -74,8 +74,8 @@ def test_worker_scores_decoded_responses(rm_dir, tiny_model_dir, make_batch):
     row's prompt messages in the RM's template and scores it: the same as RewardModel.score."""
     from postrl.config import load_config
     from postrl.controller import create_worker_group
-    from postrl.engine.workers import RewardModelWorker
     from postrl.protocol import DataProto
+    from postrl.workers import RewardModelWorker
 
     cfg = load_config(
         None,

@@ -11,7 +11,7 @@ from postrl.config.schema import ModelConfig, PostRLConfig
 from postrl.controller import create_worker_group
 from postrl.engine.checkpoint import export_hf, iter_hf_params
 from postrl.engine.model import load_policy
-from postrl.engine.workers import ActorWorker, CriticWorker
+from postrl.workers import ActorWorker, CriticWorker
 
 
 def test_weight_generator_names_and_values(tiny_model_dir):

@@ -1,4 +1,5 @@
-"""Worker roles on the single controller: ``ActorWorker``, ``RefWorker``, ``CriticWorker``.
+"""Policy roles on the single controller: ``ActorWorker`` and ``RefWorker``
+(:mod:`postrl.workers.critic` and :mod:`postrl.workers.reward_model` hold the other roles).
 
 Each is constructed from the full ``PostRLConfig`` (``cfg=``, ``total_steps=`` optimizer-step
 count for cosine schedules). Data-parallel ranks (Ray backend, ``init_dist``) share the model
@@ -27,58 +28,22 @@ update_critic              DP_COMPUTE_PROTO        DataProto with ``meta_info['m
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from postrl.controller import Dispatch, Execute, Worker, register
-from postrl.controller.dispatch import DispatchMode
 from postrl.engine.actor import Actor
 from postrl.engine.checkpoint import iter_hf_params, load_engine_checkpoint, save_engine_checkpoint
-from postrl.engine.critic import Critic
 from postrl.engine.fsdp import param_numel
-from postrl.engine.model import load_critic, load_policy
-from postrl.engine.reward_model import RewardModel
+from postrl.engine.model import load_policy
 from postrl.protocol import DataProto
+from postrl.workers.common import ALL_RANKS_RANK0_OUT, barrier, metrics_proto, setup, shard_if
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ActorWorker", "RefWorker", "CriticWorker", "RewardModelWorker"]
-
-
-ALL_RANKS_RANK0_OUT = DispatchMode(
-    "all_ranks_rank0_out",
-    dispatch_fn=lambda ctx, args, kwargs: [(args, kwargs)] * ctx.world_size,
-    collect_fn=lambda ctx, outputs: outputs[0],
-)
-"""Same call on every rank (a collective inside, e.g. gathering FSDP2 shards); rank 0's output."""
-
-
-def _shard_if(strategy: str, model, group, dev) -> None:
-    """FSDP2-shard ``model`` (a ``PolicyModel`` or ``CriticModel``) when dp > 1 and strategy says so."""
-    if group is not None and strategy == "fsdp2":
-        model.shard(group, dev)
-
-
-def _setup(cfg) -> tuple[torch.device, dist.ProcessGroup | None]:
-    if cfg.trainer.num_threads:
-        torch.set_num_threads(cfg.trainer.num_threads)
-    torch.manual_seed(cfg.trainer.seed)
-    group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
-    return torch.device(cfg.trainer.device), group
-
-
-def _metrics(m: dict[str, float]) -> DataProto:
-    return DataProto(meta_info={"metrics": m})
-
-
-def _barrier(group) -> None:
-    if group is not None:
-        dist.barrier(group)
+__all__ = ["ActorWorker", "RefWorker"]
 
 
 class ActorWorker(Worker):
@@ -86,9 +51,9 @@ class ActorWorker(Worker):
 
     def __init__(self, cfg, total_steps: int = 0) -> None:
         self.cfg = cfg
-        self.dev, self.group = _setup(cfg)
+        self.dev, self.group = setup(cfg)
         self.policy = load_policy(cfg.model, self.dev)
-        _shard_if(cfg.actor.strategy, self.policy, self.group, self.dev)
+        shard_if(cfg.actor.strategy, self.policy, self.group, self.dev)
         self.actor = Actor(
             self.policy,
             cfg.actor,
@@ -119,7 +84,7 @@ class ActorWorker(Worker):
         """
         metrics = self.actor.update_policy(data)
         if self.actor.fused_old_log_probs is None:
-            return _metrics(metrics)
+            return metrics_proto(metrics)
         return DataProto.from_dict(
             {"old_log_probs": self.actor.fused_old_log_probs}, meta_info={"metrics": metrics}
         )
@@ -176,7 +141,7 @@ class ActorWorker(Worker):
                 "nonfinite_skips": self.actor.nonfinite_skips,
             },
         )
-        _barrier(self.group)
+        barrier(self.group)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
@@ -193,9 +158,9 @@ class RefWorker(Worker):
 
     def __init__(self, cfg, total_steps: int = 0) -> None:
         self.cfg = cfg
-        self.dev, self.group = _setup(cfg)
+        self.dev, self.group = setup(cfg)
         self.policy = load_policy(cfg.model, self.dev, trainable=False)
-        _shard_if(cfg.actor.strategy, self.policy, self.group, self.dev)
+        shard_if(cfg.actor.strategy, self.policy, self.group, self.dev)
         self.engine = Actor.__new__(Actor)  # log-prob path only: no optimizer for a frozen model
         self.engine.policy, self.engine.cfg, self.engine.rollout_n = (
             self.policy,
@@ -216,122 +181,4 @@ class RefWorker(Worker):
         out = self.engine.compute_log_prob(data)
         return DataProto.from_dict(
             {"ref_log_prob": out.batch["old_log_probs"]}, meta_info=out.meta_info
-        )
-
-
-class CriticWorker(Worker):
-    """The value function: values and the clipped value-loss update."""
-
-    def __init__(self, cfg, total_steps: int = 0) -> None:
-        self.cfg = cfg
-        self.dev, self.group = _setup(cfg)
-        mcfg = (
-            dataclasses.replace(cfg.model, path=cfg.critic.model_path)
-            if cfg.critic.model_path
-            else cfg.model
-        )
-        self.model = load_critic(mcfg, self.dev)
-        _shard_if(cfg.critic.strategy, self.model, self.group, self.dev)
-        self.critic = Critic(
-            self.model,
-            cfg.critic,
-            rollout_n=cfg.rollout.n,
-            device=self.dev,
-            group=self.group,
-            total_steps=total_steps,
-        )
-        self.register_dp_info("critic", dp_rank=self.rank, dp_size=self.world_size)
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def compute_values(self, data: DataProto) -> DataProto:
-        """``values`` (B, R)."""
-        return self.critic.compute_values(data)
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def update_critic(self, data: DataProto) -> DataProto:
-        """One critic update; metrics in ``meta_info['metrics']``."""
-        return _metrics(self.critic.update_critic(data))
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def shard_stats(self) -> dict[str, int]:
-        """Parameter elements on this rank / in the full model, FSDP2 dummy passes (see ActorWorker)."""
-        return {**param_numel(self.model), "dummy_passes": self.model.dummy_passes}
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path: str) -> None:
-        """Rank 0 writes the critic checkpoint atomically (every rank gathers when sharded)."""
-        save_engine_checkpoint(
-            path,
-            self.model,
-            self.critic.optimizer,
-            self.critic.scheduler,
-            write=self.rank == 0,
-            sharded=self.cfg.trainer.checkpoint_format == "sharded",
-            extra={"nonfinite_skips": self.critic.nonfinite_skips},
-        )
-        if self.rank == 0:
-            Path(path).mkdir(parents=True, exist_ok=True)
-        _barrier(self.group)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> None:
-        """Restore the critic from ``path``."""
-        extra = load_engine_checkpoint(
-            path, self.model, self.critic.optimizer, self.critic.scheduler
-        )
-        self.critic.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
-
-
-class RewardModelWorker(Worker):
-    """A learned reward model (``reward.model``) scoring finished trajectories.
-
-    Each rank scores its share of the rows (``DP_COMPUTE_PROTO``). With dp > 1 and
-    ``actor.strategy=fsdp2`` the frozen model is FSDP2-sharded like the reference model (each rank
-    keeps 1/dp of it); otherwise every rank holds a full copy. The compute dtype follows
-    ``model.compute_dtype`` (fp32 on CPU, bf16 on GPU by default).
-    """
-
-    def __init__(self, cfg, total_steps: int = 0) -> None:
-        from transformers import AutoTokenizer
-
-        from postrl.engine.model import resolve_dtypes
-
-        self.cfg = cfg
-        self.dev, self.group = _setup(cfg)
-        rcfg = cfg.reward.model
-        _, compute = resolve_dtypes(cfg.model, self.dev, trainable=False)
-        self.rm = RewardModel(rcfg.path, self.dev, compute, rcfg.max_length, rcfg.micro_batch_size)
-        if self.group is not None and cfg.actor.strategy == "fsdp2" and self.rm.root is not None:
-            self.rm.shard(
-                self.group, self.dev
-            )  # like the reference model: 1/dp of the weights per rank
-        self.policy_tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.register_dp_info("reward_model", dp_rank=self.rank, dp_size=self.world_size)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def shard_stats(self) -> dict[str, int]:
-        """Parameter elements on this rank / in the full reward model, FSDP2 dummy passes."""
-        root = self.rm.root if self.rm.root is not None else self.rm.model
-        return {**param_numel(root), "dummy_passes": getattr(root, "dummy_passes", 0)}
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def compute_rm_score(self, data: DataProto) -> DataProto:
-        """``rm_scores`` (B,) float32 and ``rm_truncated`` (B,) bool for rows of ``data``.
-
-        Needs ``responses``, ``attention_mask`` and the prompt chat ``messages`` (non-tensor)."""
-        if "messages" not in data.non_tensor_batch:
-            raise KeyError(
-                "compute_rm_score needs the prompts' chat messages (non_tensor_batch['messages'])"
-            )
-        R = data.batch["responses"].shape[1]
-        valid = data.batch["attention_mask"][:, -R:].bool()
-        texts = self.policy_tokenizer.batch_decode(
-            [row[m].tolist() for row, m in zip(data.batch["responses"], valid, strict=True)],
-            skip_special_tokens=True,
-        )
-        scores, cut = self.rm.score_rows(
-            [list(m) for m in data.non_tensor_batch["messages"]], texts
-        )
-        return DataProto.from_dict(
-            {"rm_scores": scores, "rm_truncated": torch.tensor(cut, dtype=torch.bool)}
         )

@@ -1,0 +1,80 @@
+"""``CriticWorker``: the value function on the single controller (values, clipped value-loss
+update, checkpoints)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from postrl.controller import Dispatch, Worker, register
+from postrl.engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from postrl.engine.critic import Critic
+from postrl.engine.fsdp import param_numel
+from postrl.engine.model import load_critic
+from postrl.protocol import DataProto
+from postrl.workers.common import barrier, metrics_proto, setup, shard_if
+
+__all__ = ["CriticWorker"]
+
+
+class CriticWorker(Worker):
+    """The value function: values and the clipped value-loss update."""
+
+    def __init__(self, cfg, total_steps: int = 0) -> None:
+        self.cfg = cfg
+        self.dev, self.group = setup(cfg)
+        mcfg = (
+            dataclasses.replace(cfg.model, path=cfg.critic.model_path)
+            if cfg.critic.model_path
+            else cfg.model
+        )
+        self.model = load_critic(mcfg, self.dev)
+        shard_if(cfg.critic.strategy, self.model, self.group, self.dev)
+        self.critic = Critic(
+            self.model,
+            cfg.critic,
+            rollout_n=cfg.rollout.n,
+            device=self.dev,
+            group=self.group,
+            total_steps=total_steps,
+        )
+        self.register_dp_info("critic", dp_rank=self.rank, dp_size=self.world_size)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        """``values`` (B, R)."""
+        return self.critic.compute_values(data)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        """One critic update; metrics in ``meta_info['metrics']``."""
+        return metrics_proto(self.critic.update_critic(data))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def shard_stats(self) -> dict[str, int]:
+        """Parameter elements on this rank / in the full model, FSDP2 dummy passes (see ActorWorker)."""
+        return {**param_numel(self.model), "dummy_passes": self.model.dummy_passes}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Rank 0 writes the critic checkpoint atomically (every rank gathers when sharded)."""
+        save_engine_checkpoint(
+            path,
+            self.model,
+            self.critic.optimizer,
+            self.critic.scheduler,
+            write=self.rank == 0,
+            sharded=self.cfg.trainer.checkpoint_format == "sharded",
+            extra={"nonfinite_skips": self.critic.nonfinite_skips},
+        )
+        if self.rank == 0:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        barrier(self.group)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore the critic from ``path``."""
+        extra = load_engine_checkpoint(
+            path, self.model, self.critic.optimizer, self.critic.scheduler
+        )
+        self.critic.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
