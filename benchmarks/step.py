@@ -1,6 +1,6 @@
 """One RL step of the reference workload W1, postrl vs plain transformers, measured side by side.
 
-Same as ``postrl bench step``; see ``postrl/trainer/bench.py`` and ``docs/benchmarks.md``.
+Same as ``postrl bench step``; see ``postrl/bench/step.py`` and ``docs/benchmarks.md``.
 
     python benchmarks/step.py [--steps 5] [--work-dir runs/bench_step] [--threads 2] [--json OUT]
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from postrl.trainer.bench import main
+from postrl.bench.step import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

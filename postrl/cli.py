@@ -132,8 +132,8 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     targets = {
-        "rollout": "postrl.rollout.bench:main",
-        "step": "postrl.trainer.bench:main",
+        "rollout": "postrl.bench.rollout:main",
+        "step": "postrl.bench.step:main",
     }
     if args.what not in targets:
         raise SystemExit(f"unknown benchmark {args.what!r}; choose from {sorted(targets)}")

@@ -458,3 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=1))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

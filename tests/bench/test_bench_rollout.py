@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from postrl.rollout.bench import main, run_bench
+from postrl.bench.rollout import main, run_bench
 
 
 def test_bench_rollout_rows_are_consistent(tiny_model_dir):

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from postrl.trainer.bench import W1, completion_mask, format_report, main, prepare_w1
+from postrl.bench.step import W1, completion_mask, format_report, main, prepare_w1
 
 
 def test_completion_mask_keeps_tokens_through_first_eos():

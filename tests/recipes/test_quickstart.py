@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_grpo_raises_validation_accuracy(tmp_path):
-    from postrl.trainer.quickstart import main
+    from postrl.recipes.quickstart import main
 
     assert (
         main(
