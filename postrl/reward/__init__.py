@@ -3,7 +3,7 @@
 Public API (imported lazily so spawned reward workers start without torch)::
 
     from postrl.reward import (REWARD_FNS, register_reward_fn, load_custom_reward_fn,
-                               RewardLoop, RewardRequest, RewardResult, RewardError,
+                               RewardLoop, RewardStage, RewardRequest, RewardResult, RewardError,
                                RewardFailureError)
 
 See ``docs/rewards.md``.
@@ -22,6 +22,7 @@ _EXPORTS = {
     "load_custom_reward_fn": "postrl.reward.custom",
     "CustomRewardError": "postrl.reward.custom",
     "RewardLoop": "postrl.reward.loop",
+    "RewardStage": "postrl.reward.stage",
     "RewardRequest": "postrl.reward.types",
     "RewardResult": "postrl.reward.types",
     "SampleScore": "postrl.reward.types",

@@ -140,28 +140,76 @@ class RewardResult:
         cls, samples: list[SampleScore], uids: list[Any] | None = None
     ) -> RewardResult:
         """Assemble the batch result (and its counts) from per-sample outcomes."""
-        n = len(samples)
-        scores = torch.tensor([s.score if s.valid else 0.0 for s in samples], dtype=torch.float32)
-        valid = torch.tensor([s.valid for s in samples], dtype=torch.bool)
         keys: list[str] = []
         for s in samples:
             keys += [k for k in s.extra if k not in keys]
-        extra = {k: [s.extra.get(k) for s in samples] for k in keys}
-        reasons = [s.reason for s in samples]
+        return cls.from_columns(
+            torch.tensor([s.score if s.valid else 0.0 for s in samples], dtype=torch.float32),
+            [s.reason for s in samples],
+            [s.detail for s in samples],
+            {k: [s.extra.get(k) for s in samples] for k in keys},
+            uids,
+        )
+
+    @classmethod
+    def from_columns(
+        cls,
+        scores: torch.Tensor,
+        reasons: list[str | None],
+        details: list[str | None],
+        extra: dict[str, list[Any]] | None = None,
+        uids: list[Any] | None = None,
+    ) -> RewardResult:
+        """Build a result from columns: ``scores`` (B,), one failure reason (or None) per row.
+
+        ``valid`` and the counts are derived from ``reasons``; scores of failed rows are
+        zeroed (a placeholder, never a reward).
+        """
+        n = len(reasons)
+        valid = torch.tensor([r is None for r in reasons], dtype=torch.bool)
         metrics = {f"reward/failed/{r}": float(reasons.count(r)) for r in FAILURE_REASONS}
-        n_failed = sum(r is not None for r in reasons)
+        n_failed = n - int(valid.sum())
         metrics["reward/failed/total"] = float(n_failed)
         metrics["reward/scored"] = float(n - n_failed)
         metrics["reward/generated"] = float(n)
         return cls(
-            scores=scores,
+            scores=torch.where(valid, scores.to(torch.float32), 0.0),
             valid=valid,
-            failure_reason=reasons,
-            failure_detail=[s.detail for s in samples],
-            extra=extra,
+            failure_reason=list(reasons),
+            failure_detail=list(details),
+            extra=dict(extra or {}),
             metrics=metrics,
             uids=list(uids) if uids is not None else [None] * n,
         )
+
+    @classmethod
+    def scatter(cls, n: int, parts: list[tuple[list[int], RewardResult]]) -> RewardResult:
+        """Merge results of disjoint row subsets column by column: ``parts`` holds
+        ``(row positions, result of those rows)``; every one of the ``n`` rows appears once."""
+        scores = torch.zeros(n, dtype=torch.float32)
+        reasons: list[str | None] = [None] * n
+        details: list[str | None] = [None] * n
+        uids: list[Any] = [None] * n
+        extra: dict[str, list[Any]] = {}
+        seen = 0
+        for rows, part in parts:
+            if len(rows) != len(part):
+                raise ValueError(f"{len(rows)} row positions for a result of {len(part)} rows")
+            scores[torch.as_tensor(rows, dtype=torch.long)] = part.scores
+            for j, i in enumerate(rows):
+                reasons[i], details[i], uids[i] = (
+                    part.failure_reason[j],
+                    part.failure_detail[j],
+                    part.uids[j],
+                )
+            for k, vals in part.extra.items():
+                col = extra.setdefault(k, [None] * n)
+                for j, i in enumerate(rows):
+                    col[i] = vals[j]
+            seen += len(rows)
+        if seen != n:
+            raise ValueError(f"scatter covers {seen} rows, expected {n}")
+        return cls.from_columns(scores, reasons, details, extra, uids)
 
     def __len__(self) -> int:
         return len(self.failure_reason)

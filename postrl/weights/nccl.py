@@ -37,11 +37,16 @@ class NCCLSync:
         self.dist, self.group, self.src = dist, group, src_rank
         self.bucket_bytes = int(bucket_bytes)
 
-    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], receivers: list[Any]) -> SyncStats:
+    def sync_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        receivers: list[Any],
+        version: int | None = None,
+    ) -> SyncStats:
         """Sender side: broadcast each bucket's payload (headers travel via ``receivers``'
         ``receive_header`` callables on the control plane) and return stats."""
-        stats = SyncStats()
-        for bucket in pack_buckets(weights, self.bucket_bytes):
+        stats = SyncStats(version=version or 0)
+        for bucket in pack_buckets(weights, self.bucket_bytes, version=version):
             payload = bucket.payload.cuda()
             for r in receivers:
                 r.receive_header(bucket.header, payload.numel())

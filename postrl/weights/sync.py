@@ -15,12 +15,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Union, runtime_checkable
 
 import torch
 
 from postrl.registry import Registry
-from postrl.weights.buckets import Bucket, pack_buckets, unpack_bucket
+from postrl.weights.buckets import Bucket, decode_frame, pack_buckets, unpack_bucket
 
 __all__ = [
     "WEIGHT_SYNC_BACKENDS",
@@ -28,6 +28,8 @@ __all__ = [
     "create_weight_sync",
     "WeightReceiver",
     "WeightSync",
+    "WeightSource",
+    "FrameStream",
     "SyncStats",
     "NaiveSync",
     "BucketedSync",
@@ -50,29 +52,81 @@ def create_weight_sync(name: str, **options: Any) -> WeightSync:
 class WeightReceiver(Protocol):
     """Anything that accepts a per-tensor stream (every rollout backend and replica)."""
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors."""
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
+        """Load HF-named tensors; ``version`` is the policy version they make (None: + 1)."""
         ...
+
+
+class FrameStream:
+    """A weight source that arrives as encoded bucket frames, pulled one at a time.
+
+    The actor lives in other processes (Ray): ``frames`` yields one raw-byte frame (JSON header +
+    tensor bytes, never pickled) per call to the remote actor, so only one bucket is in flight.
+    Backends that deliver buckets forward the frames as they are; the others unpack them lazily.
+    """
+
+    def __init__(self, frames: Iterable[bytes]) -> None:
+        self.frames = iter(frames)
+
+    @classmethod
+    def from_actor(
+        cls, actor: Any, bucket_bytes: int = 64 << 20, version: int | None = None
+    ) -> FrameStream:
+        """Frames pulled from an actor worker group (``open_weight_stream`` once, then one
+        ``next_weight_frame`` call per bucket until it returns None)."""
+        actor.open_weight_stream(bucket_bytes, version)
+
+        def pull() -> Iterator[bytes]:
+            while (frame := actor.next_weight_frame()) is not None:
+                yield frame
+
+        return cls(pull())
+
+    def tensors(self, stats: SyncStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The frames' tensors, decoded lazily (one bucket in memory at a time)."""
+        for frame in self.frames:
+            bucket = decode_frame(frame)
+            if stats is not None:
+                _count_bucket(stats, bucket)
+            yield from unpack_bucket(bucket)
+
+
+WeightSource = Union[Iterable[tuple[str, torch.Tensor]], FrameStream]
+"""What a sync reads: the actor's in-process per-tensor stream, or a :class:`FrameStream`."""
 
 
 @dataclass
 class SyncStats:
-    """What one sync moved."""
+    """What one sync moved; :meth:`metrics` gives them as ``weights/*`` metrics."""
 
     num_tensors: int = 0
     num_bytes: int = 0
     num_buckets: int = 0
     max_bucket_bytes: int = 0
     seconds: float = 0.0
+    version: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """``weights/{tensors,bytes,buckets,max_bucket_bytes,sync_s,version}``."""
+        return {
+            "weights/tensors": float(self.num_tensors),
+            "weights/bytes": float(self.num_bytes),
+            "weights/buckets": float(self.num_buckets),
+            "weights/max_bucket_bytes": float(self.max_bucket_bytes),
+            "weights/sync_s": float(self.seconds),
+            "weights/version": float(self.version),
+        }
 
 
 class WeightSync(Protocol):
-    """Push a per-tensor stream into receivers."""
+    """Push a weight source into receivers (rollout replicas)."""
 
-    def sync(
-        self, weights: Iterable[tuple[str, torch.Tensor]], receivers: list[WeightReceiver]
+    def sync_weights(
+        self, source: WeightSource, receivers: list[Any], version: int | None = None
     ) -> SyncStats:
-        """Deliver every tensor of ``weights`` to every receiver."""
+        """Deliver every tensor of ``source`` to every receiver, as policy ``version``."""
         ...
 
 
@@ -85,23 +139,34 @@ def _counted(
         yield name, t
 
 
+def _count_bucket(stats: SyncStats, bucket: Bucket) -> None:
+    stats.num_buckets += 1
+    stats.num_tensors += len(bucket.header.get("tensors", ()))
+    stats.num_bytes += bucket.nbytes
+    stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
+
+
 @register_weight_sync("naive", colocated=True)
 class NaiveSync:
     """In-process sync: each receiver reads the actor's tensors directly (one receiver streams;
-    with several receivers the stream is materialised once as a list of references, no copies)."""
+    with several receivers the stream is materialised once as a list of references, no copies).
+    A :class:`FrameStream` source is unpacked lazily, bucket by bucket."""
 
-    def sync(
-        self, weights: Iterable[tuple[str, torch.Tensor]], receivers: list[WeightReceiver]
+    def sync_weights(
+        self, source: WeightSource, receivers: list[Any], version: int | None = None
     ) -> SyncStats:
-        """See ``WeightSync.sync``."""
-        stats, t0 = SyncStats(), time.perf_counter()
-        stream = _counted(weights, stats)
+        """See ``WeightSync.sync_weights``."""
+        stats, t0 = SyncStats(version=version or 0), time.perf_counter()
+        if isinstance(source, FrameStream):
+            stream: Iterable[tuple[str, torch.Tensor]] = source.tensors(stats)
+        else:
+            stream = _counted(source, stats)
         if len(receivers) == 1:
-            receivers[0].update_weights(stream)
+            receivers[0].update_weights(stream, version=version)
         else:
             items = list(stream)
             for r in receivers:
-                r.update_weights(iter(items))
+                r.update_weights(iter(items), version=version)
         stats.seconds = time.perf_counter() - t0
         return stats
 
@@ -109,6 +174,9 @@ class NaiveSync:
 @register_weight_sync("bucketed", colocated=False)
 class BucketedSync:
     """Stream buckets of ``bucket_bytes`` through ``transport`` (default: in-process unpack).
+
+    A :class:`FrameStream` source is already bucketed by the actor: each frame is forwarded to
+    every receiver as it arrives (``receive_bucket`` where the receiver has it), never re-packed.
 
     Args:
         bucket_bytes: payload size per bucket.
@@ -123,23 +191,29 @@ class BucketedSync:
         self.bucket_bytes = int(bucket_bytes)
         self.transport = transport
 
-    def sync(
-        self,
-        weights: Iterable[tuple[str, torch.Tensor]],
-        receivers: list[WeightReceiver],
-        version: int | None = None,
+    def sync_weights(
+        self, source: WeightSource, receivers: list[Any], version: int | None = None
     ) -> SyncStats:
-        """See ``WeightSync.sync``; buckets are produced lazily and each is delivered to every
-        receiver before the next is packed."""
-        stats, t0 = SyncStats(), time.perf_counter()
-        for bucket in pack_buckets(_counted(weights, stats), self.bucket_bytes, version=version):
-            stats.num_buckets += 1
-            stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
-            for r in receivers:
-                if self.transport is None:
-                    r.update_weights(unpack_bucket(bucket))
-                else:
-                    self.transport(bucket, r)
+        """See ``WeightSync.sync_weights``; each bucket is delivered to every receiver before
+        the next is produced."""
+        stats, t0 = SyncStats(version=version or 0), time.perf_counter()
+        if isinstance(source, FrameStream):
+            for frame in source.frames:
+                bucket = decode_frame(frame)
+                _count_bucket(stats, bucket)
+                for r in receivers:
+                    if hasattr(r, "receive_bucket"):
+                        r.receive_bucket(frame)
+                    else:
+                        r.update_weights(unpack_bucket(bucket), version=version)
+        else:
+            for bucket in pack_buckets(source, self.bucket_bytes, version=version):
+                _count_bucket(stats, bucket)
+                for r in receivers:
+                    if self.transport is not None:
+                        self.transport(bucket, r)
+                    else:
+                        r.update_weights(unpack_bucket(bucket), version=version)
         stats.seconds = time.perf_counter() - t0
         return stats
 

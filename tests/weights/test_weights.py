@@ -11,6 +11,7 @@ import torch
 from postrl.rollout import SamplingParams, create_rollout_backend
 from postrl.weights import (
     WEIGHT_SYNC_BACKENDS,
+    FrameStream,
     create_weight_sync,
     decode_frame,
     encode_frame,
@@ -87,8 +88,11 @@ def test_malformed_frames_rejected():
         unpack_bucket(b)
 
 
+@pytest.mark.parametrize("frames", [False, True], ids=["tensors", "frames"])
 @pytest.mark.parametrize("name", ["naive", "bucketed"])
-def test_sync_into_engine_equals_reload(tiny_model_factory, name):
+def test_sync_into_engine_equals_reload(tiny_model_factory, name, frames):
+    """Both backends, from the in-process tensor stream and from encoded frames (the Ray
+    actor's stream), load exactly the weights a fresh engine reads from disk."""
     from safetensors.torch import load_file
 
     d0, d1 = tiny_model_factory("qwen2", seed=0), tiny_model_factory("qwen2", seed=1)
@@ -96,8 +100,22 @@ def test_sync_into_engine_equals_reload(tiny_model_factory, name):
     fresh = create_rollout_backend("native", d1, max_num_seqs=4, max_model_len=64)
     new = load_file(str(d1 / "model.safetensors"))
     sync = create_weight_sync(name, **({"bucket_bytes": 100_000} if name == "bucketed" else {}))
-    stats = sync.sync(iter(sorted(new.items())), [be])
-    assert stats.num_tensors == len(new)
+    tensors = iter(sorted(new.items()))
+    source = tensors
+    if frames:  # what the Ray actor sends: frames of 100 kB buckets, pulled one at a time
+        pulled: list[int] = []
+
+        def frame_iter():
+            for b in pack_buckets(tensors, 100_000, version=7):
+                pulled.append(b.nbytes)
+                yield encode_frame(b)
+
+        source = FrameStream(frame_iter())
+    stats = sync.sync_weights(source, [be], version=7)
+    assert stats.num_tensors == len(new) and stats.version == 7
+    assert stats.metrics()["weights/tensors"] == len(new)
+    if frames:
+        assert len(pulled) == stats.num_buckets > 5  # every frame pulled exactly once
     if name == "bucketed":
         largest = max(
             t.numel() * t.element_size() for t in new.values()

@@ -1,0 +1,299 @@
+"""The reward stage: every reward source of a trajectory, behind two calls.
+
+:class:`RewardStage` owns the rule/custom reward loop (:class:`~postrl.reward.loop.RewardLoop`),
+the learned reward model (any worker group with ``compute_rm_score``), the ``replace`` / ``add``
+policy between them, tool rewards and DAPO's overlong shaping. The trainer talks to it through
+
+* :meth:`RewardStage.on_trajectory` — called as each trajectory finishes; a per-sample rule
+  starts scoring at once, so scoring overlaps the rollout tail;
+* :meth:`RewardStage.finish` — ``finish(batch) -> (batch, metrics)``: the streamed scores are
+  collected, every row not streamed is scored now, the sources are combined and the batch gets
+  ``token_level_scores`` (the score on the last response token) and ``sample_valid``.
+
+How one row's score is made (B rows; every step is a column operation)::
+
+    rule   (B,)  rule/custom function (streamed rows ∪ rows scored in finish, scattered by row)
+    rm     (B,)  reward-model score × reward.model.weight            (when reward.model.enable)
+    score  = rm                 (mode=replace: no rule function is called)
+           | rule + rm          (mode=add)
+           | rule               (no reward model)
+    score += tool_reward_weight × Σ tool rewards of the trajectory   (reward_delta + calc_reward)
+    score += overlong penalty                                         (reward.overlong.enable)
+
+A failed row (rule failure, non-finite reward-model score) stays failed through every step: its
+score is a 0 placeholder no estimator reads, ``sample_valid`` is False and its
+``response_mask`` is zeroed. :meth:`RewardLoop.check_failures` enforces
+``reward.max_failure_ratio`` on the combined result.
+
+Streamed futures are keyed by ``(uid, sample_index)``, not by batch position, so a batch may be
+reordered or assembled from trajectories of several rollouts (async modes) before ``finish``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import torch
+
+from postrl.algos import overlong_reward_penalty
+from postrl.protocol import DataProto
+from postrl.reward.loop import RewardLoop
+from postrl.reward.types import RewardRequest, RewardResult, SampleScore
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RewardStage", "RewardModelScorer", "apply_reward_result", "decode_responses"]
+
+
+class RewardModelScorer(Protocol):
+    """A learned reward model as the stage sees it (e.g. the ``RewardModelWorker`` group)."""
+
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        """``rm_scores`` (B,) raw scores and ``rm_truncated`` (B,) bool for the rows of ``data``."""
+        ...
+
+
+def decode_responses(tokenizer: Any, batch: DataProto) -> list[str]:
+    """Decode every response (padding stripped; special tokens skipped)."""
+    responses = batch.batch["responses"]
+    lengths = batch.batch["attention_mask"][:, -responses.shape[1] :].sum(-1).tolist()
+    ids = [row[:n] for row, n in zip(responses.tolist(), lengths)]
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+class RewardStage:
+    """Rule/custom rewards, the reward model, tool rewards and shaping of one run.
+
+    Args:
+        loop: the rule/custom reward loop (owned: :meth:`close` closes it).
+        tokenizer: the policy tokenizer (responses are decoded for rule functions).
+        reward_model: a :class:`RewardModelScorer`, or None.
+        rm_mode: ``replace`` (the reward-model score is the reward) or ``add``.
+        rm_weight: multiplier of the reward-model score.
+        rm_max_length: the reward model's token budget (named in the truncation warning).
+        overlong: DAPO overlong-shaping options (``enable``, ``buffer_len``, ``penalty_factor``)
+            or None.
+        max_response_length: the configured response limit the overlong ramp ends at.
+        tool_reward_weight: multiplier of a trajectory's summed tool rewards.
+    """
+
+    def __init__(
+        self,
+        loop: RewardLoop,
+        tokenizer: Any,
+        *,
+        reward_model: RewardModelScorer | None = None,
+        rm_mode: str = "replace",
+        rm_weight: float = 1.0,
+        rm_max_length: int = 0,
+        overlong: Any = None,
+        max_response_length: int | None = None,
+        tool_reward_weight: float = 1.0,
+    ) -> None:
+        if rm_mode not in ("replace", "add"):
+            raise ValueError(f"reward.model.mode must be 'replace' or 'add', got {rm_mode!r}")
+        self.loop = loop
+        self.tokenizer = tokenizer
+        self.reward_model = reward_model
+        self.rm_mode = rm_mode
+        self.rm_weight = float(rm_weight)
+        self.rm_max_length = rm_max_length
+        self.overlong = overlong
+        self.max_response_length = max_response_length
+        self.tool_reward_weight = float(tool_reward_weight)
+        self._pending: dict[tuple[Any, int], Future[SampleScore]] = {}
+
+    @property
+    def rule_functions(self) -> bool:
+        """Whether rule/custom functions are called (False with a reward model in ``replace``)."""
+        return self.reward_model is None or self.rm_mode == "add"
+
+    def has_function(self, data_source: str) -> bool:
+        """Whether a rule/custom function scores ``data_source`` (else only a reward model can)."""
+        return self.loop.has_function(str(data_source))
+
+    # ------------------------------------------------------------------ streaming
+    def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:
+        """Per finished trajectory (``AgentLoopManager``'s ``on_sample_end``): submit a
+        per-sample rule at once; batch functions and the reward model wait for :meth:`finish`."""
+        if not self.rule_functions or self.loop.route(str(row["data_source"])).batch:
+            return
+        request = RewardRequest(
+            data_source=str(row["data_source"]),
+            solution_str=self.tokenizer.decode(output.response_ids, skip_special_tokens=True),
+            ground_truth=row["ground_truth"],
+            extra_info=dict(row.get("extra_info") or {}),
+            uid=row.get("uid"),
+        )
+        self._pending[(row["uid"], int(row["sample_index"]))] = self.loop.submit(request)
+
+    # ------------------------------------------------------------------ batch
+    def finish(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """Score every row of ``batch`` and write ``token_level_scores`` / ``sample_valid``."""
+        metrics: dict[str, float] = {}
+        rule = self.rule_scores(batch) if self.rule_functions else None
+        rm = None
+        if self.reward_model is not None:
+            t0 = time.perf_counter()
+            raw, metrics = self.rm_scores(batch)
+            rm = raw * self.rm_weight
+            metrics["timing_s/reward_model"] = time.perf_counter() - t0
+        result = _combine(rule, rm, list(batch.non_tensor_batch["uid"]))
+        result, tm = self._add_tool_rewards(batch, result)
+        metrics.update(tm)
+        self.loop.check_failures(result)
+        batch, am = apply_reward_result(
+            batch, result, self.overlong, max_response_length=self.max_response_length
+        )
+        metrics.update(am)
+        return batch, metrics
+
+    def rule_scores(self, batch: DataProto) -> RewardResult:
+        """Rule/custom scores of every row: streamed futures where present, the rest now."""
+        nt = batch.non_tensor_batch
+        n = len(batch)
+        keys = list(zip(nt["uid"], (int(k) for k in nt.get("sample_index", [0] * n))))
+        streamed = [i for i, key in enumerate(keys) if key in self._pending]
+        missing = [i for i, key in enumerate(keys) if key not in self._pending]
+        parts: list[tuple[list[int], RewardResult]] = []
+        if streamed:
+            futures = [self._pending.pop(keys[i]) for i in streamed]
+            parts.append((streamed, self.loop.gather(futures, [nt["uid"][i] for i in streamed])))
+        if missing:
+            sub = batch if len(missing) == n else batch[missing]
+            texts = decode_responses(self.tokenizer, sub)
+            reqs = [
+                RewardRequest(
+                    str(nt["data_source"][i]),
+                    texts[j],
+                    nt["ground_truth"][i],
+                    dict(nt["extra_info"][i] or {}),
+                    nt["uid"][i],
+                )
+                for j, i in enumerate(missing)
+            ]
+            parts.append((missing, self.loop.score(reqs)))
+        return parts[0][1] if len(parts) == 1 else RewardResult.scatter(n, parts)
+
+    def rm_scores(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        """Raw reward-model scores (B,) of every row and their metrics."""
+        assert self.reward_model is not None, "rm_scores needs reward.model.enable"
+        out = self.reward_model.compute_rm_score(batch)
+        scores = out.batch["rm_scores"].float()
+        cut = out.batch["rm_truncated"]
+        metrics = {
+            "reward_model/score/mean": float(scores.mean()),
+            "reward_model/score/std": float(scores.std()) if len(scores) > 1 else 0.0,
+            "reward_model/truncated": float(cut.sum()),
+        }
+        if bool(cut.any()):
+            logger.warning(
+                "reward model: %d of %d conversations exceeded reward.model.max_length=%d and "
+                "kept their last tokens",
+                int(cut.sum()),
+                len(cut),
+                self.rm_max_length,
+            )
+        return scores, metrics
+
+    def _add_tool_rewards(
+        self, batch: DataProto, result: RewardResult
+    ) -> tuple[RewardResult, dict[str, float]]:
+        extras = batch.non_tensor_batch.get("agent_extra")
+        if extras is None or not any("tool_reward" in (e or {}) for e in extras):
+            return result, {}
+        tool = torch.tensor(
+            [float((e or {}).get("tool_reward", 0.0)) for e in extras], dtype=torch.float32
+        )  # (B,)
+        metrics = {"reward/tool_reward/mean": float(tool.mean())}
+        if self.tool_reward_weight == 0.0 or not bool(tool.any()):
+            return result, metrics
+        scores = result.scores + self.tool_reward_weight * tool
+        return RewardResult.from_columns(
+            scores, result.failure_reason, result.failure_detail, result.extra, result.uids
+        ), metrics
+
+    def close(self) -> None:
+        """Stop the reward worker processes; unfinished streamed futures are dropped."""
+        self._pending.clear()
+        self.loop.close()
+
+
+def _combine(rule: RewardResult | None, rm: torch.Tensor | None, uids: list[Any]) -> RewardResult:
+    """``replace`` (rule is None), ``add`` (both) or rule only, column by column. A non-finite
+    reward-model score fails its row (``nan``); a row whose rule failed stays failed."""
+    if rm is None:
+        assert rule is not None
+        return rule
+    ok = torch.isfinite(rm)  # (B,)
+    rm_reason = [None if v else "nan" for v in ok.tolist()]
+    rm_detail = [
+        None if v else f"reward model: score is {s}" for v, s in zip(ok.tolist(), rm.tolist())
+    ]
+    if rule is None:
+        return RewardResult.from_columns(torch.where(ok, rm, 0.0), rm_reason, rm_detail, {}, uids)
+    reasons = [r if r is not None else m for r, m in zip(rule.failure_reason, rm_reason)]
+    details = [
+        d if r is not None else md
+        for r, d, md in zip(rule.failure_reason, rule.failure_detail, rm_detail)
+    ]
+    scores = rule.scores + torch.where(ok, rm, 0.0)
+    return RewardResult.from_columns(scores, reasons, details, rule.extra, uids)
+
+
+def apply_reward_result(
+    batch: DataProto,
+    result: RewardResult,
+    overlong: Any | None = None,
+    max_response_length: int | None = None,
+) -> tuple[DataProto, dict[str, float]]:
+    """Write ``token_level_scores`` (score on the last response token) and ``sample_valid``.
+
+    Failed samples keep a 0 placeholder that no estimator reads: they are excluded from their
+    group's baseline via ``sample_valid`` and their ``response_mask`` is zeroed (no loss).
+
+    With ``overlong.enable`` (DAPO soft overlong punishment) the penalty ramps over the last
+    ``overlong.buffer_len`` tokens before ``max_response_length`` — the *configured* maximum
+    (``rollout.response_length``), passed here or as ``meta_info["max_response_length"]``. The
+    batch's own width cannot stand in for it: responses are padded to the longest one of the
+    batch, so a batch of short answers would be punished for lengths far below the limit.
+    """
+    b = dict(batch.batch)
+    R = b["responses"].shape[1]
+    resp_len = b["attention_mask"][:, -R:].sum(-1)  # (B,)
+    scores = result.scores.clone()
+    metrics = dict(result.metrics)
+    if overlong is not None and getattr(overlong, "enable", False):
+        max_len = (
+            max_response_length
+            if max_response_length is not None
+            else batch.meta_info.get("max_response_length")
+        )
+        if max_len is None:
+            raise ValueError(
+                "reward.overlong.enable=True needs the configured maximum response length: call "
+                "apply_reward_result(..., max_response_length=cfg.rollout.response_length) or "
+                "set batch.meta_info['max_response_length'] (the padded batch width is not the "
+                "limit)"
+            )
+        penalty = overlong_reward_penalty(
+            resp_len, int(max_len), overlong.buffer_len, overlong.penalty_factor
+        )
+        scores = scores + penalty.to(scores.dtype)
+        metrics["reward/overlong_penalty/mean"] = float(penalty.float().mean())
+    tls = torch.zeros_like(b["responses"], dtype=torch.float32)
+    last = (resp_len - 1).clamp(min=0)
+    tls[torch.arange(tls.shape[0]), last] = scores
+    valid = result.valid.clone()
+    b["token_level_scores"] = tls
+    b["sample_valid"] = valid
+    b["response_mask"] = b["response_mask"] * valid[:, None].to(b["response_mask"].dtype)
+    out = DataProto(b, dict(batch.non_tensor_batch), dict(batch.meta_info))
+    for k, vals in result.extra.items():
+        nums = [float(v) for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if nums:
+            metrics[f"reward/extra/{k}/mean"] = sum(nums) / len(nums)
+    return out, metrics

@@ -1,0 +1,56 @@
+"""``RolloutFleet``: every rollout replica of a run, driven together (wake, sleep, weights).
+
+The fleet owns the policy version: each :meth:`RolloutFleet.sync_weights` bumps it and hands the
+weight source to the configured weight-sync backend (``rollout.weight_sync``, any entry of
+``postrl.weights.WEIGHT_SYNC_BACKENDS``), which delivers it to every replica as that version.
+The backend is passed in (built by the trainer), so this layer does not import ``weights/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RolloutFleet"]
+
+
+class RolloutFleet:
+    """The replicas of a run plus their weight-sync backend.
+
+    Args:
+        replicas: :class:`~postrl.rollout.client.RolloutReplica` (or Ray replica) objects.
+        weight_sync: a weight-sync backend (``sync_weights(source, receivers, version)``
+            returning stats with ``metrics()``).
+    """
+
+    def __init__(self, replicas: list[Any], weight_sync: Any) -> None:
+        self.replicas = replicas
+        self.weight_sync = weight_sync
+        self.version = 0
+
+    def wake_up(self) -> None:
+        """Restore every replica's KV cache (before generation)."""
+        for r in self.replicas:
+            r.wake_up()
+
+    def sleep(self) -> None:
+        """Release every replica's KV cache (while the actor trains)."""
+        for r in self.replicas:
+            r.sleep()
+
+    def sync_weights(self, open_source: Callable[[int], Any]) -> dict[str, float]:
+        """Deliver the actor's weights to every replica as the next policy version.
+
+        ``open_source(version)`` opens the weight source (a per-tensor stream, or a
+        ``FrameStream`` whose frames carry the version); returns the ``weights/*`` metrics.
+        """
+        self.version += 1
+        source = open_source(self.version)
+        stats = self.weight_sync.sync_weights(source, self.replicas, version=self.version)
+        return stats.metrics()
+
+    def close(self) -> None:
+        """Close every replica's backend (idempotent for backends that allow it)."""
+        for r in self.replicas:
+            if hasattr(r.backend, "close"):
+                r.backend.close()
