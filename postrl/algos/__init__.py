@@ -11,6 +11,11 @@ decorators and select them by name in the config):
   (``actor.kl_loss_type``, ``algorithm.kl_penalty``);
 * ``AGG_MODES`` — :func:`register_agg_mode`, :func:`agg_loss` (``actor.loss_agg_mode``).
 
+Hyperparameters are typed keyword-only arguments, bound once at startup:
+:func:`bind_policy_loss` (``actor.policy_loss_kwargs``), :func:`bind_adv_estimator`
+(``algorithm.adv_estimator_kwargs``); ``*_hparam_errors`` list the problems for config validation
+(unknown names with a did-you-mean, wrong types).
+
 Importing this package loads neither ray, transformers nor the config system. See
 ``docs/algorithms.md`` for the paper index.
 """
@@ -18,7 +23,10 @@ Importing this package loads neither ray, transformers nor the config system. Se
 from postrl.algos import advantages_extra as _advantages_extra  # noqa: F401  (registers)
 from postrl.algos import policy_losses_cov as _policy_losses_cov  # noqa: F401  (registers)
 from postrl.algos.advantages import (
+    ADV_ESTIMATOR_INPUTS,
     ADV_ESTIMATORS,
+    adv_estimator_hparam_errors,
+    bind_adv_estimator,
     compute_gae_advantage_return,
     compute_gpg_outcome_advantage,
     compute_grpo_outcome_advantage,
@@ -38,6 +46,7 @@ from postrl.algos.advantages_extra import (
 from postrl.algos.aggregation import AGG_MODES, agg_loss, register_agg_mode
 from postrl.algos.dapo import filter_groups, overlong_reward_penalty
 from postrl.algos.entropy import entropy_from_logits
+from postrl.algos.hparams import HParamError
 from postrl.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -48,7 +57,14 @@ from postrl.algos.kl import (
     kl_penalty,
     register_kl_estimator,
 )
-from postrl.algos.policy_losses import POLICY_LOSSES, get_policy_loss, register_policy_loss
+from postrl.algos.policy_losses import (
+    POLICY_LOSS_INPUTS,
+    POLICY_LOSSES,
+    bind_policy_loss,
+    get_policy_loss,
+    policy_loss_hparam_errors,
+    register_policy_loss,
+)
 from postrl.algos.rollout_correction import compute_rollout_correction
 from postrl.algos.utils import (
     compute_response_mask,
@@ -62,7 +78,14 @@ from postrl.algos.utils import (
 from postrl.algos.value import compute_value_loss
 
 __all__ = [
+    "ADV_ESTIMATOR_INPUTS",
     "ADV_ESTIMATORS",
+    "HParamError",
+    "POLICY_LOSS_INPUTS",
+    "adv_estimator_hparam_errors",
+    "bind_adv_estimator",
+    "bind_policy_loss",
+    "policy_loss_hparam_errors",
     "AGG_MODES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",

@@ -10,13 +10,18 @@ ported code fits, and ignores keywords it does not use (the trainer passes one u
   (crash, timeout, NaN). Such a sample is excluded from its group's statistics (mean, std,
   baseline, whitening) and gets zero advantage. Non-finite rewards are treated as failed even
   without ``sample_mask``, so NaN never leaks;
-* hyperparameters: ``gamma``, ``lam``, ``epsilon``, ``norm_adv_by_std_in_grpo``, ...
+* hyperparameters: typed keyword arguments with defaults — ``gamma``, ``lam``,
+  ``norm_adv_by_std_in_grpo`` (their own ``algorithm.*`` fields, passed to every estimator) and
+  estimator-specific ones (``epsilon``, ``f_norm``, ...) set in ``algorithm.adv_estimator_kwargs``
+  and checked at startup against the signature (:func:`adv_estimator_hparam_errors`: an unknown
+  name is an error with a did-you-mean; ``**kwargs`` only absorbs the uniform inputs);
 
 and returns ``(advantages, returns)``, both (B, T), zero outside ``response_mask``.
 
 Registry metadata: ``needs`` lists batch fields beyond rewards/mask/index (``("values",)`` for
-GAE makes config validation require a critic), ``outcome`` says whether only the sequence
-score matters. **Deviation from verl:** a group with fewer than two valid samples gives zero
+GAE makes config validation require a critic; ``postrl.trainer.needs`` maps every need to the
+stage that produces it), ``optional`` batch fields used when present, ``outcome`` says whether
+only the sequence score matters. **Deviation from verl:** a group with fewer than two valid samples gives zero
 advantage in every group estimator (verl returns the raw score for groups of one), because a
 baseline from the sample itself carries no signal.
 
@@ -32,6 +37,7 @@ from typing import Any
 
 import torch
 
+from postrl.algos.hparams import bind_hparams, hparam_errors
 from postrl.algos.utils import group_count_mean_std, group_ids, masked_whiten, valid_rows
 from postrl.registry import Registry
 
@@ -47,6 +53,10 @@ __all__ = [
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_remax_outcome_advantage",
+    "ADV_ESTIMATOR_INPUTS",
+    "adv_estimator_inputs",
+    "adv_estimator_hparam_errors",
+    "bind_adv_estimator",
 ]
 
 AdvFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -62,6 +72,7 @@ def register_adv_est(name: str, **meta: Any) -> Callable[[AdvFn], AdvFn]:
             ``outcome=True/False``.
     """
     meta.setdefault("needs", ())
+    meta.setdefault("optional", ())
     meta.setdefault("outcome", True)
     return ADV_ESTIMATORS.register(name, **meta)
 
@@ -69,6 +80,51 @@ def register_adv_est(name: str, **meta: Any) -> Callable[[AdvFn], AdvFn]:
 def get_adv_estimator(name: str) -> AdvFn:
     """The estimator registered as ``name``; unknown names list the registered ones."""
     return ADV_ESTIMATORS.get(name)
+
+
+ADV_ESTIMATOR_INPUTS = ("token_level_rewards", "response_mask", "index", "sample_mask")
+"""Inputs every estimator receives per batch (plus its declared ``needs`` / ``optional``)."""
+
+_ADV_FIELDS = {
+    "gamma": "algorithm.gamma",
+    "lam": "algorithm.lam",
+    "norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std_in_grpo",
+}
+
+
+def adv_estimator_inputs(name: str) -> tuple[str, ...]:
+    """Per-batch inputs of estimator ``name``: the uniform ones, its needs and optional fields."""
+    meta = ADV_ESTIMATORS.meta(name)
+    return (*ADV_ESTIMATOR_INPUTS, *meta.get("needs", ()), *meta.get("optional", ()))
+
+
+def adv_estimator_hparam_errors(
+    name: str, hparams: dict[str, Any], field: str = "algorithm.adv_estimator_kwargs"
+) -> list[str]:
+    """Problems of ``hparams`` as hyperparameters of estimator ``name`` (empty list: fine)."""
+    return hparam_errors(
+        get_adv_estimator(name),
+        hparams,
+        inputs=adv_estimator_inputs(name),
+        owner=f"advantage estimator {name!r}",
+        field=field,
+        elsewhere=_ADV_FIELDS,
+        open_kwargs=False,
+    )
+
+
+def bind_adv_estimator(name: str, hparams: dict[str, Any] | None = None) -> AdvFn:
+    """Estimator ``name`` with ``algorithm.adv_estimator_kwargs`` bound (``HParamError`` on an
+    unknown name or a wrong type)."""
+    return bind_hparams(
+        get_adv_estimator(name),
+        dict(hparams or {}),
+        inputs=adv_estimator_inputs(name),
+        owner=f"advantage estimator {name!r}",
+        field="algorithm.adv_estimator_kwargs",
+        elsewhere=_ADV_FIELDS,
+        open_kwargs=False,
+    )
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -62,7 +62,7 @@ def compute_grpo_passk_outcome_advantage(
     return out, out
 
 
-@register_adv_est("gdpo", needs=(), optional=("reward_components", "reward_weights"))
+@register_adv_est("gdpo", needs=(), optional=("reward_components",))
 def compute_gdpo_outcome_advantage(
     *,
     token_level_rewards: torch.Tensor,
@@ -119,7 +119,10 @@ def compute_gdpo_outcome_advantage(
 
 
 @register_adv_est(
-    "optimal_token_baseline", needs=("old_log_probs", "sum_pi_squared"), outcome=False
+    "optimal_token_baseline",
+    needs=("old_log_probs", "sum_pi_squared"),
+    optional=("rollout_is_weights",),
+    outcome=False,
 )
 def compute_optimal_token_baseline_advantage(
     *,

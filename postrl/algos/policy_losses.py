@@ -4,17 +4,21 @@ Every loss has one signature::
 
     fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode="token-mean",
        global_num_tokens=None, global_num_seqs=None, dp_size=1, rollout_log_prob=None,
-       rollout_is_weights=None, **hparams) -> (loss, metrics)
+       rollout_is_weights=None, **hyperparameters) -> (loss, metrics)
 
 ``old_log_prob``, ``log_prob``, ``advantages``, ``response_mask`` and ``rollout_*`` are (B, T).
 The loss is aggregated with :func:`postrl.algos.agg_loss` (denominators passed through, so it is
 this shard's additive contribution). ``metrics`` holds at least ``pg_clipfrac``,
 ``pg_clipfrac_lower`` and ``ppo_kl`` as detached 0-d tensors (local masked means; no host sync).
 ``rollout_is_weights`` (B, T), when given, multiplies the per-token loss (truncated IS
-correction from :func:`postrl.algos.compute_rollout_correction`). Unknown ``hparams`` are
-ignored, so the trainer can pass ``actor.policy_loss_kwargs`` uniformly. Common hparams:
-``clip_ratio_low`` / ``clip_ratio_high`` (default ``clip_ratio`` = 0.2), ``clip_ratio_c``
-(dual-clip, default 3.0), ``norm_length`` (constant of ``seq-mean-token-sum-norm``).
+correction from :func:`postrl.algos.compute_rollout_correction`).
+
+Hyperparameters are typed keyword-only arguments of each loss (no ``**hparams``): the trainer
+binds ``actor.policy_loss_kwargs`` once at startup with :func:`bind_policy_loss`, so an unknown
+or misspelt name is an error with a did-you-mean, never silently ignored. Shared ones:
+``clip_ratio_low`` / ``clip_ratio_high`` (default ``clip_ratio`` = 0.2; from
+``actor.clip_ratio_low/high``), ``clip_ratio_c`` (dual-clip, 3.0; ``actor.clip_ratio_c``),
+``norm_length`` (constant of ``seq-mean-token-sum-norm``; every loss takes it).
 
 Notation: ``r = exp(log_prob - old_log_prob)`` (log-ratio clamped to [-20, 20]), ``A``
 advantages, ``eps_l / eps_h`` the clip ratios.
@@ -28,10 +32,18 @@ from typing import Any
 import torch
 
 from postrl.algos.aggregation import agg_loss
+from postrl.algos.hparams import bind_hparams, hparam_errors
 from postrl.algos.utils import masked_mean
 from postrl.registry import Registry
 
-__all__ = ["POLICY_LOSSES", "register_policy_loss", "get_policy_loss"]
+__all__ = [
+    "POLICY_LOSSES",
+    "POLICY_LOSS_INPUTS",
+    "register_policy_loss",
+    "get_policy_loss",
+    "bind_policy_loss",
+    "policy_loss_hparam_errors",
+]
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
@@ -52,11 +64,67 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     return POLICY_LOSSES.get(name)
 
 
+POLICY_LOSS_INPUTS = (
+    "old_log_prob",
+    "log_prob",
+    "advantages",
+    "response_mask",
+    "loss_agg_mode",
+    "global_num_tokens",
+    "global_num_seqs",
+    "dp_size",
+    "rollout_log_prob",
+    "rollout_is_weights",
+)
+"""Parameters the engine supplies on every call; every other keyword is a hyperparameter."""
+
+_LOSS_FIELDS = {
+    "clip_ratio": "actor.clip_ratio_low and actor.clip_ratio_high",
+    "clip_ratio_low": "actor.clip_ratio_low",
+    "clip_ratio_high": "actor.clip_ratio_high",
+    "clip_ratio_c": "actor.clip_ratio_c",
+}
+
+
+def policy_loss_hparam_errors(
+    name: str, hparams: dict[str, Any], field: str = "actor.policy_loss_kwargs"
+) -> list[str]:
+    """Problems of ``hparams`` as hyperparameters of loss ``name`` (unknown names with a
+    did-you-mean, wrong types, names that have their own ``actor.*`` field); empty: fine."""
+    return hparam_errors(
+        get_policy_loss(name),
+        hparams,
+        inputs=POLICY_LOSS_INPUTS,
+        owner=f"policy loss {name!r}",
+        field=field,
+        elsewhere=_LOSS_FIELDS,
+    )
+
+
+def bind_policy_loss(
+    name: str, hparams: dict[str, Any] | None = None, *, common: dict[str, Any] | None = None
+) -> PolicyLossFn:
+    """Loss ``name`` with its hyperparameters bound (raises ``HParamError`` listing problems).
+
+    Args:
+        hparams: ``actor.policy_loss_kwargs``.
+        common: shared settings (``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``),
+            bound only where the loss declares them.
+    """
+    return bind_hparams(
+        get_policy_loss(name),
+        dict(hparams or {}),
+        inputs=POLICY_LOSS_INPUTS,
+        owner=f"policy loss {name!r}",
+        field="actor.policy_loss_kwargs",
+        common=common,
+        elsewhere=_LOSS_FIELDS,
+    )
+
+
 # ---------------------------------------------------------------------------- helpers
-def _clips(hp: dict[str, Any]) -> tuple[float, float]:
-    base = float(hp.get("clip_ratio", 0.2))
-    low = hp.get("clip_ratio_low")
-    high = hp.get("clip_ratio_high")
+def _clips(base: float, low: float | None, high: float | None) -> tuple[float, float]:
+    """(eps_l, eps_h): the asymmetric ratios where given, else the symmetric ``clip_ratio``."""
     return float(base if low is None else low), float(base if high is None else high)
 
 
@@ -77,13 +145,13 @@ def _agg(
 
 
 def _denoms(
-    global_num_tokens: Any, global_num_seqs: Any, dp_size: int, hp: dict[str, Any]
+    global_num_tokens: Any, global_num_seqs: Any, dp_size: int, norm_length: float | None
 ) -> dict[str, Any]:
     return {
         "global_num_tokens": global_num_tokens,
         "global_num_seqs": global_num_seqs,
         "dp_size": dp_size,
-        "norm_length": hp.get("norm_length"),
+        "norm_length": norm_length,
     }
 
 
@@ -98,11 +166,15 @@ def _metrics(
 
 
 def _ppo_clip_matrix(
-    log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, hp: dict[str, Any]
+    log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    eps_l: float,
+    eps_h: float,
+    clip_c: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token dual-clip PPO loss and its two clip fractions (shared by vanilla/bypass)."""
-    eps_l, eps_h = _clips(hp)
-    clip_c = float(hp.get("clip_ratio_c", 3.0))
+    clip_c = float(clip_c)
     if clip_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (dual-clip lower bound), got {clip_c}")
     ratio = torch.exp(log_ratio)
@@ -131,7 +203,11 @@ def compute_policy_loss_vanilla(
     dp_size: int = 1,
     rollout_log_prob: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    **hparams: Any,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clip (Schulman et al. 2017, arXiv 1707.06347) with clip-higher and dual-clip.
 
@@ -142,8 +218,11 @@ def compute_policy_loss_vanilla(
     ``pg_clipfrac_lower``: share where the dual clip is active.
     """
     lr = _log_ratio(old_log_prob, log_prob)
-    loss_mat, clipfrac, lower = _ppo_clip_matrix(lr, advantages, response_mask, hparams)
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    eps_l, eps_h = _clips(clip_ratio, clip_ratio_low, clip_ratio_high)
+    loss_mat, clipfrac, lower = _ppo_clip_matrix(
+        lr, advantages, response_mask, eps_l, eps_h, clip_ratio_c
+    )
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
     loss = _agg(loss_mat, response_mask, loss_agg_mode, denoms, rollout_is_weights)
     return loss, _metrics(clipfrac, lower, masked_mean(-lr, response_mask))
 
@@ -161,7 +240,7 @@ def compute_policy_loss_reinforce(
     dp_size: int = 1,
     rollout_log_prob: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    **hparams: Any,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Plain REINFORCE (Williams 1992) for on-policy updates: ``L = -A log pi``.
 
@@ -169,7 +248,7 @@ def compute_policy_loss_reinforce(
     per batch (no trust region). ``ppo_kl`` still reports ``mean(old - new)``.
     """
     lr = _log_ratio(old_log_prob, log_prob)
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
     loss = _agg(-advantages * log_prob, response_mask, loss_agg_mode, denoms, rollout_is_weights)
     zero = log_prob.new_zeros(())
     return loss, _metrics(zero, zero, masked_mean(-lr, response_mask))
@@ -181,14 +260,31 @@ def compute_policy_loss_gpg(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    **kwargs: Any,
+    *,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Any = None,
+    global_num_seqs: Any = None,
+    dp_size: int = 1,
+    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group Policy Gradient loss (Chu et al. 2025, arXiv 2504.02546): ``L = -A log pi``.
 
     GPG drops the surrogate and the clip; pair it with the ``gpg`` advantage estimator.
     """
     return compute_policy_loss_reinforce(
-        old_log_prob, log_prob, advantages, response_mask, **kwargs
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode=loss_agg_mode,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        dp_size=dp_size,
+        rollout_log_prob=rollout_log_prob,
+        rollout_is_weights=rollout_is_weights,
+        norm_length=norm_length,
     )
 
 
@@ -205,7 +301,10 @@ def compute_policy_loss_gspo(
     dp_size: int = 1,
     rollout_log_prob: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    **hparams: Any,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, arXiv 2507.18071), token form "GSPO-token".
 
@@ -215,7 +314,7 @@ def compute_policy_loss_gspo(
     ``seq-mean-token-mean`` (as the paper and verl; ``loss_agg_mode`` is ignored). The paper
     uses tiny clip ranges (``clip_ratio_low=3e-4``, ``clip_ratio_high=4e-4``).
     """
-    eps_l, eps_h = _clips(hparams)
+    eps_l, eps_h = _clips(clip_ratio, clip_ratio_low, clip_ratio_high)
     mask_f = response_mask.to(log_prob.dtype)
     neg_kl = log_prob - old_log_prob
     seq_lr = (neg_kl * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)  # (B,)
@@ -223,7 +322,7 @@ def compute_policy_loss_gspo(
     ratio = torch.exp(torch.clamp(log_r, max=10.0))
     l1 = -advantages * ratio
     l2 = -advantages * torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h)
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
     loss = _agg(
         torch.maximum(l1, l2), response_mask, "seq-mean-token-mean", denoms, rollout_is_weights
     )
@@ -244,7 +343,10 @@ def compute_policy_loss_geo_mean(
     dp_size: int = 1,
     rollout_log_prob: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    **hparams: Any,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv 2507.20673).
 
@@ -255,7 +357,7 @@ def compute_policy_loss_geo_mean(
     ``seq-mean-token-mean``; ``loss_agg_mode`` is ignored). The paper uses
     ``eps_l = eps_h = 0.4`` (log space). ``rollout_is_weights`` scale the token share.
     """
-    eps_l, eps_h = _clips(hparams)
+    eps_l, eps_h = _clips(clip_ratio, clip_ratio_low, clip_ratio_high)
     mask_f = response_mask.to(log_prob.dtype)
     lr = _log_ratio(old_log_prob, log_prob)
     sgn = torch.sign(advantages)
@@ -265,7 +367,7 @@ def compute_policy_loss_geo_mean(
     seq_ratio = torch.exp((lr_min * mask_f).sum(-1) / n)  # (B,)
     seq_adv = (advantages * mask_f).sum(-1) / n  # (B,)
     loss_mat = (-seq_adv * seq_ratio).unsqueeze(-1).expand_as(log_prob)  # (B, T)
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
     loss = _agg(loss_mat, response_mask, "seq-mean-token-mean", denoms, rollout_is_weights)
     clipped = lr != lr_clip
     clipfrac = masked_mean((clipped & (lr > 0)).to(mask_f.dtype), response_mask)
@@ -286,7 +388,10 @@ def compute_policy_loss_cispo(
     dp_size: int = 1,
     rollout_log_prob: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    **hparams: Any,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO (MiniMax-M1, arXiv 2506.13585): clip the IS weight, never the gradient.
 
@@ -295,11 +400,11 @@ def compute_policy_loss_cispo(
     (set ``clip_ratio_low`` large, e.g. 1.0) and ``clip_ratio_high`` ~ 0.2–5 depending on setup.
     ``pg_clipfrac``/``pg_clipfrac_lower``: share of tokens with r above / below the bounds.
     """
-    eps_l, eps_h = _clips(hparams)
+    eps_l, eps_h = _clips(clip_ratio, clip_ratio_low, clip_ratio_high)
     lr = _log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(lr).detach()
     w = torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h)
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
     loss = _agg(
         -w * advantages * log_prob, response_mask, loss_agg_mode, denoms, rollout_is_weights
     )
@@ -321,7 +426,9 @@ def compute_policy_loss_sapo(
     dp_size: int = 1,
     rollout_log_prob: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    **hparams: Any,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SAPO, soft adaptive policy optimisation (Gao et al. 2025, arXiv 2511.20347).
 
@@ -330,8 +437,7 @@ def compute_policy_loss_sapo(
     (default 1.05) otherwise. ``f'(1) = 1`` so at ``r = 1`` the gradient is REINFORCE's; it
     decays smoothly as r leaves 1. SAPO has no hard clip: ``pg_clipfrac`` is 0.
     """
-    tau_pos = float(hparams.get("tau_pos", 1.0))
-    tau_neg = float(hparams.get("tau_neg", 1.05))
+    tau_pos, tau_neg = float(tau_pos), float(tau_neg)
     if tau_pos <= 0 or tau_neg <= 0:
         raise ValueError(f"SAPO needs tau_pos, tau_neg > 0, got {tau_pos}, {tau_neg}")
     lr = _log_ratio(old_log_prob, log_prob)
@@ -340,7 +446,7 @@ def compute_policy_loss_sapo(
         advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg)
     )
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
     loss = _agg(-gate * advantages, response_mask, loss_agg_mode, denoms, rollout_is_weights)
     zero = log_prob.new_zeros(())
     return loss, _metrics(zero, zero, masked_mean(-lr, response_mask))
@@ -359,7 +465,13 @@ def compute_policy_loss_bypass_mode(
     dp_size: int = 1,
     rollout_log_prob: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    **hparams: Any,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    bypass_loss: str = "ppo_clip",
+    rollout_is_threshold: float = 2.0,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Bypass mode: the rollout engine's log-probs serve as the old policy.
 
@@ -380,12 +492,15 @@ def compute_policy_loss_bypass_mode(
             "the rollout engine (rollout_log_probs in the batch)"
         )
     lr = _log_ratio(rollout_log_prob, log_prob)
-    kind = hparams.get("bypass_loss", "ppo_clip")
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    kind = bypass_loss
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
     if kind == "ppo_clip":
-        loss_mat, clipfrac, lower = _ppo_clip_matrix(lr, advantages, response_mask, hparams)
+        eps_l, eps_h = _clips(clip_ratio, clip_ratio_low, clip_ratio_high)
+        loss_mat, clipfrac, lower = _ppo_clip_matrix(
+            lr, advantages, response_mask, eps_l, eps_h, clip_ratio_c
+        )
     elif kind == "reinforce":
-        thr = float(hparams.get("rollout_is_threshold", 2.0))
+        thr = float(rollout_is_threshold)
         ratio = torch.exp(lr).detach()
         loss_mat = -torch.clamp(ratio, max=thr) * advantages * log_prob
         clipfrac = masked_mean((ratio > thr).to(ratio.dtype), response_mask)

@@ -11,7 +11,7 @@ Models" (arXiv 2505.22617): entropy collapse is driven by tokens with a large co
   ``kl_cov_ratio`` share of tokens by covariance (the unclipped surrogate ``-A r`` elsewhere).
 
 Statistics are taken over this shard's tokens (as in verl); the random choice of Clip-Cov uses
-the global torch RNG (pass ``generator=`` in hparams for reproducibility).
+the global torch RNG (bind ``generator=`` for reproducibility).
 """
 
 from __future__ import annotations
@@ -54,17 +54,23 @@ def compute_policy_loss_clip_cov(
     dp_size: int = 1,
     rollout_log_prob: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    **hparams: Any,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    generator: torch.Generator | None = None,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clip-Cov: PPO clip, plus gradient detachment of a few high-covariance tokens.
 
-    hparams: ``clip_cov_ratio`` (default 2e-4), ``clip_cov_lb`` (1.0), ``clip_cov_ub`` (5.0),
-    ``clip_ratio_low/high``, ``generator``. ``pg_clipfrac`` = share of detached tokens.
+    Hyperparameters: ``clip_cov_ratio`` (share of tokens detached), ``clip_cov_lb`` /
+    ``clip_cov_ub`` (covariance window), the PPO clip ratios, ``generator`` (CPU RNG of the
+    random choice). ``pg_clipfrac`` = share of detached tokens.
     """
-    eps_l, eps_h = _clips(hparams)
-    ratio_k = float(hparams.get("clip_cov_ratio", 2e-4))
-    lb = float(hparams.get("clip_cov_lb", 1.0))
-    ub = float(hparams.get("clip_cov_ub", 5.0))
+    eps_l, eps_h = _clips(clip_ratio, clip_ratio_low, clip_ratio_high)
+    ratio_k, lb, ub = float(clip_cov_ratio), float(clip_cov_lb), float(clip_cov_ub)
     mask = response_mask.bool()
     lr = _log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(lr)
@@ -76,11 +82,11 @@ def compute_policy_loss_clip_cov(
     n_clip = max(int(ratio_k * float(mask.sum())), 1)
     keep = torch.ones_like(lr).reshape(-1)
     if flat.numel() > 0:
-        perm = torch.randperm(flat.numel(), generator=hparams.get("generator"), device="cpu")
+        perm = torch.randperm(flat.numel(), generator=generator, device="cpu")
         keep[flat[perm[:n_clip].to(flat.device)]] = 0.0
     keep = keep.reshape_as(lr)  # 0 = gradient detached
     loss_mat = torch.maximum(l1, l2) * keep
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
     loss = _agg(loss_mat, response_mask, loss_agg_mode, denoms, rollout_is_weights)
     clipfrac = masked_mean((keep == 0).to(lr.dtype), response_mask)
     return loss, _metrics(clipfrac, lr.new_zeros(()), masked_mean(-lr, response_mask))
@@ -99,15 +105,16 @@ def compute_policy_loss_kl_cov(
     dp_size: int = 1,
     rollout_log_prob: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    **hparams: Any,
+    kl_cov_ratio: float = 2e-4,
+    ppo_kl_coef: float = 1.0,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL-Cov: ``-A r`` everywhere, plus ``ppo_kl_coef * |lr|`` on the top-covariance tokens.
 
-    hparams: ``kl_cov_ratio`` (default 2e-4), ``ppo_kl_coef`` (1.0). ``ppo_kl`` reports
-    ``mean |log pi - log pi_old|`` (as verl); ``pg_clipfrac`` = share of penalised tokens.
+    Hyperparameters: ``kl_cov_ratio`` (share of tokens penalised), ``ppo_kl_coef``. ``ppo_kl``
+    reports ``mean |log pi - log pi_old|`` (as verl); ``pg_clipfrac`` = share of penalised tokens.
     """
-    ratio_k = float(hparams.get("kl_cov_ratio", 2e-4))
-    coef = float(hparams.get("ppo_kl_coef", 1.0))
+    ratio_k, coef = float(kl_cov_ratio), float(ppo_kl_coef)
     mask = response_mask.bool()
     lr = _log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(lr)
@@ -121,7 +128,7 @@ def compute_policy_loss_kl_cov(
         top = torch.topk(score, k).indices
         penal = penal.reshape(-1).index_fill(0, top, True).reshape_as(mask)
     loss_mat = torch.where(penal, base + coef * lr.abs(), base)
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, hparams)
+    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
     loss = _agg(loss_mat, response_mask, loss_agg_mode, denoms, rollout_is_weights)
     frac = masked_mean(penal.to(lr.dtype), response_mask)
     return loss, _metrics(frac, lr.new_zeros(()), masked_mean(lr.abs(), response_mask))

@@ -11,7 +11,9 @@ right-padded response, ``attention_mask`` (B, P+R)):
 3. Only the ``M`` hidden states that predict a response token are kept, and
    :func:`chunked_token_logprobs` projects them to the vocabulary ``chunk_size`` rows at a time:
    for logits ``z = h Wᵀ / τ`` (τ the rollout temperature, applied exactly as the sampler did),
-   ``log p(y) = z_y − logsumexp(z)`` and ``H = logsumexp(z) − Σ_v softmax(z)_v z_v``. Under
+   ``log p(y) = z_y − logsumexp(z)`` and ``H = logsumexp(z) − Σ_v softmax(z)_v z_v`` (and, when
+   asked, ``Σ_v softmax(z)_v²``, the optimal-token-baseline's ``sum_pi_squared``, as one
+   reduction over the same softmax: no further (chunk, V) tensor). Under
    autograd each chunk is recomputed in backward (activation checkpointing) so at most one
    (chunk, V) logits tensor is alive at any time.
 4. Results are scattered back to (B, R), zero on padding.
@@ -216,6 +218,7 @@ def _chunk_stats(
     bias: torch.Tensor | None,
     y: torch.Tensor,
     inv_temp: float,
+    sum_pi_squared: bool = False,
 ):
     logits = (h @ weight.t()).float()  # (C, V)
     if bias is not None:
@@ -223,8 +226,11 @@ def _chunk_stats(
     logits = logits * inv_temp
     lse = torch.logsumexp(logits, dim=-1)  # (C,)
     logp = logits.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
-    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, ent
+    probs = torch.softmax(logits, dim=-1)  # (C, V)
+    ent = lse - (probs * logits).sum(-1)
+    if not sum_pi_squared:
+        return logp, ent
+    return logp, ent, torch.linalg.vector_norm(probs, dim=-1).square()  # (C,) Σ_v π_v²
 
 
 def chunked_token_logprobs(
@@ -234,7 +240,8 @@ def chunked_token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Per-token ``log softmax(h Wᵀ / τ)[y]`` and entropy, ``chunk_size`` rows at a time.
 
     Args:
@@ -242,18 +249,19 @@ def chunked_token_logprobs(
         head: the LM head.
         targets: (M,) token ids.
         temperature: τ > 0.
+        sum_pi_squared: also return ``Σ_v π_v²`` of each row's next-token distribution.
 
     Returns:
-        (logp (M,), entropy (M,)), fp32.
+        (logp (M,), entropy (M,)) fp32, plus sum_pi_squared (M,) when asked.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     inv = 1.0 / float(temperature)
     m = hidden.shape[0]
     if m <= chunk_size:
-        return _chunk_stats(hidden, head.weight, head.bias, targets, inv)
+        return _chunk_stats(hidden, head.weight, head.bias, targets, inv, sum_pi_squared)
     grad = torch.is_grad_enabled()
-    lps, ents = [], []
+    parts: list[tuple[torch.Tensor, ...]] = []
     for s in range(0, m, chunk_size):
         args = (
             hidden[s : s + chunk_size],
@@ -261,13 +269,12 @@ def chunked_token_logprobs(
             head.bias,
             targets[s : s + chunk_size],
             inv,
+            sum_pi_squared,
         )
-        lp, en = (
+        parts.append(
             checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args)
         )
-        lps.append(lp)
-        ents.append(en)
-    return torch.cat(lps), torch.cat(ents)
+    return tuple(torch.cat(cols) for cols in zip(*parts))
 
 
 def _padded_pred_hidden(
@@ -313,7 +320,8 @@ def policy_logprobs(
     share_prefix: bool = False,
     chunk_size: int = DEFAULT_CHUNK,
     packed: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    calculate_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Padding-free log-probs (and entropy) of the response tokens of one micro-batch.
 
     ``packed=False`` is the fallback for models whose attention layers do not dispatch through
@@ -321,24 +329,39 @@ def policy_logprobs(
     forward over the padded (B, P+R) batch with its 2-D mask; ``share_prefix`` is then ignored.
     The head, temperature and chunking are the same.
 
+    ``calculate_sum_pi_squared`` adds a third output, ``Σ_v π(v | ·)²`` per response token
+    (B, R) fp32 at the same temperature (the optimal token baseline's ``sum_pi_squared``), from
+    the same softmax as the entropy.
+
     Returns:
-        (log_probs (B, R) fp32, entropy (B, R) fp32 or None); 0 on padding.
+        (log_probs (B, R) fp32, entropy (B, R) fp32 or None[, sum_pi_squared (B, R) fp32]);
+        0 on padding.
     """
     if packed:
         pk = pack(input_ids, attention_mask, response_length, share_prefix=share_prefix)
         resp_valid = pk.resp_valid
         if pk.num_tokens == 0:
             z = torch.zeros(resp_valid.shape, device=input_ids.device)
-            return z, (z if calculate_entropy else None)
+            empty = (z, (z if calculate_entropy else None))
+            return (*empty, z) if calculate_sum_pi_squared else empty
         hidden, targets = _decoder_hidden(decoder, pk)[pk.pred_idx], pk.targets
     else:
         hidden, targets, resp_valid = _padded_pred_hidden(
             decoder, input_ids, attention_mask, response_length
         )
-    lp, ent = chunked_token_logprobs(
-        hidden, head, targets, temperature=temperature, chunk_size=chunk_size
+    stats = chunked_token_logprobs(
+        hidden,
+        head,
+        targets,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        sum_pi_squared=calculate_sum_pi_squared,
     )
-    return _scatter(lp, resp_valid), (_scatter(ent, resp_valid) if calculate_entropy else None)
+    out = (
+        _scatter(stats[0], resp_valid),
+        _scatter(stats[1], resp_valid) if calculate_entropy else None,
+    )
+    return (*out, _scatter(stats[2], resp_valid)) if calculate_sum_pi_squared else out
 
 
 def critic_values(

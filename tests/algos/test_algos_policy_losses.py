@@ -221,7 +221,9 @@ def test_clip_cov_and_kl_cov_select_high_covariance_tokens():
 def test_contract(name):
     old, new, adv, mask = _rand(7)
     new = new.clone().requires_grad_(True)
-    kw = dict(rollout_log_prob=old.clone(), some_unknown_hparam=1)
+    kw = dict(rollout_log_prob=old.clone())
+    with pytest.raises(TypeError, match="some_unknown_hparam"):  # typed: nothing ignored
+        get_policy_loss(name)(old, new, adv, mask, some_unknown_hparam=1, **kw)
     loss, met = get_policy_loss(name)(old, new, adv, mask, **kw)
     assert loss.dim() == 0 and torch.isfinite(loss)
     assert {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"} <= set(met)
