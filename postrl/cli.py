@@ -1,4 +1,4 @@
-"""The ``postrl`` command line: make-model | data | sft | rm | train | eval | serve | bench | export.
+"""The ``postrl`` command line: make-model | data | sft | rm | train | verl | eval | serve | bench | export.
 
 Every subcommand imports its heavy dependencies lazily so ``postrl --help`` is instant.
 """
@@ -79,9 +79,7 @@ def _cmd_data(args: argparse.Namespace) -> int:
         if args.sft:
             rows = data.sft_rows_from_rl_rows(rows)
         if args.pairs:
-            from postrl.engine.rm_train import preference_pairs
-
-            rows = preference_pairs(rows, seed=args.seed)
+            rows = data.preference_pairs(rows, seed=args.seed)
     else:
         raise SystemExit(
             f"unknown data task {args.task!r}; choose from gsm8k, {', '.join(data.TASKS)}"
@@ -105,14 +103,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from postrl.engine.sft import sft_main
+    from postrl.trainer.sft import sft_main
 
     config, overrides = _config_and_overrides(args)
     return sft_main([config, *overrides] if config else overrides)
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
-    from postrl.engine.rm_train import rm_main
+    from postrl.trainer.rm import rm_main
 
     config, overrides = _config_and_overrides(args)
     return rm_main([config, *overrides] if config else overrides)
@@ -128,6 +126,12 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     from postrl.rollout.server import serve_main
 
     return serve_main(rest)
+
+
+def _cmd_verl(args: argparse.Namespace, rest: list[str]) -> int:
+    from postrl.verl.main_ppo import main as verl_main
+
+    return verl_main(rest)
 
 
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
@@ -244,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     s.set_defaults(fn=_cmd_serve, passthrough=True)
+    v = sub.add_parser(
+        "verl",
+        help="run a verl launch command (verl's key=value arguments; see docs/verl.md)",
+        add_help=False,
+    )
+    v.set_defaults(fn=_cmd_verl, passthrough=True)
     b = sub.add_parser("bench", help="benchmarks: rollout | step", add_help=False)
     b.add_argument("what", nargs="?", default="step")
     b.set_defaults(fn=_cmd_bench, passthrough=True)
