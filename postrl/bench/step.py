@@ -94,7 +94,7 @@ def prepare_w1(work_dir: str | Path, w: W1 = W1()) -> tuple[Path, Path]:
         ``(model_dir, train_parquet)``.
     """
     from postrl.data import generate_addition, sft_rows_from_rl_rows, write_parquet
-    from postrl.engine.sft import run_sft
+    from postrl.trainer.sft import run_sft
     from postrl.testing import make_model
 
     work = Path(work_dir)
@@ -318,7 +318,7 @@ def run_bench(work_dir: str | Path, steps: int = 5, w: W1 = W1()) -> dict[str, A
         load_config(None, w1_overrides(model_dir, train, Path(work_dir) / "run", w))
     )
     try:
-        trainer.push_weights_to_rollout()
+        trainer.sync_weights()
         plain = PlainStep(model_dir, w)
         ours: list[dict[str, float]] = []
         theirs: list[dict[str, float]] = []

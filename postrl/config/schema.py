@@ -214,7 +214,11 @@ class RolloutConfig:
     free_cache_engine: bool = True
     """Release the KV cache while training (sleep/wake)."""
     weight_sync: str = "naive"
-    """Registered weight-sync backend."""
+    """Registered weight-sync backend (``naive``: tensors handed over in process; ``bucketed``:
+    fixed-size byte buckets; ``nccl``: GPU broadcast). Honoured on every trainer backend: with
+    ``trainer.backend=ray`` the actor streams bucket frames one at a time either way."""
+    weight_bucket_mb: float = 64.0
+    """Bucket size of bucketed weight streams (and of the Ray actor's frames), in MiB."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Agent loop settings."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
@@ -336,6 +340,9 @@ class RewardConfig:
     """Overlong reward shaping."""
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A learned reward model (off by default)."""
+    tool_reward_weight: float = 1.0
+    """Multiplier of the tool rewards of a trajectory (the sum of its tools' ``reward_delta`` and
+    ``calc_reward``), added to its score. 0 ignores tool rewards."""
 
 
 @dataclass

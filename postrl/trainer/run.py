@@ -41,7 +41,7 @@ def eval_main(config_path: str | None, overrides: list[str]) -> int:
         logger.error("%s", e)
         return 2
     try:
-        trainer.push_weights_to_rollout()
+        trainer.sync_weights()
         metrics = trainer.validate()
     finally:
         trainer.close()

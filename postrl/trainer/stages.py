@@ -1,8 +1,9 @@
 """The driver-side stages of one RL step that are plain functions of the batch.
 
-Each stage takes the batch and returns a new one plus metrics; the trainer's ``step`` calls them
-in DESIGN.md's order. Nothing here special-cases an algorithm name: estimators declare what they
-need in their registry metadata.
+Each stage takes the batch and returns ``(batch, metrics)``; the trainer's ``step`` calls them in
+DESIGN.md's order: dynamic sampling (after the reward), the advantage stage (6: KL in the reward,
+rollout correction, the estimator) and the step's bookkeeping metrics (9). Nothing here
+special-cases an algorithm name: estimators declare what they need in their registry metadata.
 """
 
 from __future__ import annotations
@@ -19,121 +20,20 @@ from postrl.algos import (
     compute_rollout_correction,
     filter_groups,
     get_adv_estimator,
-    overlong_reward_penalty,
 )
 from postrl.protocol import DataProto
-from postrl.reward import RewardRequest, RewardResult
-from postrl.reward.types import SampleScore, classify, failed
+from postrl.trainer.metrics import compute_data_metrics, compute_throughput_metrics
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "decode_responses",
-    "make_reward_request",
-    "apply_reward_result",
-    "reward_model_result",
+    "advantage_stage",
+    "step_metrics",
     "compute_advantage_stage",
     "rollout_correction_stage",
     "kl_in_reward_stage",
     "dynamic_sampling_stage",
 ]
-
-
-def decode_responses(tokenizer: Any, batch: DataProto) -> list[str]:
-    """Decode every response (padding stripped; special tokens skipped)."""
-    responses = batch.batch["responses"]
-    lengths = batch.batch["attention_mask"][:, -responses.shape[1] :].sum(-1).tolist()
-    ids = [row[:n] for row, n in zip(responses.tolist(), lengths)]
-    return tokenizer.batch_decode(ids, skip_special_tokens=True)
-
-
-def make_reward_request(
-    tokenizer: Any, response_ids: list[int], row: dict[str, Any]
-) -> RewardRequest:
-    """The reward request of one finished trajectory (used for streaming submission)."""
-    return RewardRequest(
-        data_source=str(row["data_source"]),
-        solution_str=tokenizer.decode(response_ids, skip_special_tokens=True),
-        ground_truth=row["ground_truth"],
-        extra_info=dict(row.get("extra_info") or {}),
-        uid=row.get("uid"),
-    )
-
-
-def reward_model_result(
-    rm_scores: torch.Tensor, uids: list[Any], rule: RewardResult | None = None
-) -> RewardResult:
-    """The reward of each row from reward-model scores (B,): the score itself (``reward.model.mode
-    =replace``) or ``rule`` + score (``add``). A non-finite reward-model score is a failed sample
-    (``nan``), never a number; a row whose rule reward failed stays failed."""
-    samples: list[SampleScore] = []
-    for i, v in enumerate(rm_scores.tolist()):
-        rm = classify(v)
-        if rule is None:
-            samples.append(rm)
-            continue
-        extra = {k: vals[i] for k, vals in rule.extra.items() if vals[i] is not None}
-        if not bool(rule.valid[i]):
-            samples.append(failed(rule.failure_reason[i], rule.failure_detail[i], extra))
-        elif not rm.valid:
-            samples.append(failed(rm.reason, f"reward model: {rm.detail}", extra))
-        else:
-            samples.append(SampleScore(float(rule.scores[i]) + rm.score, None, None, extra))
-    return RewardResult.from_samples(samples, uids)
-
-
-def apply_reward_result(
-    batch: DataProto,
-    result: RewardResult,
-    overlong: Any | None = None,
-    max_response_length: int | None = None,
-) -> tuple[DataProto, dict[str, float]]:
-    """Write ``token_level_scores`` (score on the last response token) and ``sample_valid``.
-
-    Failed samples keep a 0 placeholder that no estimator reads: they are excluded from their
-    group's baseline via ``sample_valid`` and their ``response_mask`` is zeroed (no loss).
-
-    With ``overlong.enable`` (DAPO soft overlong punishment) the penalty ramps over the last
-    ``overlong.buffer_len`` tokens before ``max_response_length`` — the *configured* maximum
-    (``rollout.response_length``), passed here or as ``meta_info["max_response_length"]``. The
-    batch's own width cannot stand in for it: responses are padded to the longest one of the
-    batch, so a batch of short answers would be punished for lengths far below the limit.
-    """
-    b = dict(batch.batch)
-    R = b["responses"].shape[1]
-    resp_len = b["attention_mask"][:, -R:].sum(-1)  # (B,)
-    scores = result.scores.clone()
-    metrics = dict(result.metrics)
-    if overlong is not None and getattr(overlong, "enable", False):
-        max_len = (
-            max_response_length
-            if max_response_length is not None
-            else batch.meta_info.get("max_response_length")
-        )
-        if max_len is None:
-            raise ValueError(
-                "reward.overlong.enable=True needs the configured maximum response length: call "
-                "apply_reward_result(..., max_response_length=cfg.rollout.response_length) or set "
-                "batch.meta_info['max_response_length'] (the padded batch width is not the limit)"
-            )
-        penalty = overlong_reward_penalty(
-            resp_len, int(max_len), overlong.buffer_len, overlong.penalty_factor
-        )
-        scores = scores + penalty.to(scores.dtype)
-        metrics["reward/overlong_penalty/mean"] = float(penalty.float().mean())
-    tls = torch.zeros_like(b["responses"], dtype=torch.float32)
-    last = (resp_len - 1).clamp(min=0)
-    tls[torch.arange(tls.shape[0]), last] = scores
-    valid = result.valid.clone()
-    b["token_level_scores"] = tls
-    b["sample_valid"] = valid
-    b["response_mask"] = b["response_mask"] * valid[:, None].to(b["response_mask"].dtype)
-    out = DataProto(b, dict(batch.non_tensor_batch), dict(batch.meta_info))
-    for k, vals in result.extra.items():
-        nums = [float(v) for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        if nums:
-            metrics[f"reward/extra/{k}/mean"] = sum(nums) / len(nums)
-    return out, metrics
 
 
 def kl_in_reward_stage(
@@ -212,8 +112,13 @@ def compute_advantage_stage(batch: DataProto, algo: Any) -> DataProto:
     return DataProto(b, batch.non_tensor_batch, batch.meta_info)
 
 
-def dynamic_sampling_stage(batch: DataProto) -> tuple[DataProto, dict[str, float]]:
-    """DAPO dynamic sampling: drop whole groups whose valid rewards are all equal."""
+def dynamic_sampling_stage(
+    batch: DataProto, enable: bool = True
+) -> tuple[DataProto, dict[str, float]]:
+    """DAPO dynamic sampling (``algorithm.filter_groups.enable``): drop whole groups whose valid
+    rewards are all equal."""
+    if not enable:
+        return batch, {}
     scores = batch.batch["token_level_scores"].sum(-1)
     keep, m = filter_groups(
         scores,
@@ -237,3 +142,43 @@ def dynamic_sampling_stage(batch: DataProto) -> tuple[DataProto, dict[str, float
         metrics["dynamic_sampling/skipped_update"] = 1.0
         return DataProto(b, batch.non_tensor_batch, batch.meta_info), metrics
     return batch[keep], metrics
+
+
+def advantage_stage(batch: DataProto, ctx: Any, kl_ctrl: Any) -> tuple[DataProto, dict[str, float]]:
+    """Stage 6: KL in the reward (``algorithm.use_kl_in_reward``), rollout correction (IS
+    weights / rejection + health metrics, when old log-probs exist before the update), then the
+    configured estimator."""
+    algo = ctx.cfg.algorithm
+    metrics: dict[str, float] = {}
+    if algo.use_kl_in_reward:
+        batch, km = kl_in_reward_stage(batch, kl_ctrl, algo.kl_penalty)
+        metrics.update(km)
+    batch, cm = rollout_correction_stage(batch, algo.rollout_correction)
+    metrics.update(cm)
+    return compute_advantage_stage(batch, algo), metrics
+
+
+def step_metrics(batch: DataProto, cfg: Any, step_seconds: float, dp_size: int) -> dict[str, float]:
+    """Stage 9: data, agent and throughput metrics of the trained batch."""
+    m: dict[str, Any] = dict(compute_data_metrics(batch, cfg.rollout.response_length))
+    m.update(_agent_metrics(batch))
+    m.update(compute_throughput_metrics(batch, step_seconds, dp_size))
+    return m
+
+
+def _agent_metrics(batch: DataProto) -> dict[str, float]:
+    nt = batch.non_tensor_batch
+    out: dict[str, float] = {}
+    if "num_turns" in nt and len(nt["num_turns"]):
+        turns = np.asarray(nt["num_turns"], dtype=np.float64)
+        out["agent/num_turns/mean"] = float(turns.mean())
+    agg: dict[str, list[float]] = {}
+    for d in nt.get("agent_metrics", []):
+        for k, v in (d or {}).items():
+            agg.setdefault(k, []).append(float(v))
+    for k, vals in agg.items():
+        out[k if k.startswith("agent/") else f"agent/{k}"] = sum(vals) / len(vals)
+    if "finish_reason" in nt:
+        reasons = list(nt["finish_reason"])
+        out["response/finish_abort_ratio"] = reasons.count("abort") / max(len(reasons), 1)
+    return out

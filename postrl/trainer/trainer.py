@@ -1,19 +1,29 @@
 """``RLTrainer``: the single-controller driver of PPO/GRPO-family training.
 
-The driver holds the loop; worker groups (actor, optional reference and critic) do the heavy
-work; the rollout engine serves token-in/token-out generation to the agent loops. One RL step
-(:meth:`RLTrainer.step`) follows DESIGN.md's stages:
+The driver holds the loop; worker groups (:class:`~postrl.trainer.roles.Roles`: actor, optional
+reference, critic and reward model) do the heavy work; the rollout fleet serves token-in/
+token-out generation to the agent loops. One RL step (:meth:`RLTrainer.step`) follows
+DESIGN.md's stages, each in its own module, visited once and in order:
 
-    1 rollout → 2 reward → 3 balance → 4 old/ref log-probs → 5 values → 6 advantage
-    → 7 update critic/actor → 8 weight sync → 9 bookkeeping
+    1 rollout        mode.next_batch                (trainer/modes.py → context.generate)
+    2 reward         ctx.reward.finish              (reward/stage.py)
+      dynamic samp.  stages.dynamic_sampling_stage  (trainer/stages.py)
+    3 balance        roles.balance                  (trainer/roles.py)
+    4 old/ref logp   roles.old_log_probs, ref_log_probs
+    5 values         roles.values
+    6 advantage      stages.advantage_stage         (needs, KL-in-reward, correction, estimator)
+    7 update         roles.update_critic, update_actor
+    8 weight sync    mode.sync_weights              (rollout/fleet.py → weights/)
+    9 bookkeeping    stages.step_metrics
 
 Algorithm variants attach through registries (estimators declare ``needs``; losses are looked
-up by name) and modes through hooks (``postrl.trainer.modes``); the step has no algorithm
-branches.
+up by name) and modes through :class:`~postrl.trainer.modes.TrainerMode`; the step has no
+algorithm or role branches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -28,16 +38,13 @@ from postrl.algos import ADV_ESTIMATORS, AdaptiveKLController, FixedKLController
 from postrl.config import PostRLConfig, dump_config, validate_config
 from postrl.data import PromptLoader, RLDataset, load_tokenizer
 from postrl.protocol import DataProto
-from postrl.testing.faults import maybe_kill
 from postrl.trainer import stages
 from postrl.trainer.checkpoint import find_latest_checkpoint, load_trainer_state, save_checkpoint
-from postrl.trainer.metrics import (
-    compute_data_metrics,
-    compute_throughput_metrics,
-    reduce_metrics,
-    timer,
-)
+from postrl.trainer.context import build_context
+from postrl.trainer.hooks import fire
+from postrl.trainer.metrics import reduce_metrics, timer
 from postrl.trainer.modes import TRAINER_MODES
+from postrl.trainer.roles import build_roles
 from postrl.trainer.validation import validate
 
 logger = logging.getLogger(__name__)
@@ -110,8 +117,6 @@ class RLTrainer:
             else FixedKLController(kc.kl_coef)
         )
 
-        from postrl.trainer.roles import build_roles
-
         loops = {
             r.get("agent_name") or cfg.rollout.agent.default_agent_loop
             for ds in (self.train_set, self.val_set)
@@ -119,128 +124,52 @@ class RLTrainer:
             for r in ds.rows
         }
         self.roles = build_roles(
+            cfg, self.total_steps, use_ref=self.use_ref, use_critic=self.use_critic
+        )
+        self.ctx = build_context(
             cfg,
-            self.total_steps,
-            use_ref=self.use_ref,
-            use_critic=self.use_critic,
+            self.tokenizer,
+            self.loader,
+            self.roles.actor,
+            self.roles.reward_model,
             multi_turn=loops != {"single_turn"},
         )
-        self.rollout = self.roles.rollout
-        self.agent_manager = self.roles.agent_manager
-        self.reward_loop = self.roles.reward_loop
-        self.mode = TRAINER_MODES.get(cfg.trainer.mode)(self)
+        self.mode = TRAINER_MODES.get(cfg.trainer.mode)(self.ctx)
         self.tracker: Any = None
 
-    # ------------------------------------------------------------------ sampling
-    def sampling_params(self, validation: bool = False) -> Any:
-        """Rollout sampling parameters (validation uses ``rollout.val_kwargs``)."""
-        from postrl.rollout import SamplingParams
-
-        r = self.cfg.rollout
-        stop_ids = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
-        if validation:
-            v = r.val_kwargs
-            return SamplingParams(
-                temperature=v.temperature,
-                top_p=v.top_p,
-                max_new_tokens=r.response_length,
-                stop_token_ids=stop_ids,
-            )
-        return SamplingParams(
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.response_length,
-            stop_token_ids=stop_ids,
-        )
-
     # ------------------------------------------------------------------ the step
-    def step(self, prompts: DataProto, step: int) -> dict[str, float]:
-        """One RL step on a batch of prompts; returns the step's metrics (floats)."""
-        cfg, t = self.cfg, {}
+    def step(self, step: int) -> dict[str, float]:
+        """One RL step: the mode's next batch through every stage; the step's metrics."""
+        cfg, ctx, roles, algo = self.cfg, self.ctx, self.roles, self.cfg.algorithm
+        t: dict[str, float] = {}
         m: dict[str, Any] = {}
-        futures: dict[int, Any] = {}
         t_step = time.perf_counter()
 
-        rm_cfg = cfg.reward.model
-        rm_only = rm_cfg.enable and rm_cfg.mode == "replace"  # no rule functions at all
+        def run(name: str | None, fn: Any, batch: DataProto, *args: Any) -> DataProto:
+            with timer(name, t) if name else contextlib.nullcontext():
+                batch, metrics = fn(batch, *args)
+            m.update(metrics)
+            return batch
 
-        def on_sample_end(
-            i: int, out: Any, row: dict[str, Any]
-        ) -> None:  # 2a: score while the tail runs
-            if not rm_only and self.reward_loop.can_stream(row["data_source"]):
-                futures[i] = self.reward_loop.submit(
-                    stages.make_reward_request(self.tokenizer, out.response_ids, row)
-                )
-
-        with timer("gen", t):  # 1. rollout
-            batch = self.mode.rollout(
-                prompts, self.sampling_params(), cfg.rollout.n, step, on_sample_end
-            )
-        maybe_kill(f"step{step}:after_gen")
-        with timer("reward", t):  # 2. reward (rule/custom functions and/or the reward model)
-            if rm_cfg.enable:
-                with timer("reward_model", t):
-                    rm_scores, rmm = self.roles.rm_scores(batch)
-                rm_scores = rm_scores * rm_cfg.weight
-                m.update(rmm)
-            if rm_only:
-                result = stages.reward_model_result(rm_scores, list(batch.non_tensor_batch["uid"]))
-            else:
-                result = self.reward_loop.finish(batch, futures, self.tokenizer)
-                if rm_cfg.enable:
-                    result = stages.reward_model_result(rm_scores, result.uids, rule=result)
-            self.reward_loop.check_failures(result)
-            batch, rm = stages.apply_reward_result(
-                batch, result, cfg.reward.overlong, max_response_length=cfg.rollout.response_length
-            )
-            m.update(rm)
-        if cfg.algorithm.filter_groups.enable:
-            batch, dm = stages.dynamic_sampling_stage(batch)
-            m.update(dm)
-        if cfg.trainer.balance_batch and self.roles.dp_size > 1:  # 3. balance
-            batch, bm = self.roles.balance(batch)
-            m.update(bm)
+        with timer("gen", t):  # 1. rollout: the mode decides where the batch comes from
+            batch = self.mode.next_batch(step)
+        fire(f"step{step}:after_gen")
+        batch = run("reward", ctx.reward.finish, batch)  # 2. reward
+        batch = run(None, stages.dynamic_sampling_stage, batch, algo.filter_groups.enable)
+        batch = run(None, roles.balance, batch)  # 3. balance
         batch.meta_info.update(temperature=cfg.rollout.temperature, global_step=step)
-        if (
-            self.roles.fuse_old_log_prob
-        ):  # 4. old / ref log-probs (fused: computed by the update's forward)
-            t["timing_s/old_log_prob"] = 0.0
-        else:
-            with timer("old_log_prob", t):
-                batch = self.roles.old_log_probs(batch, m)
-        if self.use_ref:
-            with timer("ref", t):
-                batch = batch.union(self.roles.ref_log_probs(batch))
-        if self.use_critic:  # 5. values
-            with timer("values", t):
-                batch = batch.union(self.roles.values(batch))
-        with timer("adv", t):  # 6. advantage
-            if cfg.algorithm.use_kl_in_reward:
-                batch, km = stages.kl_in_reward_stage(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
-                m.update(km)
-            batch, cm = stages.rollout_correction_stage(batch, cfg.algorithm.rollout_correction)
-            m.update(cm)
-            batch = stages.compute_advantage_stage(batch, cfg.algorithm)
-        if self.use_critic:  # 7. update
-            with timer("update_critic", t):
-                m.update(self.roles.update_critic(batch))
-        with timer("update_actor", t):
-            m.update(self.roles.update_actor(batch))
-        if (
-            self.roles.fused_old_log_probs is not None
-        ):  # rollout-vs-train mismatch metrics, after the fact
-            batch = batch.union(
-                DataProto.from_dict({"old_log_probs": self.roles.fused_old_log_probs})
-            )
-            m.update(stages.rollout_correction_stage(batch, cfg.algorithm.rollout_correction)[1])
+        batch = run("old_log_prob", roles.old_log_probs, batch)  # 4. old / ref log-probs
+        batch = run("ref", roles.ref_log_probs, batch)
+        batch = run("values", roles.values, batch)  # 5. values
+        batch = run("adv", stages.advantage_stage, batch, ctx, self.kl_ctrl)  # 6. advantage
+        batch = run("update_critic", roles.update_critic, batch)  # 7. update
+        batch = run("update_actor", roles.update_actor, batch)
         with timer("sync_weights", t):  # 8. weight sync
             m.update(self.mode.sync_weights())
-        m.update(compute_data_metrics(batch, cfg.rollout.response_length))  # 9. bookkeeping
-        m.update(_agent_metrics(batch))
-        t["timing_s/step"] = time.perf_counter() - t_step
+        t["timing_s/step"] = time.perf_counter() - t_step  # 9. bookkeeping
         m.update(t)
-        m.update(compute_throughput_metrics(batch, t["timing_s/step"], self.roles.dp_size))
+        m.update(stages.step_metrics(batch, cfg, t["timing_s/step"], roles.dp_size))
+        m["training/epoch"] = float(batch.meta_info.get("epoch", 0))
         return reduce_metrics(m)
 
     # ------------------------------------------------------------------ the loop
@@ -249,7 +178,7 @@ class RLTrainer:
         from postrl.tracking import Tracker, make_plots, summarize
 
         start = self._maybe_resume()
-        self.push_weights_to_rollout()  # the rollout always starts from the actor's weights
+        self.sync_weights()  # the rollout always starts from the actor's weights
         tc = self.cfg.trainer
         self.tracker = Tracker(
             self.run_dir, tc.loggers, self.total_steps, self.cfg, start_step=start + 1
@@ -260,20 +189,17 @@ class RLTrainer:
                 self.tracker.log(self.validate(), 0)
             for step in range(start + 1, self.total_steps + 1):
                 self.global_step = step
-                prompts = self.loader.next_batch()
-                metrics = self.step(prompts, step)
-                metrics["training/epoch"] = float(prompts.meta_info.get("epoch", 0))
+                metrics = self.step(step)
                 is_last = step == self.total_steps
                 if self.val_set is not None and (
                     (tc.test_freq and step % tc.test_freq == 0) or is_last
                 ):
                     with timer("testing", metrics):
                         metrics.update(self.validate())
-                self.mode.on_step_end(step, metrics)
                 self.tracker.log(metrics, step)
                 if tc.save_freq and (step % tc.save_freq == 0 or is_last):
                     self.save(step)
-                maybe_kill(f"step{step}:end")
+                fire(f"step{step}:end")
                 last = metrics
         finally:
             self.tracker.close()
@@ -291,26 +217,25 @@ class RLTrainer:
     def validate(self) -> dict[str, float]:
         """Greedy (or n-sample) generation on the validation set → ``val/*`` metrics."""
         assert self.val_set is not None
-        return validate(self, self.val_set)
+        return validate(self.ctx, self.val_set)
 
     # ------------------------------------------------------------------ weights / checkpoints
-    def push_weights_to_rollout(self) -> dict[str, float]:
-        """Stream the actor's parameters into the rollout engine(s)."""
-        t0 = time.perf_counter()
-        self.roles.sync_weights()
-        return {"timing_s/weight_push": time.perf_counter() - t0}
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the actor's parameters into the rollout replicas (``weights/*`` metrics)."""
+        return self.mode.sync_weights()
 
     def save(self, step: int) -> Path:
-        """Atomic checkpoint of actor/critic/optimizers, data position, KL controller and RNG."""
+        """Atomic checkpoint of actor/critic/optimizers, the mode's state (data position),
+        the KL controller and RNG."""
         state = {
-            "loader": self.loader.state_dict(),
+            "mode": self.mode.state_dict(),
             "kl_ctrl": {"value": float(self.kl_ctrl.value)},
             "total_steps": self.total_steps,
         }
 
         def write(tmp: Path) -> None:
             self.roles.save(tmp)
-            maybe_kill(f"step{step}:ckpt_components")
+            fire(f"step{step}:ckpt_components")
 
         return save_checkpoint(self.run_dir / "checkpoints", step, state, write, keep_last=0)
 
@@ -325,33 +250,17 @@ class RLTrainer:
             return 0
         state = load_trainer_state(ckpt)
         self.roles.load(ckpt)
-        self.loader.load_state_dict(state["loader"])
+        # checkpoints before the mode interface saved the loader at the top level
+        self.mode.load_state_dict(state.get("mode") or {"loader": state["loader"]})
         self.kl_ctrl.value = state["kl_ctrl"]["value"]
         logger.info("resumed from %s (step %d)", ckpt, state["step"])
         return int(state["step"])
 
     def close(self) -> None:
-        """Release workers, rollout engines and reward processes."""
+        """Release the mode, workers, rollout engines and reward processes."""
         self.mode.close()
+        self.ctx.close()
         self.roles.close()
-
-
-def _agent_metrics(batch: DataProto) -> dict[str, float]:
-    nt = batch.non_tensor_batch
-    out: dict[str, float] = {}
-    if "num_turns" in nt and len(nt["num_turns"]):
-        turns = np.asarray(nt["num_turns"], dtype=np.float64)
-        out["agent/num_turns/mean"] = float(turns.mean())
-    agg: dict[str, list[float]] = {}
-    for d in nt.get("agent_metrics", []):
-        for k, v in (d or {}).items():
-            agg.setdefault(k, []).append(float(v))
-    for k, vals in agg.items():
-        out[k if k.startswith("agent/") else f"agent/{k}"] = sum(vals) / len(vals)
-    if "finish_reason" in nt:
-        reasons = list(nt["finish_reason"])
-        out["response/finish_abort_ratio"] = reasons.count("abort") / max(len(reasons), 1)
-    return out
 
 
 def _write_run_info(run_dir: Path) -> None:

@@ -24,41 +24,36 @@ from postrl.data import RLDataset
 __all__ = ["validate"]
 
 
-def validate(trainer: Any, dataset: RLDataset) -> dict[str, float]:
-    """Run validation generation + scoring; returns ``val/*`` metrics."""
-    cfg = trainer.cfg
+def validate(ctx: Any, dataset: RLDataset) -> dict[str, float]:
+    """Run validation generation + scoring with a
+    :class:`~postrl.trainer.context.TrainerContext`; returns ``val/*`` metrics."""
+    cfg = ctx.cfg
     n = max(1, cfg.rollout.val_kwargs.n)
     bs = cfg.data.val_batch_size or len(dataset)
-    sampling = trainer.sampling_params(validation=True)
+    sampling = ctx.sampling_params(validation=True)
     correct: dict[str, list[list[float]]] = defaultdict(list)
     scores: dict[str, list[float]] = defaultdict(list)
     lengths: list[float] = []
-    rm_on = cfg.reward.model.enable
+    rm_on = ctx.reward.reward_model is not None
     rm_scores: list[float] = []
     failed = 0
     for start in range(0, len(dataset), bs):
         prompts = dataset.batch(list(range(start, min(start + bs, len(dataset)))))
-        # validation seeds live in their own stream (step = -1 - start) so they never collide with training
-        batch = trainer.mode.rollout(prompts, sampling, n, -1 - start, None)
-        lengths.extend(
-            batch.batch["attention_mask"][:, -batch.batch["responses"].shape[1] :]
-            .sum(-1)
-            .float()
-            .tolist()
-        )
+        # validation seeds live in their own stream (step = -1 - start): never those of training
+        batch = ctx.generate(prompts, sampling, n, -1 - start)
+        R = batch.batch["responses"].shape[1]
+        lengths.extend(batch.batch["attention_mask"][:, -R:].sum(-1).float().tolist())
         ds = batch.non_tensor_batch["data_source"]
-        if (
-            rm_on
-        ):  # the reward model scores every row; rule metrics come from rows that have a function
-            rm_scores.extend(trainer.roles.rm_scores(batch)[0].tolist())
-            ruled = [p for p in range(len(prompts)) if trainer.reward_loop.has_function(ds[p * n])]
+        if rm_on:  # the reward model scores every row; rule metrics from rows with a function
+            rm_scores.extend(ctx.reward.rm_scores(batch)[0].tolist())
+            ruled = [p for p in range(len(prompts)) if ctx.reward.has_function(ds[p * n])]
         else:
             ruled = list(range(len(prompts)))
         if not ruled:
             continue
         rows_ruled = [i for p in ruled for i in range(p * n, (p + 1) * n)]
-        result = trainer.reward_loop.finish(
-            batch if len(rows_ruled) == len(batch) else batch[rows_ruled], {}, trainer.tokenizer
+        result = ctx.reward.rule_scores(
+            batch if len(rows_ruled) == len(batch) else batch[rows_ruled]
         )
         acc = _correctness(result)
         for j, p in enumerate(ruled):

@@ -264,7 +264,7 @@ def test_overlong_penalty_uses_the_configured_length_not_the_batch_width():
 
     from postrl.protocol import DataProto
     from postrl.reward import RewardResult, SampleScore
-    from postrl.trainer.stages import apply_reward_result
+    from postrl.reward.stage import apply_reward_result
 
     lengths = torch.tensor([3, 2, 1])  # the batch is 3 tokens wide; the configured max is 16
     am = torch.cat(

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from postrl.config import ConfigError, load_config, validate_config
+from postrl.reward.stage import combine_scores
 from postrl.reward.types import RewardResult, SampleScore, failed
 from postrl.testing import make_model
-from postrl.trainer.stages import reward_model_result
 from postrl.trainer.trainer import RLTrainer
 
 
 def test_reward_model_result_replace_and_add():
     rm = torch.tensor([0.5, float("nan"), -1.0, 2.0])
-    r = reward_model_result(rm, ["a", "b", "c", "d"])
+    r = combine_scores(None, rm, ["a", "b", "c", "d"])
     assert r.valid.tolist() == [True, False, True, True]  # a NaN score is a failure, not a number
     assert r.failure_reason[1] == "nan" and r.scores.tolist() == [0.5, 0.0, -1.0, 2.0]
     rule = RewardResult.from_samples(
@@ -30,7 +30,7 @@ def test_reward_model_result_replace_and_add():
         ],
         ["a", "b", "c", "d"],
     )
-    s = reward_model_result(rm, ["a", "b", "c", "d"], rule=rule)
+    s = combine_scores(rule, rm, ["a", "b", "c", "d"])
     assert s.valid.tolist() == [True, False, False, True]
     assert s.scores.tolist() == [1.5, 0.0, 0.0, 2.0]
     assert s.failure_reason[1:3] == ["nan", "timeout"]

@@ -84,22 +84,20 @@ class FirstTurnScript:
         )
 
 
-@register_trainer("sync_tool_script_test", override=True)
+@register_trainer("sync_tool_script_test", on_policy=True, override=True)
 class ScriptedToolMode(SyncMode):
-    """``sync`` with :class:`FirstTurnScript` around the client; records rollouts and trained batches."""
+    """``sync`` with :class:`FirstTurnScript` around the client; records the rollout batches."""
 
-    def __init__(self, trainer: Any) -> None:
-        super().__init__(trainer)
-        self.script = FirstTurnScript(trainer.agent_manager.client, trainer.tokenizer)
-        trainer.agent_manager.client = self.script
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.script = FirstTurnScript(ctx.agents.client, ctx.tokenizer)
+        ctx.agents.client = self.script
         self.trained: list[Any] = []
-        update = trainer.roles.update_actor
 
-        def capture(batch: Any) -> dict[str, float]:
-            self.trained.append(batch)
-            return update(batch)
-
-        trainer.roles.update_actor = capture
+    def next_batch(self, step: int) -> Any:
+        batch = super().next_batch(step)
+        self.trained.append(batch)
+        return batch
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +220,7 @@ def test_example_config_fits_the_bound_style_conversation(tiny_model_dir):
 @pytest.mark.slow
 def test_sft_on_demonstrations_teaches_tool_calls(tiny_model_dir, tmp_path):
     """200 demonstrations, a short SFT, then a real rollout: parseable calls at a non-zero rate."""
-    from postrl.engine.sft import run_sft
+    from postrl.trainer.sft import run_sft
 
     demos = write_parquet(
         tool_arith_demonstrations(200, seed=1, min_digits=2, max_digits=3),
@@ -257,8 +255,9 @@ def test_sft_on_demonstrations_teaches_tool_calls(tiny_model_dir, tmp_path):
     ]
     trainer = RLTrainer(load_config(EXAMPLE, [*ov, TOOLS]))
     try:
-        trainer.push_weights_to_rollout()
-        batch = trainer.mode.rollout(trainer.loader.next_batch(), trainer.sampling_params(), 4, 1)
+        trainer.sync_weights()
+        ctx = trainer.ctx
+        batch = ctx.generate(trainer.loader.next_batch(), ctx.sampling_params(), 4, 1)
     finally:
         trainer.close()
     metrics = list(batch.non_tensor_batch["agent_metrics"])

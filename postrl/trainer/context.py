@@ -1,0 +1,205 @@
+"""``TrainerContext``: the narrow view of a run that trainer modes and validation are built from.
+
+A mode (``postrl.trainer.modes``) decides where a step's batch comes from and when weights move;
+validation generates and scores held-out prompts. Both need the same few things — the config,
+the prompt loader, the agent-loop manager on the rollout fleet, the reward stage, and the actor
+as the source of weights — and nothing else of the trainer. :func:`build_context` makes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from postrl.config import PostRLConfig
+from postrl.data import PromptLoader
+from postrl.protocol import DataProto
+
+__all__ = ["TrainerContext", "build_context", "kv_capacity"]
+
+
+@dataclass
+class TrainerContext:
+    """What modes and validation may use.
+
+    Attributes:
+        cfg: the validated config (read only).
+        tokenizer: the policy tokenizer.
+        loader: the training prompt loader (seeded order, exact resume).
+        agents: the ``AgentLoopManager`` running agent loops on the fleet's replicas.
+        fleet: the ``RolloutFleet`` (wake/sleep, weights, policy version).
+        reward: the ``RewardStage`` (streaming hook + ``finish``).
+        actor: the actor worker group, the source of weights.
+        remote_actor: the actor lives in other processes (Ray): weights arrive as frames.
+    """
+
+    cfg: PostRLConfig
+    tokenizer: Any
+    loader: PromptLoader
+    agents: Any
+    fleet: Any
+    reward: Any
+    actor: Any
+    remote_actor: bool = False
+    _loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop, repr=False)
+
+    def sampling_params(self, validation: bool = False) -> Any:
+        """Rollout sampling parameters (validation uses ``rollout.val_kwargs``)."""
+        from postrl.rollout import SamplingParams
+
+        r = self.cfg.rollout
+        stop_ids = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
+        if validation:
+            v = r.val_kwargs
+            return SamplingParams(
+                temperature=v.temperature,
+                top_p=v.top_p,
+                max_new_tokens=r.response_length,
+                stop_token_ids=stop_ids,
+            )
+        return SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.response_length,
+            stop_token_ids=stop_ids,
+        )
+
+    def run_async(self, coro: Any) -> Any:
+        """Run a coroutine on the context's persistent event loop."""
+        return self._loop.run_until_complete(coro)
+
+    def generate(
+        self,
+        prompts: DataProto,
+        sampling: Any,
+        n: int,
+        step: int,
+        on_trajectory: Callable[..., None] | None = None,
+    ) -> DataProto:
+        """``n`` trajectories per prompt on the fleet (woken for it, put to sleep after when
+        ``rollout.free_cache_engine``); ``on_trajectory(i, output, row)`` per finished one."""
+        self.fleet.wake_up()
+        try:
+            return self.run_async(
+                self.agents.generate(
+                    prompts,
+                    sampling,
+                    n,
+                    seed=self.cfg.trainer.seed,
+                    step=step,
+                    on_sample_end=on_trajectory,
+                )
+            )
+        finally:
+            if self.cfg.rollout.free_cache_engine:
+                self.fleet.sleep()
+
+    def prompts_of(self, batch: DataProto) -> DataProto:
+        """The prompt rows a batch was generated from (one per uid, first-seen order)."""
+        nt = batch.non_tensor_batch
+        seen: dict[Any, int] = {}
+        for uid, index in zip(nt["uid"], nt["index"]):
+            seen.setdefault(uid, int(index))
+        return self.loader.dataset.batch(list(seen.values()))
+
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the actor's weights into every replica; ``weights/*`` metrics."""
+        from postrl.weights import FrameStream
+
+        bucket = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
+        if self.remote_actor:
+            return self.fleet.sync_weights(lambda v: FrameStream.from_actor(self.actor, bucket, v))
+        return self.fleet.sync_weights(lambda v: self.actor.get_per_tensor_param())
+
+    def close(self) -> None:
+        """Close the fleet, the reward stage and the event loop."""
+        self.fleet.close()
+        self.reward.close()
+        self._loop.close()
+
+
+def kv_capacity(cfg: PostRLConfig, multi_turn: bool) -> int:
+    """Tokens per KV slot: prompt + response, plus the agent-turn allowances only for multi-turn
+    loops (an oversized cache costs real memory traffic on every wake-up)."""
+    r = cfg.rollout
+    if r.max_model_len:
+        return r.max_model_len
+    if not multi_turn:
+        return cfg.data.max_prompt_length + r.response_length
+    a = r.agent
+    return (
+        cfg.data.max_prompt_length
+        + r.response_length * max(1, a.max_assistant_turns)
+        + a.max_tool_response_length * a.max_user_turns
+    )
+
+
+def build_context(
+    cfg: PostRLConfig,
+    tokenizer: Any,
+    loader: PromptLoader,
+    actor: Any,
+    reward_model: Any = None,
+    *,
+    multi_turn: bool = True,
+) -> TrainerContext:
+    """Create the rollout replicas and fleet, the agent-loop manager and the reward stage."""
+    import inspect
+
+    from postrl.agent import AgentLoopManager
+    from postrl.reward import RewardLoop, RewardStage
+    from postrl.rollout import LoadBalancer, RolloutClient, RolloutReplica, create_rollout_backend
+    from postrl.rollout.fleet import RolloutFleet
+    from postrl.weights import WEIGHT_SYNC_BACKENDS
+
+    r, tc, rw = cfg.rollout, cfg.trainer, cfg.reward
+    max_len = kv_capacity(cfg, multi_turn)
+    options: dict[str, Any] = dict(
+        max_num_seqs=r.max_num_seqs, max_model_len=max_len, device=tc.device
+    )
+    options.update(r.engine_kwargs)
+    replicas = [
+        RolloutReplica(create_rollout_backend(r.backend, cfg.model.path, **options), replica_id=i)
+        for i in range(r.num_replicas)
+    ]
+    sync_cls = WEIGHT_SYNC_BACKENDS.get(r.weight_sync)
+    takes_bucket = "bucket_bytes" in inspect.signature(sync_cls).parameters
+    sync = sync_cls(
+        **({"bucket_bytes": int(r.weight_bucket_mb * (1 << 20))} if takes_bucket else {})
+    )
+    client = RolloutClient(LoadBalancer(replicas))
+    agents = AgentLoopManager(client, tokenizer, r.agent, max_model_len=max_len)
+    loop = RewardLoop(
+        timeout_s=rw.timeout_s,
+        num_workers=rw.num_workers,
+        custom_fn_path=rw.custom_function.path or None,
+        custom_fn_name=rw.custom_function.name,
+        custom_fn_batch=rw.custom_function.batch,
+        fn_kwargs=rw.reward_kwargs,
+        max_failure_ratio=rw.max_failure_ratio,
+        isolate_builtin=rw.isolate_builtin,
+    )
+    reward = RewardStage(
+        loop,
+        tokenizer,
+        reward_model=reward_model,
+        rm_mode=rw.model.mode,
+        rm_weight=rw.model.weight,
+        rm_max_length=rw.model.max_length,
+        overlong=rw.overlong,
+        max_response_length=r.response_length,
+        tool_reward_weight=rw.tool_reward_weight,
+    )
+    return TrainerContext(
+        cfg,
+        tokenizer,
+        loader,
+        agents,
+        RolloutFleet(replicas, sync),
+        reward,
+        actor,
+        remote_actor=tc.backend == "ray",
+    )
