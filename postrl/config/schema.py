@@ -100,7 +100,10 @@ class ActorConfig:
     policy_loss: str = "vanilla"
     """Registered policy loss (``docs/algorithms.md``)."""
     policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra hyper-parameters of the chosen policy loss."""
+    """Hyperparameters of the chosen policy loss beyond the clip ratios (e.g. ``tau_pos`` of
+    ``sapo``, ``bypass_loss`` of ``bypass_mode``): its typed keyword arguments, checked at
+    startup — an unknown or misspelt name is an error with a did-you-mean
+    (``docs/algorithms.md`` lists each loss's)."""
     clip_ratio_low: float = 0.2
     """PPO clip ε_low."""
     clip_ratio_high: float = 0.2
@@ -265,6 +268,11 @@ class FilterGroupsConfig:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Registered advantage estimator (``docs/algorithms.md``)."""
+    adv_estimator_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Hyperparameters of the chosen estimator beyond ``gamma``/``lam``/
+    ``norm_adv_by_std_in_grpo`` (e.g. ``epsilon`` of ``grpo``, ``f_norm`` of ``gpg``,
+    ``handle_zero_tail`` of ``optimal_token_baseline``): its typed keyword arguments, checked
+    at startup — an unknown or misspelt name is an error with a did-you-mean."""
     gamma: float = 1.0
     """Discount (GAE)."""
     lam: float = 1.0

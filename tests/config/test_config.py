@@ -108,3 +108,77 @@ def test_fuse_old_log_prob_resolution_and_errors():
     )
     with pytest.raises(ConfigError, match=r"actor.fuse_old_log_prob=True but actor.ppo_epochs=2"):
         validate_config(forced, check_files=False, check_registries=False)
+
+
+def _algo_errors(overrides: list[str]) -> str:
+    """The validation message of a config that is otherwise valid (model path and data set)."""
+    cfg = load_config(None, ["model.path=m", "data.train_files=[t.parquet]", *overrides])
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg, check_files=False)
+    return str(e.value)
+
+
+def test_misspelt_hyperparameters_rejected_at_startup():
+    """Estimator and loss hyperparameters are bound against typed signatures, not ignored."""
+    msg = _algo_errors(
+        [
+            "actor.policy_loss=sapo",
+            "actor.policy_loss_kwargs={tau_poss: 2.0}",
+            "algorithm.adv_estimator_kwargs={epsilonn: 1.0e-4}",
+        ]
+    )
+    assert "actor.policy_loss_kwargs.tau_poss: policy loss 'sapo' has no hyperparameter" in msg
+    assert "did you mean 'tau_pos'" in msg
+    assert "algorithm.adv_estimator_kwargs.epsilonn" in msg and "did you mean 'epsilon'" in msg
+    msg = _algo_errors(["actor.policy_loss_kwargs={clip_ratio_high: 0.28}", "model.dtype=x"])
+    assert "set actor.clip_ratio_high instead" in msg
+    ok = load_config(
+        None,
+        [
+            "model.path=m",
+            "data.train_files=[t.parquet]",
+            "actor.policy_loss=sapo",
+            "actor.policy_loss_kwargs={tau_pos: 2.0}",
+            "algorithm.adv_estimator_kwargs={epsilon: 1.0e-4}",
+        ],
+    )
+    validate_config(ok, check_files=False)
+
+
+def test_declared_needs_have_producers():
+    """remax and optimal_token_baseline validate; a need nothing produces is a startup error."""
+    from postrl.algos import register_adv_est
+
+    for est in ("remax", "optimal_token_baseline"):
+        cfg = load_config(
+            None, ["model.path=m", "data.train_files=[t.parquet]", f"algorithm.adv_estimator={est}"]
+        )
+        validate_config(cfg, check_files=False)
+
+    @register_adv_est("test_cfg_needs_nothing_makes", needs=("telepathy",))
+    def _est(*, token_level_rewards, response_mask, **kw):
+        return token_level_rewards, token_level_rewards
+
+    msg = _algo_errors(["algorithm.adv_estimator=test_cfg_needs_nothing_makes"])
+    assert "algorithm.adv_estimator='test_cfg_needs_nothing_makes' needs 'telepathy'" in msg
+    assert "register_need" in msg
+    msg = _algo_errors(["algorithm.adv_estimator=gae", "critic.optim.lr=0"])
+    assert "algorithm.adv_estimator='gae' needs 'values'" in msg and "critic.optim.lr > 0" in msg
+
+
+def test_otb_blocks_old_log_prob_fusion():
+    """OTB reads old log-probs and sum_pi_squared before the update: auto fusion turns off."""
+    from postrl.config.validate import old_log_prob_fusion_blockers
+    from postrl.trainer.roles import resolve_fuse_old_log_prob
+
+    base = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"]
+    otb = load_config(None, [*base, "algorithm.adv_estimator=optimal_token_baseline"])
+    (why,) = old_log_prob_fusion_blockers(otb)
+    assert "sum_pi_squared before the update" in why and not resolve_fuse_old_log_prob(otb)
+    assert resolve_fuse_old_log_prob(load_config(None, [*base, "algorithm.adv_estimator=remax"]))
+    msg = _algo_errors(
+        [*base, "algorithm.adv_estimator=optimal_token_baseline", "actor.fuse_old_log_prob=true"]
+    )
+    assert (
+        "actor.fuse_old_log_prob=True but algorithm.adv_estimator='optimal_token_baseline'" in msg
+    )
