@@ -57,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from postrl.config.schema import ActorConfig, ModelConfig
-    from postrl.engine.actor import Actor
-    from postrl.engine.model import load_policy
+    from postrl.engine.actor import Actor, PolicyLossSpec
+    from postrl.engine.model import ModelSpec, load_policy
+    from postrl.engine.optim import OptimSpec
+    from postrl.engine.update import BatchSpec
     from postrl.testing import make_model
 
     d = make_model(tempfile.mkdtemp(prefix="bench_train_"))
@@ -85,8 +86,14 @@ def main(argv: list[str] | None = None) -> int:
 
     fns = {"plain": plain_step}
     for share in (False, True):
-        cfg = ActorConfig(ppo_mini_batch_size=16, share_prompt_prefix=share)
-        actor = Actor(load_policy(ModelConfig(path=str(d))), cfg, rollout_n=8)
+        actor = Actor(
+            load_policy(ModelSpec(path=str(d))),
+            batch=BatchSpec(ppo_mini_batch_size=16),
+            loss=PolicyLossSpec(),
+            optim=OptimSpec(lr=1e-5),
+            rollout_n=8,
+            share_prefix=share,
+        )
         b = batch.union(actor.compute_log_prob(batch))
         fns[share] = lambda b=b, a=actor: a.update_policy(b)
     best = _interleaved_best(fns, args.repeats)

@@ -1,6 +1,7 @@
 """Generate ``docs/config.md`` from the dataclasses' field docstrings.
 
-The docstring under each field in ``schema.py`` is the one source of truth; run
+The docstring under each field in ``schema.py`` (and ``supervised.py`` for ``postrl sft`` /
+``postrl rm``) is the one source of truth; run
 ``python -m postrl.config.docs`` to regenerate (a test checks the committed file is current).
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from postrl.config.schema import PostRLConfig
+from postrl.config.supervised import RMConfig, SFTConfig
 
 __all__ = ["field_docs", "render_markdown"]
 
@@ -36,7 +38,10 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def _walk(cls: type, prefix: str, instance: Any) -> list[tuple[str, Any, str, str]]:
     rows = []
-    docs = field_docs(cls)
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):  # inherited fields keep their docstrings
+        if dataclasses.is_dataclass(base):
+            docs.update(field_docs(base))
     hints = {f.name: f.type for f in dataclasses.fields(cls)}
     for f in dataclasses.fields(cls):
         value = getattr(instance, f.name)
@@ -62,6 +67,19 @@ def render_markdown() -> str:
         sub = getattr(default, section.name)
         lines += [f"## `{section.name}`", "", "| key | default | description |", "|---|---|---|"]
         for key, value, _tp, doc in _walk(type(sub), f"{section.name}.", sub):
+            lines.append(f"| `{key}` | `{value!r}` | {doc.replace('|', '/')} |")
+        lines.append("")
+    for cmd, cls in (("sft", SFTConfig), ("rm", RMConfig)):
+        lines += [
+            f"## `postrl {cmd}`",
+            "",
+            f"`postrl {cmd} [CONFIG.yaml] [key=value ...]` (a YAML file may nest the keys under "
+            f"`{cmd}:`); `model_path`, `train_file` and `out_dir` are required.",
+            "",
+            "| key | default | description |",
+            "|---|---|---|",
+        ]
+        for key, value, _tp, doc in _walk(cls, "", cls()):
             lines.append(f"| `{key}` | `{value!r}` | {doc.replace('|', '/')} |")
         lines.append("")
     return "\n".join(lines)

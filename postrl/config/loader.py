@@ -21,7 +21,15 @@ from postrl.config.schema import PostRLConfig
 
 T = TypeVar("T")
 
-__all__ = ["ConfigError", "load_config", "from_dict", "to_dict", "apply_overrides", "dump_config"]
+__all__ = [
+    "ConfigError",
+    "load_config",
+    "load_options",
+    "from_dict",
+    "to_dict",
+    "apply_overrides",
+    "dump_config",
+]
 
 
 class ConfigError(ValueError):
@@ -146,17 +154,60 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PostRLConfig:
     """Read YAML at ``path`` (optional), apply ``overrides``, return the typed config."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level")
-        data = loaded
+    data: dict[str, Any] = _read_yaml(path) if path is not None else {}
     apply_overrides(data, list(overrides or []))
     return from_dict(data)
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    loaded = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level")
+    return loaded
+
+
+def load_options(
+    cls: type[T],
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    *,
+    section: str = "",
+    required: tuple[str, ...] = (),
+) -> T:
+    """Options of a flat dataclass ``cls`` (e.g. ``postrl sft``'s :class:`SFTConfig`) from YAML
+    at ``path`` (its ``section:`` mapping when it has one) plus ``key=value`` overrides.
+
+    Every problem is reported at once in one :class:`ConfigError`: unknown keys (with the
+    closest valid name), values of the wrong type and ``required`` fields left empty.
+    """
+    data: dict[str, Any] = _read_yaml(path) if path is not None else {}
+    if section and isinstance(data.get(section), dict):
+        data = data[section]
+    apply_overrides(data, list(overrides or []))
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    where = f"{section} option" if section else "option"
+    errors, kwargs = [], {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            errors.append(f"unknown {where} {key!r}{hint} Valid keys: {', '.join(names)}")
+            continue
+        try:
+            kwargs[key] = _coerce(value, hints[key], key)
+        except ConfigError as e:
+            errors.append(str(e))
+    errors += [
+        f"{key}: required (set {key}=...)" for key in required if not kwargs.get(key, data.get(key))
+    ]
+    if errors:
+        head = f"{len(errors)} problem(s) in the {section or cls.__name__} options:"
+        raise ConfigError("\n".join([head, *(f"  - {e}" for e in errors)]))
+    return cls(**kwargs)
 
 
 def dump_config(cfg: Any, path: str | Path) -> None:

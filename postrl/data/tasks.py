@@ -23,6 +23,7 @@ __all__ = [
     "write_parquet",
     "read_rows",
     "sft_rows_from_rl_rows",
+    "preference_pairs",
 ]
 
 
@@ -198,6 +199,28 @@ def sft_rows_from_rl_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if isinstance(gt, dict):
             answer = f"<answer>{answer}</answer>"
         out.append({"messages": [*r["prompt"], {"role": "assistant", "content": str(answer)}]})
+    return out
+
+
+def preference_pairs(
+    rows: list[dict[str, Any]], seed: int = 0, max_offset: int = 9
+) -> list[dict[str, Any]]:
+    """Preference pairs (``prompt``, ``chosen``, ``rejected``; the rows ``postrl rm`` trains on)
+    from RL rows with a numeric ``reward_model.ground_truth`` (e.g. addition): ``chosen`` is the
+    correct answer, ``rejected`` a wrong one (off by 1..``max_offset``, never negative)."""
+    rng = random.Random(seed)
+    out = []
+    for i, r in enumerate(rows):
+        gt = str(r["reward_model"]["ground_truth"])
+        if not gt.lstrip("-").isdigit():
+            raise ValueError(
+                f"row {i}: ground_truth {gt!r} is not an integer; "
+                "preference_pairs needs numeric answers"
+            )
+        wrong = int(gt) + rng.choice([-1, 1]) * rng.randint(1, max_offset)
+        if wrong < 0:
+            wrong = int(gt) + rng.randint(1, max_offset)
+        out.append({"prompt": list(r["prompt"]), "chosen": gt, "rejected": str(wrong)})
     return out
 
 

@@ -437,8 +437,7 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
     ``ckpt_dir`` may be the actor checkpoint itself or a step directory holding ``actor/``.
     Tokenizer files are copied from the original ``model.path``.
     """
-    from postrl.config.schema import ModelConfig
-    from postrl.engine.model import load_policy
+    from postrl.engine.model import ModelSpec, load_policy
 
     ck = Path(ckpt_dir)
     if not (ck / "state.json").exists() and (ck / "actor" / "state.json").exists():
@@ -446,8 +445,11 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
     state = json.loads((ck / "state.json").read_text())
     if not state.get("model_cfg"):
         raise ValueError(f"{ck} has no model_cfg in state.json; it is not an actor checkpoint")
-    mcfg = ModelConfig(**state["model_cfg"])
-    mcfg.gradient_checkpointing = False
+    known = {f.name for f in dataclasses.fields(ModelSpec)} - {"gradient_checkpointing"}
+    mcfg = ModelSpec(
+        **{k: v for k, v in state["model_cfg"].items() if k in known},
+        gradient_checkpointing=False,
+    )
     policy = load_policy(mcfg, "cpu")
     if state.get("format", "full") == "sharded":
         tensors = _merged(ck, "model", state["world_size"], state["model_shapes"])

@@ -1,17 +1,18 @@
 """Load Hugging Face models for training: policy (causal LM, optional LoRA) and critic.
 
-* ``load_policy(model_cfg, device)`` returns a :class:`PolicyModel`: the HF causal LM (wrapped
+* ``load_policy(spec, device)`` returns a :class:`PolicyModel`: the HF causal LM (wrapped
   by ``peft`` when ``model.lora_rank > 0``), with gradient checkpointing if configured and the
   attention implementation switched to postrl's varlen attention (see
   :mod:`postrl.engine.varlen`), which the padding-free forward needs.
-* ``load_critic(model_cfg, device)`` returns a :class:`CriticModel`: the same backbone
+* ``load_critic(spec, device)`` returns a :class:`CriticModel`: the same backbone
   (``AutoModel``, i.e. the decoder without the LM head) plus our own scalar value head
   ``nn.Linear(hidden, 1)`` initialised to zero (so the first value predictions are 0, a neutral
   baseline). We use our own head instead of ``AutoModelForTokenClassification`` because the latter
   does not exist for every architecture and adds dropout; the head is saved next to the backbone
   as ``value_head.safetensors``.
 
-dtype ``auto`` means fp32 on CPU and bf16 on GPU (``ModelConfig.dtype``).
+``spec`` is a :class:`ModelSpec` (the ``model.*`` keys of the config, filled by the role workers).
+dtype ``auto`` means fp32 on CPU and bf16 on GPU (``ModelSpec.dtype``).
 
 With LoRA the reference policy is the same module with adapters disabled
 (:meth:`PolicyModel.reference`), so no second copy of the weights exists.
@@ -40,6 +41,7 @@ from postrl.engine.varlen import ATTN_NAME, register_varlen_attention, varlen_ca
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ModelSpec",
     "PolicyModel",
     "PolicyLogProbs",
     "CriticModel",
@@ -50,6 +52,28 @@ __all__ = [
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs to load a model (the ``model.*`` keys of the config)."""
+
+    path: str = ""
+    """Hugging Face model directory."""
+    dtype: str = "auto"
+    """Storage dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16``."""
+    compute_dtype: str = "auto"
+    """Compute dtype: ``auto``, ``float32`` or ``bfloat16``."""
+    trust_remote_code: bool = False
+    """Pass ``trust_remote_code`` to ``from_pretrained``."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward."""
+    lora_rank: int = 0
+    """LoRA rank (0: full fine-tuning)."""
+    lora_alpha: int = 16
+    """LoRA alpha."""
+    lora_target_modules: str = "all-linear"
+    """``all-linear`` or comma-separated module names."""
 
 
 def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
@@ -64,23 +88,27 @@ def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
 
 
 def resolve_dtypes(
-    model_cfg, device: torch.device | str, *, trainable: bool = True
+    model_cfg: ModelSpec, device: torch.device | str, *, trainable: bool = True
 ) -> tuple[torch.dtype, torch.dtype]:
-    """``(storage, compute)`` dtypes of a model (``ModelConfig.dtype`` / ``compute_dtype``).
+    """``(storage, compute)`` dtypes of a model (``ModelSpec.dtype`` / ``compute_dtype``).
 
     compute ``auto``: fp32 on CPU, bf16 on GPU. storage ``auto``: fp32 for a trained model (fp32
     master weights, gradients and AdamW state, as verl's FSDP workers keep them), the compute
     dtype for a frozen one (the reference needs no master copy).
 
     Raises:
-        ValueError: for the combinations :func:`postrl.config.validate.dtype_errors` rejects.
+        ValueError: for a dtype name the engine cannot run (config validation also rejects the
+            combinations that run but make no sense, e.g. compute wider than storage).
     """
-    from postrl.config.validate import dtype_errors
-
     compute_name = getattr(model_cfg, "compute_dtype", "auto")
-    errs = dtype_errors(model_cfg.dtype, compute_name)
-    if errs:
-        raise ValueError("; ".join(errs))
+    if model_cfg.dtype not in ("auto", *_DTYPES):
+        raise ValueError(f"model.dtype={model_cfg.dtype!r} is not one of {['auto', *_DTYPES]}")
+    if compute_name not in ("auto", "float32", "bfloat16"):
+        why = " (float16 training needs loss scaling, which postrl does not do; use bfloat16)"
+        raise ValueError(
+            f"model.compute_dtype={compute_name!r} is not one of ['auto', 'float32', 'bfloat16']"
+            + (why if compute_name == "float16" else "")
+        )
     compute = resolve_dtype(compute_name, device)
     if model_cfg.dtype != "auto":
         store = _DTYPES[model_cfg.dtype]
@@ -203,8 +231,10 @@ class PolicyLogProbs(nn.Module):
         temperature: float = 1.0,
         calculate_entropy: bool = False,
         share_prefix: bool = False,
+        calculate_sum_pi_squared: bool = False,
     ):
-        """``(log_probs (B, R), entropy (B, R) or None)``; see :func:`postrl.engine.logprob.policy_logprobs`."""
+        """``(log_probs (B, R), entropy (B, R) or None[, sum_pi_squared (B, R)])``; see
+        :func:`postrl.engine.logprob.policy_logprobs`."""
         lm = _causal_lm(self.module, self.is_lora)
         with _autocast(input_ids.device, self.autocast_dtype):
             return policy_logprobs(
@@ -217,6 +247,7 @@ class PolicyLogProbs(nn.Module):
                 calculate_entropy=calculate_entropy,
                 share_prefix=share_prefix,
                 packed=self.packed,
+                calculate_sum_pi_squared=calculate_sum_pi_squared,
             )
 
 
@@ -275,8 +306,10 @@ class PolicyModel(_DataParallelRoot):
         temperature: float = 1.0,
         calculate_entropy: bool = False,
         share_prefix: bool = False,
+        calculate_sum_pi_squared: bool = False,
     ):
-        """Padding-free ``(log_probs (B, R), entropy (B, R) or None)`` of one micro-batch.
+        """Padding-free ``(log_probs (B, R), entropy (B, R) or None)`` of one micro-batch (and
+        ``sum_pi_squared`` (B, R) as a third element when ``calculate_sum_pi_squared``).
 
         Always call the model through this (not ``decoder`` + ``lm_head``) in engines that may run
         sharded: it is the FSDP2 root's forward.
@@ -288,6 +321,7 @@ class PolicyModel(_DataParallelRoot):
             temperature=temperature,
             calculate_entropy=calculate_entropy,
             share_prefix=share_prefix,
+            calculate_sum_pi_squared=calculate_sum_pi_squared,
         )
 
     def _fsdp_root(self) -> nn.Module:
@@ -357,7 +391,7 @@ class CriticModel(_DataParallelRoot, nn.Module):
         return self
 
 
-def _common_kwargs(model_cfg, dtype: torch.dtype) -> dict:
+def _common_kwargs(model_cfg: ModelSpec, dtype: torch.dtype) -> dict:
     return dict(
         dtype=dtype,
         trust_remote_code=model_cfg.trust_remote_code,
@@ -421,12 +455,12 @@ def _use_varlen(model: nn.Module, decoder: nn.Module) -> bool:
 
 
 def load_policy(
-    model_cfg, device: torch.device | str = "cpu", *, trainable: bool = True
+    model_cfg: ModelSpec, device: torch.device | str = "cpu", *, trainable: bool = True
 ) -> PolicyModel:
     """Load ``model_cfg.path`` as a :class:`PolicyModel` on ``device``.
 
     Args:
-        model_cfg: a ``postrl.config.schema.ModelConfig``.
+        model_cfg: a :class:`ModelSpec`.
         device: where to put the weights.
         trainable: False freezes everything (reference model) and skips LoRA/checkpointing.
     """
@@ -482,7 +516,7 @@ def _checkpoint_tensors(path: Path, names: tuple[str, ...]) -> dict[str, torch.T
     return out
 
 
-def load_critic(model_cfg, device: torch.device | str = "cpu") -> CriticModel:
+def load_critic(model_cfg: ModelSpec, device: torch.device | str = "cpu") -> CriticModel:
     """Load ``model_cfg.path`` as a :class:`CriticModel` (backbone + zero-initialised value head).
 
     If the directory holds ``value_head.safetensors`` (a critic exported by postrl), the head is

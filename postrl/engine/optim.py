@@ -1,6 +1,6 @@
 """Optimizer, LR schedule, gradient synchronisation and the guarded optimizer step.
 
-Schedule (``OptimConfig``): linear warmup ``lr · (s+1)/W`` for the first ``W`` optimizer steps,
+Schedule (:class:`OptimSpec`): linear warmup ``lr · (s+1)/W`` for the first ``W`` optimizer steps,
 then ``constant`` or ``cosine``: ``lr · (m + (1 − m) · ½(1 + cos(π · p)))`` with ``m`` =
 ``min_lr_ratio`` and ``p`` the post-warmup progress in [0, 1] over ``total_steps − W`` steps.
 
@@ -26,17 +26,48 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["build_optimizer", "build_scheduler", "allreduce_grads", "allreduce_sum", "guarded_step"]
+__all__ = [
+    "OptimSpec",
+    "build_optimizer",
+    "build_scheduler",
+    "allreduce_grads",
+    "allreduce_sum",
+    "guarded_step",
+]
 
 
-def build_optimizer(params: Iterable[nn.Parameter], optim_cfg) -> torch.optim.AdamW:
-    """AdamW from an ``OptimConfig`` (lr, betas, eps, weight_decay).
+@dataclass(frozen=True)
+class OptimSpec:
+    """AdamW and LR-schedule settings (the ``*.optim`` keys of the config; ``postrl sft`` /
+    ``postrl rm`` fill it from their own options)."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, ...] = (0.9, 0.999)
+    """AdamW betas (two values)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warmup optimizer steps."""
+    lr_scheduler: str = "constant"
+    """``constant`` or ``cosine`` after warmup."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of ``lr``."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (<= 0: no clipping)."""
+
+
+def build_optimizer(params: Iterable[nn.Parameter], spec: OptimSpec) -> torch.optim.AdamW:
+    """AdamW from an :class:`OptimSpec` (lr, betas, eps, weight_decay).
 
     Plain floating-point tensors use the fused kernel (one op for all parameters: ~9× faster
     than the per-parameter loop on a 2.4M-parameter model on CPU); sharded (DTensor) parameters
@@ -45,28 +76,28 @@ def build_optimizer(params: Iterable[nn.Parameter], optim_cfg) -> torch.optim.Ad
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters (all requires_grad=False)")
-    betas = tuple(float(b) for b in optim_cfg.betas)
+    betas = tuple(float(b) for b in spec.betas)
     if len(betas) != 2:
-        raise ValueError(f"optim.betas must have two values, got {optim_cfg.betas}")
+        raise ValueError(f"optim.betas must have two values, got {spec.betas}")
     plain = all(type(p) is nn.Parameter and p.is_floating_point() for p in params)
     impl = {"fused": True} if plain else {"foreach": True}
     return torch.optim.AdamW(
         params,
-        lr=optim_cfg.lr,
+        lr=spec.lr,
         betas=betas,
-        eps=optim_cfg.eps,
-        weight_decay=optim_cfg.weight_decay,
+        eps=spec.eps,
+        weight_decay=spec.weight_decay,
         **impl,
     )
 
 
 def build_scheduler(
-    opt: torch.optim.Optimizer, optim_cfg, total_steps: int = 0
+    opt: torch.optim.Optimizer, spec: OptimSpec, total_steps: int = 0
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup + constant/cosine ``LambdaLR``; cosine needs ``total_steps`` > warmup."""
-    warm = int(optim_cfg.warmup_steps)
-    kind = optim_cfg.lr_scheduler
-    floor = float(optim_cfg.min_lr_ratio)
+    warm = int(spec.warmup_steps)
+    kind = spec.lr_scheduler
+    floor = float(spec.min_lr_ratio)
     if kind not in ("constant", "cosine"):
         raise ValueError(f"optim.lr_scheduler={kind!r}; use 'constant' or 'cosine'")
     if kind == "cosine" and total_steps <= warm:

@@ -28,7 +28,13 @@ from typing import Any
 
 from postrl.registry import Registry
 
-__all__ = ["REWARD_FNS", "register_reward_fn", "get_reward_fn", "default_compute_score"]
+__all__ = [
+    "REWARD_FNS",
+    "VERL_DATA_SOURCES",
+    "register_reward_fn",
+    "get_reward_fn",
+    "default_compute_score",
+]
 
 #: data_source -> reward function (verl signature). See module docstring for metadata.
 REWARD_FNS: Registry[Callable[..., Any]] = Registry("reward function (data_source)")
@@ -78,19 +84,31 @@ def default_compute_score(
     return get_reward_fn(data_source)(data_source, solution_str, ground_truth, extra_info, **kwargs)
 
 
+#: verl data_source -> the rule module that reproduces verl's scoring for it (verl's
+#: ``default_compute_score``). verl matches every name starting with ``aime``; the registry
+#: holds exact names, so the common AIME spellings are listed. postrl's own ``gsm8k`` (lenient)
+#: and ``math`` (math-verify) stay as they were; verl scores ``math`` with the DAPO rule, which
+#: is ``math_dapo`` here.
+VERL_DATA_SOURCES = {
+    "openai/gsm8k": "verl_gsm8k",
+    "lighteval/MATH": "hendrycks_math",
+    "DigitalLearningGmbH/MATH-lighteval": "hendrycks_math",
+    "HuggingFaceH4/MATH-500": "hendrycks_math",
+    "math_dapo": "math_dapo",
+    "math_dapo_reasoning": "math_dapo",
+    **{f"aime{y}": "math_dapo" for y in ("", "24", "25", "2024", "2025", "_2024", "_2025")},
+}
+
+
 def _register_builtins() -> None:
     rules = "postrl.reward.rules"
     REWARD_FNS.add_lazy("addition", f"{rules}.addition:compute_score", batch=False, inline=True)
     REWARD_FNS.add_lazy("countdown", f"{rules}.countdown:compute_score", batch=False, inline=True)
-    for name in ("gsm8k", "openai/gsm8k"):
-        REWARD_FNS.add_lazy(name, f"{rules}.gsm8k:compute_score", batch=False, inline=True)
-    for name in (
-        "math",
-        "lighteval/MATH",
-        "DigitalLearningGmbH/MATH-lighteval",
-        "HuggingFaceH4/MATH-500",
-    ):
-        REWARD_FNS.add_lazy(name, f"{rules}.math_answer:compute_score", batch=False, inline=False)
+    REWARD_FNS.add_lazy("gsm8k", f"{rules}.gsm8k:compute_score", batch=False, inline=True)
+    REWARD_FNS.add_lazy("math", f"{rules}.math_answer:compute_score", batch=False, inline=False)
+    # verl's data sources, scored by the rule verl's default_compute_score picks for each
+    for name, rule in VERL_DATA_SOURCES.items():
+        REWARD_FNS.add_lazy(name, f"{rules}.{rule}:compute_score", batch=False, inline=True)
     # agentic tasks (their modules register eagerly on import; these lazy entries make them
     # available without that import)
     REWARD_FNS.add_lazy(

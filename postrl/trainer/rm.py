@@ -11,7 +11,12 @@ Loss (Bradley–Terry; Ouyang et al. 2022, eq. 1): ``L = −mean log σ(r(x, y_c
 A held-out ``eval_fraction`` of the pairs measures preference accuracy (``r_c > r_r``) before and
 after training.
 
-Entry points: :func:`run_rm` and :func:`rm_main` (``postrl rm [CONFIG.yaml] [key=value ...]``).
+The LR follows the engine's one schedule (linear warmup, cosine to 10%;
+:func:`postrl.trainer.sft.warmup_cosine_scheduler`). Preference pairs for a numeric task come from
+:func:`postrl.data.preference_pairs` (``postrl data addition OUT --pairs``).
+
+Entry points: :func:`run_rm` and :func:`rm_main` (``postrl rm [CONFIG.yaml] [key=value ...]`` with
+the keys of :class:`~postrl.config.supervised.RMConfig`, listed in ``docs/config.md``).
 """
 
 from __future__ import annotations
@@ -24,60 +29,28 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from postrl.config.loader import ConfigError
+from postrl.config.supervised import RMConfig
+from postrl.data.tasks import read_rows
 from postrl.engine.reward_model import render_conversations, sequence_scores
-from postrl.engine.sft import TrainFileOptions, parse_options, warmup_cosine
+from postrl.trainer.sft import parse_options, warmup_cosine_scheduler
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RMConfig", "run_rm", "rm_main", "preference_pairs"]
-
-
-@dataclass
-class RMConfig(TrainFileOptions):
-    """Options of ``postrl rm`` (also the keyword arguments of :func:`run_rm`). ``model_path``: a
-    causal LM (its backbone gets a new score head) or a reward model; ``train_file`` rows hold
-    ``prompt``, ``chosen``, ``rejected``; ``out_dir`` receives an HF ``*ForSequenceClassification``
-    model with one label."""
-
-    batch_size: int = 32
-    """Pairs per optimizer step."""
-    max_length: int = 512
-    """Tokens kept per rendered conversation (the last ones, as at scoring time)."""
-    eval_fraction: float = 0.1
-    """Share of the pairs held out for the preference accuracy."""
+__all__ = ["RMConfig", "run_rm", "rm_main"]
 
 
 def _prompt_messages(prompt: Any) -> list[dict[str, str]]:
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     return [dict(m) for m in prompt]
-
-
-def preference_pairs(
-    rows: list[dict[str, Any]], seed: int = 0, max_offset: int = 9
-) -> list[dict[str, Any]]:
-    """Preference pairs from RL rows with a numeric ``reward_model.ground_truth`` (e.g. addition):
-    ``chosen`` is the correct answer, ``rejected`` a wrong one (off by 1..``max_offset``)."""
-    rng = random.Random(seed)
-    out = []
-    for i, r in enumerate(rows):
-        gt = str(r["reward_model"]["ground_truth"])
-        if not gt.lstrip("-").isdigit():
-            raise ValueError(
-                f"row {i}: ground_truth {gt!r} is not an integer; preference_pairs needs numeric answers"
-            )
-        wrong = int(gt) + rng.choice([-1, 1]) * rng.randint(1, max_offset)
-        if wrong < 0:
-            wrong = int(gt) + rng.randint(1, max_offset)
-        out.append({"prompt": list(r["prompt"]), "chosen": gt, "rejected": str(wrong)})
-    return out
 
 
 def _encode(tok, rows: list[dict[str, Any]], max_length: int) -> list[tuple[list[int], list[int]]]:
@@ -124,8 +97,6 @@ def run_rm(model_path: str, train_file: str, out_dir: str, **options: Any) -> di
     """
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from postrl.data.tasks import read_rows
-
     cfg = RMConfig(model_path=model_path, train_file=train_file, out_dir=out_dir, **options)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -163,7 +134,7 @@ def run_rm(model_path: str, train_file: str, out_dir: str, **options: Any) -> di
         else min(cfg.max_steps, cfg.epochs * steps_per_epoch)
     )
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(total, cfg.warmup_steps))
+    sched = warmup_cosine_scheduler(opt, cfg.lr, cfg.warmup_steps, total)
     pad = tok.pad_token_id
     acc_before = _accuracy(model, evals, pad, cfg.batch_size)
     losses: list[float] = []
@@ -220,9 +191,11 @@ def _save(model, tok, out_dir: str) -> None:
 
 def rm_main(argv: list[str]) -> int:
     """``postrl rm [CONFIG.yaml] [key=value ...]`` with the keys of :class:`RMConfig`."""
-    opts = parse_options(
-        argv, RMConfig, "rm", "model_path=runs/sft train_file=pairs.parquet out_dir=runs/rm"
-    )
+    try:
+        opts = asdict(parse_options(argv, RMConfig, "rm"))
+    except ConfigError as e:
+        logger.error("postrl rm: %s", e)
+        return 2
     m = run_rm(opts.pop("model_path"), opts.pop("train_file"), opts.pop("out_dir"), **opts)
     logger.info("rm done: %s", json.dumps(m))
     sys.stdout.write(

@@ -8,30 +8,32 @@ mask is exact for any template whose renderings of prefixes are prefixes of the 
 
 Loss (token mean over each optimizer step): ``L = −Σ_t m_t log p(x_t | x_<t) / Σ_t m_t`` with
 ``m`` the assistant mask. Each step packs up to ``batch_tokens`` tokens (rows shuffled per epoch,
-seeded); the forward is padding-free (:mod:`postrl.engine.logprob`).
+seeded); the forward is padding-free (:mod:`postrl.engine.logprob`); the LR follows the engine's
+one schedule (:func:`postrl.engine.optim.build_scheduler`: linear warmup, cosine to 10%).
 
 Entry points: :func:`run_sft` (library) and :func:`sft_main` (``postrl sft [CONFIG.yaml]
-[key=value ...]`` with the keys of :class:`SFTConfig`).
+[key=value ...]`` with the keys of :class:`~postrl.config.supervised.SFTConfig`, loaded by
+:func:`postrl.config.loader.load_options`; the keys are listed in ``docs/config.md``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
+from postrl.config.loader import ConfigError, load_options
+from postrl.config.supervised import SFTConfig, TrainFileOptions
+from postrl.data.tasks import read_rows
 from postrl.engine.checkpoint import save_hf
 from postrl.engine.logprob import policy_logprobs
-from postrl.engine.model import load_policy
-from postrl.engine.optim import build_optimizer
+from postrl.engine.model import ModelSpec, load_policy
+from postrl.engine.optim import OptimSpec, build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -42,61 +44,18 @@ __all__ = [
     "run_sft",
     "sft_main",
     "parse_options",
-    "warmup_cosine",
+    "warmup_cosine_scheduler",
 ]
 
 
-@dataclass
-class TrainFileOptions:
-    """Options shared by ``postrl sft`` and ``postrl rm`` (supervised runs over one data file)."""
-
-    model_path: str = ""
-    """HF model directory to start from."""
-    train_file: str = ""
-    """Parquet or jsonl rows."""
-    out_dir: str = ""
-    """Where the trained HF model (and a metrics JSON) is written."""
-    epochs: int = 1
-    """Passes over the data."""
-    max_steps: int = 0
-    """Stop after this many optimizer steps (0 = run all epochs)."""
-    lr: float = 1e-4
-    """Peak AdamW learning rate (linear warmup, then cosine to 10%)."""
-    warmup_steps: int = 10
-    """Linear warmup steps."""
-    seed: int = 0
-    """Shuffling and init seed."""
-    num_threads: int = 0
-    """torch threads (0 = leave the default)."""
-    log_every: int = 20
-    """Log the loss every this many steps."""
-
-
-@dataclass
-class SFTConfig(TrainFileOptions):
-    """Options of ``postrl sft`` (also the keyword arguments of :func:`run_sft`); ``train_file``
-    rows hold ``messages`` or ``prompt`` + ``response``."""
-
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    batch_tokens: int = 2048
-    """Tokens per optimizer step (packed)."""
-    max_length: int = 512
-    """Rows longer than this are truncated (and the tail's loss dropped)."""
-    lora_rank: int = 0
-    """LoRA rank (0 = full fine-tuning)."""
-
-
-def warmup_cosine(total: int, warmup: int) -> Callable[[int], float]:
-    """LR factor of step ``s``: linear warmup over ``warmup`` steps, then cosine from 1 to 0.1 at ``total``."""
-
-    def factor(s: int) -> float:
-        if s < warmup:
-            return (s + 1) / warmup
-        prog = min(1.0, (s - warmup) / max(1, total - warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog))
-
-    return factor
+def warmup_cosine_scheduler(
+    opt: torch.optim.Optimizer, lr: float, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The engine's schedule for a supervised run: linear warmup over ``warmup_steps``, then
+    cosine from ``lr`` to 10% at ``total_steps`` (a run no longer than its warmup stays in it)."""
+    kind = "cosine" if total_steps > warmup_steps else "constant"  # constant: all warmup
+    spec = OptimSpec(lr=lr, warmup_steps=warmup_steps, lr_scheduler=kind, min_lr_ratio=0.1)
+    return build_scheduler(opt, spec, total_steps)
 
 
 def _messages(row: dict[str, Any]) -> list[dict[str, str]]:
@@ -178,9 +137,6 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
     """
     from transformers import AutoTokenizer
 
-    from postrl.config.schema import ModelConfig, OptimConfig
-    from postrl.data.tasks import read_rows
-
     cfg = SFTConfig(model_path=model_path, train_file=train_file, out_dir=out_dir, **options)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -191,11 +147,10 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
         raise ValueError(
             f"{cfg.train_file}: no row with assistant tokens within max_length={cfg.max_length}"
         )
-    policy = load_policy(ModelConfig(path=cfg.model_path, lora_rank=cfg.lora_rank))
+    policy = load_policy(ModelSpec(path=cfg.model_path, lora_rank=cfg.lora_rank))
     params = list(policy.trainable_parameters())
-    opt = build_optimizer(
-        params, OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay)
-    )  # fused AdamW on CPU
+    # fused AdamW on CPU
+    opt = build_optimizer(params, OptimSpec(lr=cfg.lr, weight_decay=cfg.weight_decay))
     rng = random.Random(cfg.seed)
     epochs = [_batches([len(x) for x, _ in data], cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
     total = (
@@ -204,7 +159,7 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
         else min(cfg.max_steps, sum(len(e) for e in epochs))
     )
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(total, cfg.warmup_steps))
+    sched = warmup_cosine_scheduler(opt, cfg.lr, cfg.warmup_steps, total)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     losses: list[torch.Tensor] = []
     n_tokens, t0 = 0, time.perf_counter()
@@ -240,42 +195,29 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
     return metrics
 
 
-def _coerce(cls: type, cmd: str, name: str, value: str) -> Any:
-    typ = {f.name: f.type for f in fields(cls)}.get(name)
-    if typ is None:
-        raise SystemExit(
-            f"unknown {cmd} option {name!r}; choose from {[f.name for f in fields(cls)]}"
-        )
-    return {"int": int, "float": float}.get(str(typ), str)(value)
-
-
-def parse_options(argv: list[str], cls: type, cmd: str, example: str) -> dict[str, Any]:
-    """``[CONFIG.yaml] [key=value ...]`` → options of the dataclass ``cls`` (a YAML file may nest
-    them under ``cmd:``); ``model_path``, ``train_file`` and ``out_dir`` are required."""
-    opts: dict[str, Any] = {}
-    for a in argv:
-        if "=" in a:
-            k, _, v = a.partition("=")
-            opts[k.strip()] = _coerce(cls, cmd, k.strip(), v)
-        else:
-            import yaml
-
-            loaded = yaml.safe_load(Path(a).read_text()) or {}
-            loaded = loaded.get(cmd, loaded)
-            for k, v in loaded.items():
-                _coerce(cls, cmd, k, str(v))
-                opts.setdefault(k, v)
-    missing = [k for k in ("model_path", "train_file", "out_dir") if not opts.get(k)]
-    if missing:
-        raise SystemExit(f"postrl {cmd}: missing {missing}; e.g. {example}")
-    return opts
+def parse_options(argv: list[str], cls: type, cmd: str) -> Any:
+    """``[CONFIG.yaml] [key=value ...]`` → an instance of the options dataclass ``cls`` (a YAML
+    file may nest them under ``cmd:``); ``model_path``, ``train_file`` and ``out_dir`` are
+    required. Every problem is reported at once (:func:`postrl.config.loader.load_options`)."""
+    files = [a for a in argv if "=" not in a]
+    if len(files) > 1:
+        raise SystemExit(f"postrl {cmd}: one YAML file at most, got {files}")
+    return load_options(
+        cls,
+        files[0] if files else None,
+        [a for a in argv if "=" in a],
+        section=cmd,
+        required=("model_path", "train_file", "out_dir"),
+    )
 
 
 def sft_main(argv: list[str]) -> int:
     """``postrl sft [CONFIG.yaml] [key=value ...]`` with the keys of :class:`SFTConfig`."""
-    opts = parse_options(
-        argv, SFTConfig, "sft", "model_path=runs/tiny train_file=sft.parquet out_dir=runs/sft"
-    )
+    try:
+        opts = asdict(parse_options(argv, SFTConfig, "sft"))
+    except ConfigError as e:
+        logger.error("postrl sft: %s", e)
+        return 2
     m = run_sft(opts.pop("model_path"), opts.pop("train_file"), opts.pop("out_dir"), **opts)
     logger.info("sft done: %s", json.dumps(m))
     return 0

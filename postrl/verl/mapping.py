@@ -712,6 +712,23 @@ RULES: list[Rule] = [
     REJECT_TREE("skip", "postrl always generates (no cached rollouts)",
         "leave skip.*.enable=False"),
     NOOP_TREE("ray_kwargs", "postrl starts Ray itself when trainer.backend=ray"),
+    # older releases' layouts
+    NOOP_TREE("ray_init", "postrl starts Ray itself when trainer.backend=ray"),
+    NOOP_TREE("actor_rollout_ref.profiler", _PROFILER),
+    NOOP_TREE("trainer.npu_profile", _PROFILER),
+    NOOP_TREE("trainer.controller_nsight_options", _PROFILER),
+    NOOP_TREE("trainer.worker_nsight_options", _PROFILER),
+    N("trainer.profile_steps", None, _PROFILER),
+    N("trainer.remove_previous_ckpt_in_save", False, "postrl keeps every checkpoint"),
+    R(f"{MOD}.external_libs", None, "postrl loads Hugging Face models by their config only",
+        "register the architecture with transformers before launching"),
+    *[R(f"algorithm.{k}", None, "older verl's rollout-IS layout",
+        "algorithm.rollout_correction.rollout_is=token|sequence and rollout_is_threshold",
+        ok=(False,))
+      for k in ("rollout_is", "rollout_is_level", "rollout_is_mode", "rollout_is_threshold",
+                "rollout_is_threshold_lower", "rollout_is_veto_threshold")],
+    R(f"{RO}.multi_turn.completion_callback", None, "postrl's tool loop is its own",
+        "register an AgentLoop (postrl.agent.AGENT_LOOPS)"),
 ]
 
 # fmt: on

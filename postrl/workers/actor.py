@@ -34,12 +34,23 @@ from collections.abc import Iterator
 import torch
 
 from postrl.controller import Dispatch, Execute, Worker, register
-from postrl.engine.actor import Actor
+from postrl.engine.actor import Actor, LogProbEngine
 from postrl.engine.checkpoint import iter_hf_params, load_engine_checkpoint, save_engine_checkpoint
 from postrl.engine.fsdp import param_numel
 from postrl.engine.model import load_policy
 from postrl.protocol import DataProto
-from postrl.workers.common import ALL_RANKS_RANK0_OUT, barrier, metrics_proto, setup, shard_if
+from postrl.workers.common import (
+    ALL_RANKS_RANK0_OUT,
+    barrier,
+    batch_spec,
+    metrics_proto,
+    model_spec,
+    optim_spec,
+    policy_loss_spec,
+    setup,
+    shard_if,
+    share_prefix,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +63,15 @@ class ActorWorker(Worker):
     def __init__(self, cfg, total_steps: int = 0) -> None:
         self.cfg = cfg
         self.dev, self.group = setup(cfg)
-        self.policy = load_policy(cfg.model, self.dev)
+        self.policy = load_policy(model_spec(cfg.model), self.dev)
         shard_if(cfg.actor.strategy, self.policy, self.group, self.dev)
         self.actor = Actor(
             self.policy,
-            cfg.actor,
+            batch=batch_spec(cfg.actor),
+            loss=policy_loss_spec(cfg.actor),
+            optim=optim_spec(cfg.actor.optim),
             rollout_n=cfg.rollout.n,
+            share_prefix=share_prefix(cfg),
             device=self.dev,
             group=self.group,
             total_steps=total_steps,
@@ -82,11 +96,11 @@ class ActorWorker(Worker):
         When ``data`` has no ``old_log_probs`` (fused on-policy update) the output also carries
         the ``old_log_probs`` the update computed, row-aligned with ``data``.
         """
-        metrics = self.actor.update_policy(data)
-        if self.actor.fused_old_log_probs is None:
-            return metrics_proto(metrics)
+        out = self.actor.update_policy(data)
+        if out.old_log_probs is None:
+            return metrics_proto(out.metrics)
         return DataProto.from_dict(
-            {"old_log_probs": self.actor.fused_old_log_probs}, meta_info={"metrics": metrics}
+            {"old_log_probs": out.old_log_probs}, meta_info={"metrics": out.metrics}
         )
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
@@ -131,14 +145,14 @@ class ActorWorker(Worker):
         save_engine_checkpoint(
             path,
             self.policy.module,
-            self.actor.optimizer,
-            self.actor.scheduler,
-            model_cfg=self.cfg.model,
+            self.actor.loop.optimizer,
+            self.actor.loop.scheduler,
+            model_cfg=model_spec(self.cfg.model),
             write=self.rank == 0,
             sharded=self.cfg.trainer.checkpoint_format == "sharded",
             extra={
                 "update_count": self.actor.update_count,
-                "nonfinite_skips": self.actor.nonfinite_skips,
+                "nonfinite_skips": self.actor.loop.nonfinite_skips,
             },
         )
         barrier(self.group)
@@ -147,10 +161,10 @@ class ActorWorker(Worker):
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimizer, scheduler, RNG and counters from ``path``."""
         extra = load_engine_checkpoint(
-            path, self.policy.module, self.actor.optimizer, self.actor.scheduler
+            path, self.policy.module, self.actor.loop.optimizer, self.actor.loop.scheduler
         )
         self.actor.update_count = int(extra.get("update_count", 0))
-        self.actor.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
+        self.actor.loop.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
 
 
 class RefWorker(Worker):
@@ -159,15 +173,11 @@ class RefWorker(Worker):
     def __init__(self, cfg, total_steps: int = 0) -> None:
         self.cfg = cfg
         self.dev, self.group = setup(cfg)
-        self.policy = load_policy(cfg.model, self.dev, trainable=False)
+        self.policy = load_policy(model_spec(cfg.model), self.dev, trainable=False)
         shard_if(cfg.actor.strategy, self.policy, self.group, self.dev)
-        self.engine = Actor.__new__(Actor)  # log-prob path only: no optimizer for a frozen model
-        self.engine.policy, self.engine.cfg, self.engine.rollout_n = (
-            self.policy,
-            cfg.actor,
-            cfg.rollout.n,
+        self.engine = LogProbEngine(  # a frozen model: log-probs only, no optimizer
+            self.policy, batch_spec(cfg.actor), share_prefix=share_prefix(cfg), device=self.dev
         )
-        self.engine.device = self.dev
         self.register_dp_info("ref", dp_rank=self.rank, dp_size=self.world_size)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

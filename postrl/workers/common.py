@@ -1,15 +1,73 @@
-"""Pieces shared by the role workers: device/seed setup, FSDP2 sharding, the rank-0-output
-dispatch mode."""
+"""Pieces shared by the role workers: config → engine settings, device/seed setup, FSDP2
+sharding, the rank-0-output dispatch mode.
+
+The engine never sees the run's config: each worker translates the sections it needs into the
+engine's own dataclasses here (:class:`~postrl.engine.model.ModelSpec`,
+:class:`~postrl.engine.optim.OptimSpec`, :class:`~postrl.engine.update.BatchSpec`,
+:class:`~postrl.engine.actor.PolicyLossSpec`), field by field with the same names.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from postrl.controller.dispatch import DispatchMode
+from postrl.engine.actor import PolicyLossSpec
+from postrl.engine.model import ModelSpec
+from postrl.engine.optim import OptimSpec
+from postrl.engine.update import BatchSpec
 from postrl.protocol import DataProto
 
-__all__ = ["ALL_RANKS_RANK0_OUT", "barrier", "metrics_proto", "setup", "shard_if"]
+__all__ = [
+    "ALL_RANKS_RANK0_OUT",
+    "barrier",
+    "batch_spec",
+    "metrics_proto",
+    "model_spec",
+    "optim_spec",
+    "policy_loss_spec",
+    "setup",
+    "shard_if",
+    "share_prefix",
+]
+
+S = TypeVar("S")
+
+
+def _spec(cls: type[S], section: Any, **override: Any) -> S:
+    """``cls`` filled with the same-named attributes of a config section (plus ``override``)."""
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    return cls(**{n: getattr(section, n) for n in names if n not in override}, **override)
+
+
+def model_spec(model_cfg: Any, **override: Any) -> ModelSpec:
+    """:class:`ModelSpec` from ``cfg.model`` (``override``: e.g. another ``path``)."""
+    return _spec(ModelSpec, model_cfg, **override)
+
+
+def optim_spec(optim_cfg: Any) -> OptimSpec:
+    """:class:`OptimSpec` from an ``*.optim`` section."""
+    return _spec(OptimSpec, optim_cfg, betas=tuple(optim_cfg.betas))
+
+
+def batch_spec(role_cfg: Any) -> BatchSpec:
+    """:class:`BatchSpec` from ``cfg.actor`` or ``cfg.critic`` (critics never shuffle)."""
+    return _spec(BatchSpec, role_cfg, shuffle=bool(getattr(role_cfg, "shuffle", False)))
+
+
+def policy_loss_spec(actor_cfg: Any) -> PolicyLossSpec:
+    """:class:`PolicyLossSpec` from ``cfg.actor``."""
+    return _spec(PolicyLossSpec, actor_cfg, policy_loss_kwargs=dict(actor_cfg.policy_loss_kwargs))
+
+
+def share_prefix(cfg: Any) -> bool:
+    """``actor.share_prompt_prefix`` resolved: None (auto) = on when ``rollout.n > 1``."""
+    s = cfg.actor.share_prompt_prefix
+    return bool(cfg.rollout.n > 1) if s is None else bool(s)
 
 
 ALL_RANKS_RANK0_OUT = DispatchMode(

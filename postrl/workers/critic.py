@@ -3,7 +3,6 @@ update, checkpoints)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from postrl.controller import Dispatch, Worker, register
@@ -12,7 +11,15 @@ from postrl.engine.critic import Critic
 from postrl.engine.fsdp import param_numel
 from postrl.engine.model import load_critic
 from postrl.protocol import DataProto
-from postrl.workers.common import barrier, metrics_proto, setup, shard_if
+from postrl.workers.common import (
+    barrier,
+    batch_spec,
+    metrics_proto,
+    model_spec,
+    optim_spec,
+    setup,
+    shard_if,
+)
 
 __all__ = ["CriticWorker"]
 
@@ -23,16 +30,15 @@ class CriticWorker(Worker):
     def __init__(self, cfg, total_steps: int = 0) -> None:
         self.cfg = cfg
         self.dev, self.group = setup(cfg)
-        mcfg = (
-            dataclasses.replace(cfg.model, path=cfg.critic.model_path)
-            if cfg.critic.model_path
-            else cfg.model
-        )
-        self.model = load_critic(mcfg, self.dev)
+        mspec = model_spec(cfg.model, path=cfg.critic.model_path or cfg.model.path)
+        self.model = load_critic(mspec, self.dev)
         shard_if(cfg.critic.strategy, self.model, self.group, self.dev)
         self.critic = Critic(
             self.model,
-            cfg.critic,
+            batch=batch_spec(cfg.critic),
+            optim=optim_spec(cfg.critic.optim),
+            cliprange_value=cfg.critic.cliprange_value,
+            loss_agg_mode=cfg.critic.loss_agg_mode,
             rollout_n=cfg.rollout.n,
             device=self.dev,
             group=self.group,
@@ -61,11 +67,11 @@ class CriticWorker(Worker):
         save_engine_checkpoint(
             path,
             self.model,
-            self.critic.optimizer,
-            self.critic.scheduler,
+            self.critic.loop.optimizer,
+            self.critic.loop.scheduler,
             write=self.rank == 0,
             sharded=self.cfg.trainer.checkpoint_format == "sharded",
-            extra={"nonfinite_skips": self.critic.nonfinite_skips},
+            extra={"nonfinite_skips": self.critic.loop.nonfinite_skips},
         )
         if self.rank == 0:
             Path(path).mkdir(parents=True, exist_ok=True)
@@ -75,6 +81,6 @@ class CriticWorker(Worker):
     def load_checkpoint(self, path: str) -> None:
         """Restore the critic from ``path``."""
         extra = load_engine_checkpoint(
-            path, self.model, self.critic.optimizer, self.critic.scheduler
+            path, self.model, self.critic.loop.optimizer, self.critic.loop.scheduler
         )
-        self.critic.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
+        self.critic.loop.nonfinite_skips = int(extra.get("nonfinite_skips", 0))

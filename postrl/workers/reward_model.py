@@ -8,7 +8,7 @@ from postrl.controller import Dispatch, Worker, register
 from postrl.engine.fsdp import param_numel
 from postrl.engine.reward_model import RewardModel
 from postrl.protocol import DataProto
-from postrl.workers.common import setup
+from postrl.workers.common import model_spec, setup
 
 __all__ = ["RewardModelWorker"]
 
@@ -30,7 +30,7 @@ class RewardModelWorker(Worker):
         self.cfg = cfg
         self.dev, self.group = setup(cfg)
         rcfg = cfg.reward.model
-        _, compute = resolve_dtypes(cfg.model, self.dev, trainable=False)
+        _, compute = resolve_dtypes(model_spec(cfg.model), self.dev, trainable=False)
         self.rm = RewardModel(rcfg.path, self.dev, compute, rcfg.max_length, rcfg.micro_batch_size)
         if self.group is not None and cfg.actor.strategy == "fsdp2" and self.rm.root is not None:
             self.rm.shard(

@@ -5,25 +5,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from postrl.config.schema import ActorConfig, ModelConfig, OptimConfig
-from postrl.engine.actor import Actor
-from postrl.engine.model import load_policy
-from postrl.engine.optim import build_scheduler
+from postrl.engine.actor import Actor, PolicyLossSpec
+from postrl.engine.model import ModelSpec, load_policy
+from postrl.engine.optim import OptimSpec, build_scheduler
+from postrl.engine.update import BatchSpec
 
 
-def _actor(model_dir, sgd=True, **kw):
+def _actor(model_dir, sgd=True, share_prompt_prefix=True, **kw):
     """An actor; ``sgd`` swaps AdamW for SGD so weight deltas are lr × gradient.
 
     (Adam divides by sqrt(v): on parameters whose gradient is ~0 it turns float noise into
     ±lr steps, so "same update" is only testable tightly on the gradient itself.)
     """
-    cfg = ActorConfig(
-        ppo_mini_batch_size=2, optim=OptimConfig(lr=1e-2, grad_clip=100.0), entropy_coeff=0.01, **kw
+    optim = OptimSpec(lr=1e-2, grad_clip=100.0)
+    actor = Actor(
+        load_policy(ModelSpec(path=str(model_dir))),
+        batch=BatchSpec(ppo_mini_batch_size=2, **kw),
+        loss=PolicyLossSpec(entropy_coeff=0.01),
+        optim=optim,
+        rollout_n=4,
+        share_prefix=share_prompt_prefix,
     )
-    actor = Actor(load_policy(ModelConfig(path=str(model_dir))), cfg, rollout_n=4)
     if sgd:
-        actor.optimizer = torch.optim.SGD(actor.params, lr=1e-2)
-        actor.scheduler = build_scheduler(actor.optimizer, cfg.optim)
+        actor.loop.optimizer = torch.optim.SGD(actor.loop.params, lr=1e-2)
+        actor.loop.scheduler = build_scheduler(actor.loop.optimizer, optim)
     return actor
 
 
@@ -54,7 +59,7 @@ def test_update_invariance(tiny_model_dir, make_batch, a_kw, b_kw):
         b.batch["old_log_probs"] = (
             b.batch["old_log_probs"] + 0.05 * b.batch["response_mask"]
         )  # make ratios ≠ 1
-        m = actor.update_policy(b)
+        m = actor.update_policy(b).metrics
         outs.append((_weights(actor), m))
     (w1, m1), (w2, m2) = outs
     assert m1["actor/grad_norm"] > 0
@@ -68,7 +73,7 @@ def test_update_invariance(tiny_model_dir, make_batch, a_kw, b_kw):
         "actor/ppo_kl",
     ):
         assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-6), k
-    w0 = dict(load_policy(ModelConfig(path=str(tiny_model_dir))).module.named_parameters())
+    w0 = dict(load_policy(ModelSpec(path=str(tiny_model_dir))).module.named_parameters())
     changed = [k for k in w1 if not torch.equal(w1[k], w0[k])]
     assert changed, "the update changed no parameter"
 
@@ -78,12 +83,12 @@ def test_nonfinite_grad_skips_step(tiny_model_dir, make_batch):
     batch = _prep(actor, make_batch(num_prompts=2, n=4, seed=4))
     batch.batch["advantages"] = torch.full_like(batch.batch["advantages"], float("nan"))
     before = _weights(actor)
-    m = actor.update_policy(batch)
+    m = actor.update_policy(batch).metrics
     assert m["actor/grad_norm_nonfinite_skips"] == 1.0
     for k, v in _weights(actor).items():
         assert torch.equal(v, before[k]), k
-    assert actor.optimizer.state == {} or all(
-        s["step"] == 0 for s in actor.optimizer.state.values()
+    assert actor.loop.optimizer.state == {} or all(
+        s["step"] == 0 for s in actor.loop.optimizer.state.values()
     )
 
 
@@ -110,13 +115,12 @@ def test_fused_old_log_prob_equals_separate_pass(tiny_model_dir, make_batch):
     )  # 8 rows = ppo_mini_batch_size 2 × n 4: one mini-batch
     sep = _actor(tiny_model_dir)
     b = _prep(sep, batch)
-    m_sep = sep.update_policy(b)
+    u_sep = sep.update_policy(b)
     fused = _actor(tiny_model_dir)
-    m_fused = fused.update_policy(batch)
-    torch.testing.assert_close(
-        fused.fused_old_log_probs, b.batch["old_log_probs"], atol=1e-5, rtol=0
-    )
-    assert sep.fused_old_log_probs is None
+    u_fused = fused.update_policy(batch)
+    torch.testing.assert_close(u_fused.old_log_probs, b.batch["old_log_probs"], atol=1e-5, rtol=0)
+    assert u_sep.old_log_probs is None
+    m_sep, m_fused = u_sep.metrics, u_fused.metrics
     w_sep, w_fused = _weights(sep), _weights(fused)
     for k in w_sep:
         torch.testing.assert_close(w_fused[k], w_sep[k], atol=1e-7, rtol=1e-5)

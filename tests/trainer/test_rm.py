@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from postrl.data import write_parquet
+from postrl.data import preference_pairs, write_parquet
 from postrl.data.tasks import TASKS, read_rows
 from postrl.engine.reward_model import RewardModel
-from postrl.engine.rm_train import preference_pairs, run_rm
+from postrl.trainer.rm import run_rm
 
 
 def test_preference_pairs_from_addition_rows():
@@ -73,4 +73,7 @@ def test_cli_writes_pairs(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "postrl.cli", "rm", "lr=1e-3"], capture_output=True, text=True
     )
-    assert r.returncode != 0 and "missing ['model_path', 'train_file', 'out_dir']" in r.stderr
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    for key in ("model_path", "train_file", "out_dir"):
+        assert f"{key}: required" in r.stderr, r.stderr

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
+import torch
+
+from postrl.config import ConfigError
+from postrl.config.supervised import SFTConfig
 from postrl.data.tasks import generate_addition, sft_rows_from_rl_rows, write_parquet
-from postrl.engine.sft import run_sft, sft_main, tokenize_rows
 from postrl.testing import make_tokenizer
+from postrl.trainer.sft import (
+    parse_options,
+    run_sft,
+    sft_main,
+    tokenize_rows,
+    warmup_cosine_scheduler,
+)
 
 
 def test_assistant_mask_covers_only_the_answer():
@@ -45,3 +58,40 @@ def test_sft_lowers_loss_and_writes_hf(tiny_model_dir, tmp_path):
         )
         == 0
     )
+
+
+def test_sft_options_report_every_problem_at_once(tmp_path):
+    """``postrl sft`` options load through config/loader: one error lists the misspelt key (with
+    its did-you-mean), the badly typed value and the missing required fields."""
+    with pytest.raises(ConfigError) as e:
+        parse_options(["epoch=2", "lr=fast", "train_file=x.parquet"], SFTConfig, "sft")
+    msg = str(e.value)
+    assert "4 problem(s)" in msg, msg
+    assert "did you mean 'epochs'" in msg
+    assert "lr: expected a number, got 'fast'" in msg
+    assert "model_path: required" in msg and "out_dir: required" in msg
+    assert "train_file: required" not in msg
+    y = tmp_path / "sft.yaml"
+    y.write_text("sft:\n  model_path: m\n  train_file: t.parquet\n  out_dir: o\n  lr: 3.0e-3\n")
+    opts = parse_options([str(y), "epochs=3"], SFTConfig, "sft")
+    assert (opts.model_path, opts.lr, opts.epochs, opts.batch_tokens) == ("m", 3e-3, 3, 2048)
+
+
+def test_supervised_schedule_is_the_engine_schedule():
+    """warmup 2, total 6: factors (s+1)/2 while warming up, then 0.1 + 0.9·½(1 + cos(π(s−2)/4))."""
+
+    def factors(warmup, total, n):
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([p], lr=1.0)
+        sched = warmup_cosine_scheduler(opt, 1.0, warmup, total)
+        out = []
+        for _ in range(n):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    c = 0.5 * (1 + math.cos(math.pi / 4))  # 0.853553
+    want = [0.5, 1.0, 1.0, 0.1 + 0.9 * c, 0.55, 0.1 + 0.9 * (1 - c), 0.1]
+    assert factors(2, 6, 7) == pytest.approx(want, rel=1e-12, abs=1e-15)
+    assert factors(10, 3, 3) == pytest.approx([0.1, 0.2, 0.3], rel=1e-12)  # never leaves warmup

@@ -1,0 +1,68 @@
+"""Typed options of the supervised programs ``postrl sft`` and ``postrl rm``.
+
+Loaded like the RL config (:func:`postrl.config.loader.load_options`: YAML plus ``key=value``
+overrides, unknown keys with a did-you-mean, every error at once) and documented in
+``docs/config.md`` from the docstrings below (:mod:`postrl.config.docs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RMConfig", "SFTConfig", "TrainFileOptions"]
+
+
+@dataclass
+class TrainFileOptions:
+    """Options shared by ``postrl sft`` and ``postrl rm`` (supervised runs over one data file)."""
+
+    model_path: str = ""
+    """HF model directory to start from (required)."""
+    train_file: str = ""
+    """Parquet or jsonl rows (required)."""
+    out_dir: str = ""
+    """Where the trained HF model (and a metrics JSON) is written (required)."""
+    epochs: int = 1
+    """Passes over the data."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0 = run all epochs)."""
+    lr: float = 1e-4
+    """Peak AdamW learning rate (linear warmup, then cosine to 10%)."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    seed: int = 0
+    """Shuffling and init seed."""
+    num_threads: int = 0
+    """torch threads (0 = leave the default)."""
+    log_every: int = 20
+    """Log the loss every this many steps."""
+
+
+@dataclass
+class SFTConfig(TrainFileOptions):
+    """Options of ``postrl sft`` (also the keyword arguments of ``run_sft``); ``train_file``
+    rows hold ``messages`` or ``prompt`` + ``response``."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    batch_tokens: int = 2048
+    """Tokens per optimizer step (packed)."""
+    max_length: int = 512
+    """Rows longer than this are truncated (and the tail's loss dropped)."""
+    lora_rank: int = 0
+    """LoRA rank (0 = full fine-tuning)."""
+
+
+@dataclass
+class RMConfig(TrainFileOptions):
+    """Options of ``postrl rm`` (also the keyword arguments of ``run_rm``). ``model_path``: a
+    causal LM (its backbone gets a new score head) or a reward model; ``train_file`` rows hold
+    ``prompt``, ``chosen``, ``rejected``; ``out_dir`` receives an HF ``*ForSequenceClassification``
+    model with one label."""
+
+    batch_size: int = 32
+    """Pairs per optimizer step."""
+    max_length: int = 512
+    """Tokens kept per rendered conversation (the last ones, as at scoring time)."""
+    eval_fraction: float = 0.1
+    """Share of the pairs held out for the preference accuracy."""

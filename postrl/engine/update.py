@@ -1,0 +1,171 @@
+"""The one update loop shared by the actor and the critic.
+
+    for epoch in range(epochs):
+        for mini-batch (``mini_batches(data, epoch)``: the same count on every dp rank):
+            N_tok, N_seq = Σ_ranks valid tokens / non-empty rows of the mini-batch   (all-reduce)
+            if N_tok == 0: skip (nothing to learn on any rank, no optimizer step)
+            for micro-batch (``micro_batches(mini)``, token budget, Karmarkar–Karp balanced):
+                out = micro_loss(mb, denominators)     # the varying part: policy or value loss
+                out.loss.backward()                    # an additive share of the mini-batch loss
+            all-reduce(SUM) grads; clip; step unless the norm is non-finite (counted)
+
+Metrics: a micro-batch reports ``sums`` (values already normalised by the global denominators,
+so they add up to the mini-batch value) and ``means`` (per-micro-batch averages, weighted by the
+micro-batch's share of the mini-batch's tokens); both are summed over dp ranks, then averaged over
+mini-batches and epochs. ``grad_norm`` and ``lr`` are added per optimizer step.
+
+Engine-owned settings (:class:`BatchSpec`, :class:`postrl.engine.optim.OptimSpec`) are plain
+dataclasses: the role workers (:mod:`postrl.workers`) fill them from the run's config.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from postrl.engine.optim import (
+    OptimSpec,
+    allreduce_grads,
+    allreduce_sum,
+    build_optimizer,
+    build_scheduler,
+    guarded_step,
+)
+from postrl.protocol import DataProto
+
+__all__ = ["BatchSpec", "MicroLoss", "UpdateLoop", "rows_to_device"]
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """How an engine splits a batch (the ``actor.*`` / ``critic.*`` batching keys of the config)."""
+
+    ppo_mini_batch_size: int = 16
+    """Prompts per mini-batch (× ``rollout_n`` responses, split over dp ranks)."""
+    ppo_micro_batch_size_per_gpu: int = 16
+    """Rows per micro-batch when ``use_dynamic_bsz`` is False."""
+    use_dynamic_bsz: bool = True
+    """Micro-batches by token budget (Karmarkar–Karp) instead of a fixed row count."""
+    ppo_max_token_len_per_gpu: int = 8192
+    """Token budget per micro-batch."""
+    ppo_epochs: int = 1
+    """Passes over the batch per update."""
+    shuffle: bool = False
+    """Shuffle rows before splitting into mini-batches (seeded)."""
+
+
+@dataclass
+class MicroLoss:
+    """What a micro-batch's loss function returns to :class:`UpdateLoop`."""
+
+    loss: torch.Tensor
+    """Scalar to backpropagate: this micro-batch's additive share of the mini-batch loss."""
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Metrics that are additive shares already (normalised by the global denominators)."""
+    means: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-micro-batch means, weighted by the micro-batch's share of the mini-batch's tokens."""
+
+
+def rows_to_device(
+    data: DataProto, idx: list[int], keys: Iterable[str], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Rows ``idx`` of the tensors ``keys`` of ``data`` (those present) on ``device``."""
+    ix = torch.tensor(idx, dtype=torch.long)
+    return {k: data.batch[k][ix].to(device) for k in keys if k in data.batch}
+
+
+class UpdateLoop:
+    """Optimizer, schedule and the epochs × mini-batches × micro-batches loop of one engine.
+
+    Args:
+        params: the trainable parameters.
+        optim: optimizer and schedule settings.
+        total_steps: optimizer steps of the run (cosine schedule).
+        group: data-parallel process group (None: single process).
+        device: where micro-batches are moved.
+
+    Attributes ``optimizer`` and ``scheduler`` may be replaced (tests swap in SGD);
+    ``nonfinite_skips`` counts the steps skipped for a non-finite gradient norm (checkpointed).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        optim: OptimSpec,
+        *,
+        total_steps: int = 0,
+        group: dist.ProcessGroup | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, optim)
+        self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
+        self.grad_clip = optim.grad_clip
+        self.group = group
+        self.dp_size = dist.get_world_size(group) if group is not None else 1
+        self.device = torch.device(device)
+        self.nonfinite_skips = 0
+
+    def run(
+        self,
+        data: DataProto,
+        *,
+        epochs: int,
+        mini_batches: Callable[[DataProto, int], list[DataProto]],
+        micro_batches: Callable[[DataProto], list[list[int]]],
+        keys: list[str],
+        micro_loss: Callable[[dict[str, torch.Tensor], dict], MicroLoss],
+        prefix: str,
+    ) -> dict[str, float]:
+        """One update over ``data`` (this rank's shard); returns ``{prefix}/<name>`` metrics.
+
+        Args:
+            data: needs ``response_mask`` and whatever ``micro_loss`` reads.
+            epochs: passes over ``data``.
+            mini_batches: ``(data, epoch) -> mini-batches`` (the same count on every rank).
+            micro_batches: ``mini -> row indices per micro-batch`` (the same count on every rank).
+            keys: tensors moved to the device for each micro-batch.
+            micro_loss: ``(micro-batch tensors, denominators) -> MicroLoss``; the denominators
+                are ``global_num_tokens``, ``global_num_seqs`` and ``dp_size`` (keyword arguments
+                of :func:`postrl.algos.aggregation.agg_loss`).
+            prefix: metric namespace (``actor``, ``critic``).
+        """
+        sums: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for epoch in range(epochs):
+            for mini in mini_batches(data, epoch):
+                rm = mini.batch["response_mask"].float()
+                counts = allreduce_sum(
+                    torch.stack([rm.sum(), (rm.sum(-1) > 0).float().sum()]), self.group
+                )
+                if not bool(counts[0] > 0):  # no valid token on any rank: nothing to learn
+                    continue
+                denoms = dict(
+                    global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=self.dp_size
+                )
+                step: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+                for idx in micro_batches(mini):
+                    mb = rows_to_device(mini, idx, keys, self.device)
+                    out = micro_loss(mb, denoms)
+                    out.loss.backward()
+                    # token share of the mini-batch
+                    w = mb["response_mask"].sum().float().cpu() / counts[0].clamp(min=1)
+                    for k, v in out.sums.items():
+                        step[k] = step[k] + v.cpu()
+                    for k, v in out.means.items():
+                        step[k] = step[k] + v.cpu() * w
+                allreduce_grads(self.params, self.group)
+                lr = self.optimizer.param_groups[0]["lr"]
+                norm, ok = guarded_step(self.params, self.optimizer, self.scheduler, self.grad_clip)
+                self.nonfinite_skips += int(not ok)
+                for k in sorted(step):  # every value is an additive share: sum over ranks
+                    sums[k].append(allreduce_sum(step[k], self.group))
+                sums["grad_norm"].append(norm.cpu())
+                sums["lr"].append(torch.tensor(lr))
+        out = {f"{prefix}/{k}": float(torch.stack(v).mean()) for k, v in sums.items()}
+        out[f"{prefix}/grad_norm_nonfinite_skips"] = float(self.nonfinite_skips)
+        return out
