@@ -18,11 +18,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "postrl"
 ALLOWED = ("testing/", "bench/", "recipes/", "cli.py")  # relative to postrl/
-
-# The trainer still imports the transitional ``postrl.testing.faults.maybe_kill`` until it calls
-# ``postrl.trainer.hooks.fire`` directly. Empty this the moment it does (the test says so).
-TRANSITIONAL = {"trainer/trainer.py"}
-
 _PATH_STRING = re.compile(r"postrl\.testing(?:[.:][\w.:]*)?")
 
 
@@ -71,10 +66,10 @@ def test_the_scan_catches_every_form_of_import():
         "import postrl.testing",
         "import postrl.testing.faults as f",
         "from postrl.testing import make_model",
-        "from postrl.testing.faults import maybe_kill",
+        "from postrl.testing.faults import install_kill_at",
         "from postrl import testing",
         "from .. import testing",
-        "from ..testing.faults import maybe_kill",
+        "from ..testing.faults import KillAt",
         "def f():\n    from postrl.testing import make_model",
         "import importlib\nimportlib.import_module('postrl.testing.faults')",
         "LAZY = {'x': 'postrl.testing.servers:Server'}",
@@ -96,19 +91,13 @@ def test_the_scan_catches_every_form_of_import():
 def test_no_library_module_imports_postrl_testing():
     modules = _library_modules()
     assert len(modules) > 50 and "trainer/trainer.py" in modules, "the scan must see the library"
-    offenders, stale = [], []
+    offenders = []
     for rel in modules:
         found = _testing_imports((ROOT / rel).read_text(encoding="utf-8"), rel)
-        if rel in TRANSITIONAL:
-            stale += [] if found else [rel]
-        elif found:
+        if found:
             offenders.append(f"postrl/{rel} ({'; '.join(found)})")
     assert not offenders, (
         "library code must not import postrl.testing: " + ", ".join(offenders) + ". Install a "
         "callback from the test instead (postrl.trainer.hooks for fault points), or move the code "
         "to postrl/bench/ or postrl/recipes/ if it is a benchmark or a demo."
-    )
-    assert not stale, (
-        f"{stale} no longer import postrl.testing: remove them from TRANSITIONAL in "
-        "tests/test_imports_testing.py"
     )

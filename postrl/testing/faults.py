@@ -8,9 +8,6 @@ callbacks a test installs:
 - :func:`install_kill_at` builds one and installs it in ``postrl.trainer.hooks.FAULT_HOOKS``;
 - ``python -m postrl.testing.faults_run --kill-at POINT train CONFIG k=v ...`` runs any
   ``postrl`` command with the hook installed — how a test kills a training subprocess.
-
-:func:`maybe_kill` is the old entry point (the trainer called it, reading ``POSTRL_KILL_AT``);
-it stays until the trainer calls :func:`~postrl.trainer.hooks.fire` directly.
 """
 
 from __future__ import annotations
@@ -18,9 +15,9 @@ from __future__ import annotations
 import os
 import signal
 
-from postrl.trainer.hooks import fire, install
+from postrl.trainer.hooks import install
 
-__all__ = ["KillAt", "install_kill_at", "kill_at", "maybe_kill"]
+__all__ = ["KillAt", "install_kill_at", "kill_at"]
 
 
 class KillAt:
@@ -53,13 +50,3 @@ def install_kill_at(point: str) -> KillAt:
     hook = KillAt(point)
     install(hook)
     return hook
-
-
-def maybe_kill(point: str) -> None:
-    """Transitional: run the installed fault hooks, then SIGKILL if ``POSTRL_KILL_AT == point``.
-
-    The trainer used to call this; new code calls ``postrl.trainer.hooks.fire(point)``.
-    """
-    fire(point)
-    if os.environ.get("POSTRL_KILL_AT") == point:
-        os.kill(os.getpid(), signal.SIGKILL)

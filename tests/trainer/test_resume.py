@@ -23,7 +23,6 @@ WALL_CLOCK = ("timing_s/", "perf/")
 def _train(overrides: list[str], kill_at: str | None = None) -> int:
     """``postrl train`` in a subprocess; with ``kill_at`` a test-side hook SIGKILLs it there."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("POSTRL_KILL_AT", None)  # the hook installed by faults_run is the only kill switch
     launcher = ["postrl.testing.faults_run", "--kill-at", kill_at] if kill_at else ["postrl.cli"]
     cmd = [sys.executable, "-m", *launcher, "train", *overrides, "trainer.num_threads=1"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
