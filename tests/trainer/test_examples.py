@@ -61,6 +61,12 @@ EXPECTED_KEYS: dict[str, set[str]] = {
         "actor/reward_kl_penalty",
     },
     "grpo_countdown": {"actor/kl_loss", "reward/extra/acc/mean"},
+    "remax_addition": {
+        "remax/baseline_score/mean",
+        "remax/baseline_failed",
+        "remax/baseline_response_length/mean",
+    },
+    "otb_addition": set(),
     "ppo_rm_addition": {
         "critic/vf_loss",
         "critic/values/mean",
@@ -196,6 +202,10 @@ def test_examples_select_their_algorithm():
     assert cfg["reinforce_pp_addition"].algorithm.use_kl_in_reward
     assert cfg["gspo_addition"].actor.policy_loss == "gspo"
     assert cfg["ppo_gae_addition"].algorithm.adv_estimator == "gae"
+    assert cfg["remax_addition"].algorithm.adv_estimator == "remax"
+    otb = cfg["otb_addition"]
+    assert otb.algorithm.adv_estimator == "optimal_token_baseline"
+    assert otb.algorithm.adv_estimator_kwargs == {"handle_zero_tail": True}
     rm = cfg["ppo_rm_addition"]
     assert (
         rm.algorithm.adv_estimator == "gae"
