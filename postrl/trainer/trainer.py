@@ -231,6 +231,7 @@ class RLTrainer:
             "mode": self.mode.state_dict(),
             "kl_ctrl": {"value": float(self.kl_ctrl.value)},
             "total_steps": self.total_steps,
+            "policy_version": int(self.ctx.fleet.version),
         }
 
         def write(tmp: Path) -> None:
@@ -253,6 +254,8 @@ class RLTrainer:
         # checkpoints before the mode interface saved the loader at the top level
         self.mode.load_state_dict(state.get("mode") or {"loader": state["loader"]})
         self.kl_ctrl.value = state["kl_ctrl"]["value"]
+        # fit's first push re-creates the checkpoint's policy version (same weights, same number)
+        self.ctx.fleet.version = int(state.get("policy_version", 1)) - 1
         logger.info("resumed from %s (step %d)", ckpt, state["step"])
         return int(state["step"])
 

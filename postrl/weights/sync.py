@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, Union, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -93,7 +93,7 @@ class FrameStream:
             yield from unpack_bucket(bucket)
 
 
-WeightSource = Union[Iterable[tuple[str, torch.Tensor]], FrameStream]
+WeightSource = Iterable[tuple[str, torch.Tensor]] | FrameStream
 """What a sync reads: the actor's in-process per-tensor stream, or a :class:`FrameStream`."""
 
 
@@ -109,13 +109,13 @@ class SyncStats:
     version: int = 0
 
     def metrics(self) -> dict[str, float]:
-        """``weights/{tensors,bytes,buckets,max_bucket_bytes,sync_s,version}``."""
+        """``weights/{tensors,bytes,buckets,max_bucket_bytes,version}`` (the wall time is the
+        step's ``timing_s/sync_weights``)."""
         return {
             "weights/tensors": float(self.num_tensors),
             "weights/bytes": float(self.num_bytes),
             "weights/buckets": float(self.num_buckets),
             "weights/max_bucket_bytes": float(self.max_bucket_bytes),
-            "weights/sync_s": float(self.seconds),
             "weights/version": float(self.version),
         }
 
