@@ -41,7 +41,8 @@ SAME_UPDATES = [
     "actor.optim.eps=1000.0",  # AdamW ≈ SGD with lr 1e-2 (see module docstring)
     "trainer.val_before_train=false",  # time: validation still runs (and is compared) at the last step
 ]
-NOT_COMPARED = ("timing_s/", "perf/", "balance/")  # wall-clock, and the dp>1-only balancing stage
+# wall-clock, the dp>1-only balancing stage, and the weight transport (frames vs in-process tensors)
+NOT_COMPARED = ("timing_s/", "perf/", "balance/", "weights/")
 
 
 def _ray_children() -> list[psutil.Process]:
@@ -112,10 +113,22 @@ def test_grpo_ray_dp2_matches_local(ray_cluster, small_overrides, digits_reward,
             *base,
             "trainer.backend=ray",
             "trainer.num_workers=2",
+            # rollout.weight_sync is honoured on Ray: the actor's frames are 48 KiB buckets,
+            # pulled one at a time and forwarded to the replica as they are
+            "rollout.weight_sync=bucketed",
+            "rollout.weight_bucket_mb=0.046875",
             f"trainer.run_dir={tmp_path / 'ray'}",
         ]
     )
     assert len(pids) == 2, "the ray run should have started 2 actor workers"
+    from safetensors.torch import load_file
+
+    model_dir = next(o.split("=", 1)[1] for o in small_overrides if o.startswith("model.path="))
+    tensors = load_file(str(Path(model_dir) / "model.safetensors")).values()
+    largest = max(t.numel() * t.element_size() for t in tensors)  # an oversized one goes alone
+    assert last["weights/buckets"] > 5
+    assert last["weights/max_bucket_bytes"] <= max(48 << 10, largest)
+    assert last["weights/tensors"] > 0 and last["weights/version"] == 3
     assert not _wait_dead(pids), "actor workers still alive after trainer.close()"
     assert EXPECTED_KEYS <= set(last), sorted(EXPECTED_KEYS - set(last))
     assert all(math.isfinite(v) for v in last.values()), {
