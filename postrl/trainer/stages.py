@@ -145,11 +145,16 @@ def dynamic_sampling_stage(
 
 
 def advantage_stage(batch: DataProto, ctx: Any, kl_ctrl: Any) -> tuple[DataProto, dict[str, float]]:
-    """Stage 6: KL in the reward (``algorithm.use_kl_in_reward``), rollout correction (IS
-    weights / rejection + health metrics, when old log-probs exist before the update), then the
-    configured estimator."""
+    """Stage 6: the producers of declared needs the batch still lacks (``trainer/needs.py``:
+    e.g. ReMax's greedy baseline), KL in the reward (``algorithm.use_kl_in_reward``), rollout
+    correction (IS weights / rejection + health metrics, when old log-probs exist before the
+    update), then the configured estimator."""
+    from postrl.trainer.needs import missing_needs, produce_missing
+
     algo = ctx.cfg.algorithm
     metrics: dict[str, float] = {}
+    if missing_needs(ctx.cfg, batch):
+        batch, metrics = produce_missing(ctx, ctx.prompts_of(batch), batch)
     if algo.use_kl_in_reward:
         batch, km = kl_in_reward_stage(batch, kl_ctrl, algo.kl_penalty)
         metrics.update(km)
