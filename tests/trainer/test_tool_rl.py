@@ -31,6 +31,8 @@ from postrl.data.code_tasks import generate_code_tasks
 from postrl.data.tool_arith import generate_tool_arith, tool_arith_demonstrations
 from postrl.reward import RewardLoop, RewardRequest
 from postrl.rollout.types import TokenOutput
+from postrl.tools.base import ToolResponse
+from postrl.tools.calculator import CalculatorTool
 from postrl.trainer.modes import SyncMode, register_trainer
 from postrl.trainer.trainer import RLTrainer
 
@@ -118,6 +120,50 @@ def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
         else:
             out.append((v, 1))
     return out
+
+
+class RewardingCalculator(CalculatorTool):
+    """The calculator, plus a step reward of 0.25 for every call it evaluates."""
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolResponse:
+        out = await super().execute(instance_id, parameters)
+        return out if out.error else ToolResponse(out.text, reward_delta=0.25)
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.0])
+def test_tool_rewards_reach_the_trained_score(tiny_model_dir, tool_arith_files, tmp_path, weight):
+    """A tool's ``reward_delta`` is summed per trajectory and added to its score with
+    ``reward.tool_reward_weight``. Per step: 3 of 4 samples make a well-formed call (+0.25 each)
+    and the even samples (2 of 4) answer correctly (rule reward 1), so the trained scores
+    average 0.5 + weight × 0.75 / 4."""
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(
+        "tools:\n  - class_name: test_tool_rl:RewardingCalculator\n    config: {max_digits: 50}\n"
+    )
+    ov = [
+        f"model.path={tiny_model_dir}",
+        f"data.train_files=[{tool_arith_files}]",
+        "data.val_files=[]",
+        "data.train_batch_size=1",
+        "data.max_prompt_length=512",
+        "actor.ppo_mini_batch_size=1",
+        "rollout.n=4",
+        "rollout.response_length=96",
+        "trainer.total_steps=1",
+        "trainer.mode=sync_tool_script_test",
+        "trainer.loggers=[jsonl]",
+        f"trainer.run_dir={tmp_path / 'run'}",
+        f"reward.tool_reward_weight={weight}",
+        f"rollout.agent.tool_config_path={tools}",
+    ]
+    trainer = RLTrainer(load_config(EXAMPLE, ov))
+    try:
+        last = trainer.fit()
+    finally:
+        trainer.close()
+    assert last["agent/num_tool_calls"] == pytest.approx(0.75)
+    assert last["reward/tool_reward/mean"] == pytest.approx(0.25 * 3 / 4)
+    assert last["critic/score/mean"] == pytest.approx(0.5 + weight * 0.25 * 3 / 4)
 
 
 def test_grpo_with_tool_loop_end_to_end(tiny_model_dir, tool_arith_files, tmp_path):
