@@ -45,7 +45,13 @@ from postrl.reward.types import RewardRequest, RewardResult, SampleScore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RewardStage", "RewardModelScorer", "apply_reward_result", "decode_responses"]
+__all__ = [
+    "RewardStage",
+    "RewardModelScorer",
+    "apply_reward_result",
+    "combine_scores",
+    "decode_responses",
+]
 
 
 class RewardModelScorer(Protocol):
@@ -141,7 +147,7 @@ class RewardStage:
             raw, metrics = self.rm_scores(batch)
             rm = raw * self.rm_weight
             metrics["timing_s/reward_model"] = time.perf_counter() - t0
-        result = _combine(rule, rm, list(batch.non_tensor_batch["uid"]))
+        result = combine_scores(rule, rm, list(batch.non_tensor_batch["uid"]))
         result, tm = self._add_tool_rewards(batch, result)
         metrics.update(tm)
         self.loop.check_failures(result)
@@ -222,7 +228,9 @@ class RewardStage:
         self.loop.close()
 
 
-def _combine(rule: RewardResult | None, rm: torch.Tensor | None, uids: list[Any]) -> RewardResult:
+def combine_scores(
+    rule: RewardResult | None, rm: torch.Tensor | None, uids: list[Any]
+) -> RewardResult:
     """``replace`` (rule is None), ``add`` (both) or rule only, column by column. A non-finite
     reward-model score fails its row (``nan``); a row whose rule failed stays failed."""
     if rm is None:

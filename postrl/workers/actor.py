@@ -7,7 +7,7 @@ over the default process group as ``actor.strategy`` / ``critic.strategy`` says:
 (default) shards it with FSDP2 (:mod:`postrl.engine.fsdp`; the reference model follows
 ``actor.strategy``), ``ddp`` trains replicas and sums gradients (:mod:`postrl.engine.optim`).
 
-With ``fsdp2`` every method that gathers weights is a collective, so ``get_weight_frames`` and
+With ``fsdp2`` every method that gathers weights is a collective, so the weight stream and
 ``save_checkpoint`` run on every rank (rank 0's result is returned / rank 0 writes), and the
 in-process iterator ``get_per_tensor_param`` refuses to run on a sharded group.
 
@@ -18,7 +18,8 @@ compute_log_prob           DP_COMPUTE_PROTO        DataProto ``old_log_probs`` (
 compute_ref_log_prob       DP_COMPUTE_PROTO        DataProto ``ref_log_prob``
 update_actor               DP_COMPUTE_PROTO        DataProto with ``meta_info['metrics']``
 get_per_tensor_param       RANK_ZERO               iterator of (HF name, tensor)
-get_weight_frames          ALL_RANKS_RANK0_OUT     rank 0's raw-byte bucket frames
+open_weight_stream         ONE_TO_ALL              starts a bucket-frame stream on every rank
+next_weight_frame          ALL_RANKS_RANK0_OUT     rank 0's next raw-byte frame (None: end)
 save/load_checkpoint       ONE_TO_ALL              every rank gathers, rank 0 writes; all load
 shard_stats                ONE_TO_ALL              per rank parameter counts, dummy passes
 compute_values             DP_COMPUTE_PROTO        DataProto ``values``
@@ -109,27 +110,38 @@ class ActorWorker(Worker):
         if self.policy.dp_group is not None:
             raise RuntimeError(
                 "get_per_tensor_param runs on rank 0 only, but the model is FSDP2-sharded over "
-                f"{self.world_size} ranks (gathering needs all of them): use get_weight_frames"
+                f"{self.world_size} ranks (gathering needs all of them): use open_weight_stream / next_weight_frame"
             )
         return iter_hf_params(self.policy)
 
-    @register(dispatch_mode=ALL_RANKS_RANK0_OUT)
-    def get_weight_frames(self, bucket_bytes: int = 64 << 20) -> list[bytes]:
-        """The weights as raw-byte bucket frames (JSON header + tensor bytes, never pickled),
-        for rollout engines in another process (Ray backend).
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def open_weight_stream(self, bucket_bytes: int = 64 << 20, version: int | None = None) -> None:
+        """Start streaming the weights as raw-byte bucket frames (JSON header + tensor bytes,
+        never pickled) for rollout engines in another process (Ray backend); each
+        :meth:`next_weight_frame` call then moves one bucket, so only one crosses at a time.
 
         Runs on every rank: with FSDP2 each parameter is all-gathered in turn (all ranks take
-        part); only rank 0 packs frames, the others return ``[]``.
+        part, in lockstep, bucket by bucket); only rank 0 returns frames.
         """
         from postrl.weights import encode_frame, pack_buckets
 
-        params = iter_hf_params(self.policy)
-        if self.rank != 0:
-            if self.policy.dp_group is not None:
-                for _ in params:  # take part in each gather, keep nothing
-                    pass
-            return []
-        return [encode_frame(b) for b in pack_buckets(params, bucket_bytes)]
+        def frames() -> Iterator[bytes]:
+            for bucket in pack_buckets(iter_hf_params(self.policy), bucket_bytes, version=version):
+                yield encode_frame(bucket) if self.rank == 0 else b""
+
+        self._weight_stream: Iterator[bytes] | None = frames()
+
+    @register(dispatch_mode=ALL_RANKS_RANK0_OUT)
+    def next_weight_frame(self) -> bytes | None:
+        """The next bucket frame of the stream :meth:`open_weight_stream` opened (rank 0's),
+        or None when the stream is exhausted (the stream is then closed)."""
+        stream = getattr(self, "_weight_stream", None)
+        if stream is None:
+            raise RuntimeError("next_weight_frame called without open_weight_stream")
+        frame = next(stream, None)
+        if frame is None:
+            self._weight_stream = None
+        return frame
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def shard_stats(self) -> dict[str, int]:

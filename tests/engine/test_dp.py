@@ -26,7 +26,7 @@ from postrl.config import load_config  # noqa: E402
 from postrl.controller import create_worker_group  # noqa: E402
 from postrl.engine.minibatch import pad_masked_rows  # noqa: E402
 from postrl.protocol import DataProto  # noqa: E402
-from postrl.weights import decode_frame, unpack_bucket  # noqa: E402
+from postrl.weights import FrameStream  # noqa: E402
 from postrl.workers import ActorWorker  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -89,8 +89,8 @@ def _weights_local(wg) -> dict[str, torch.Tensor]:
 
 def _weights_ray(wg) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    for frame in wg.get_weight_frames():
-        out.update({k: v.clone() for k, v in unpack_bucket(decode_frame(frame))})
+    for k, v in FrameStream.from_actor(wg).tensors():
+        out[k] = v.clone()
     return out
 
 

@@ -25,7 +25,7 @@ from postrl.config import load_config  # noqa: E402
 from postrl.controller import create_worker_group  # noqa: E402
 from postrl.engine.checkpoint import export_hf  # noqa: E402
 from postrl.protocol import DataProto  # noqa: E402
-from postrl.weights import decode_frame, unpack_bucket  # noqa: E402
+from postrl.weights import FrameStream  # noqa: E402
 from postrl.workers import ActorWorker, CriticWorker, RefWorker  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -89,11 +89,7 @@ def groups(tiny_model_dir):
 
 
 def _frames(wg) -> list[tuple[str, torch.Tensor]]:
-    return [
-        (k, v.clone())
-        for frame in wg.get_weight_frames()
-        for k, v in unpack_bucket(decode_frame(frame))
-    ]
+    return [(k, v.clone()) for k, v in FrameStream.from_actor(wg).tensors()]
 
 
 def _local(wg) -> dict[str, torch.Tensor]:
@@ -145,7 +141,7 @@ def test_weight_frames_are_full_hf_tensors(groups):
 
 def test_get_per_tensor_param_refuses_sharded_group(groups):
     _, ray_wg, _ = groups
-    with pytest.raises(Exception, match="get_weight_frames"):
+    with pytest.raises(Exception, match="open_weight_stream"):
         ray_wg.get_per_tensor_param()
 
 
