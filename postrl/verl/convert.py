@@ -155,6 +155,8 @@ def _micro(prefix: str, to: str):
             if legacy is not None:
                 v = max(1, int(legacy) // max(1, world_size(view)))
         if v is None:
+            if prefix == C and not needs_critic(view):
+                return {}  # verl checks the critic's sizes only when a critic is built
             if not view.get(f"{prefix}.use_dynamic_bsz"):
                 raise Unsupported(
                     "verl needs a micro-batch size when use_dynamic_bsz is off",
@@ -301,12 +303,15 @@ def _val_top_k(v, view):
     return {}
 
 
-def _clip_ratio(v, view):
-    out = {}
-    for side in ("low", "high"):
+def _clip_side(side: str):
+    """``clip_ratio_low/high``; unset, they follow verl's legacy ``clip_ratio`` when that is set."""
+
+    def conv(v, view):
         if not view.is_set(f"{A}.clip_ratio_{side}") and view.is_set(f"{A}.clip_ratio"):
-            out[f"actor.clip_ratio_{side}"] = float(v)
-    return out
+            v = view.get(f"{A}.clip_ratio")
+        return {f"actor.clip_ratio_{side}": float(v)}
+
+    return conv
 
 
 #: verl's policy-loss hyper-parameters, passed on to the losses whose signature names them.
@@ -398,11 +403,17 @@ def _critic_model_path(v, view):
     return {"critic.model_path": _expand(v)}
 
 
-def _critic_enable(v, view):
+def needs_critic(view: Any) -> bool:
+    """The configured advantage estimator needs values (so a critic is built)."""
     from postrl.algos import ADV_ESTIMATORS
 
     est = view.get("algorithm.adv_estimator")
-    needs = est in ADV_ESTIMATORS and "values" in ADV_ESTIMATORS.meta(est).get("needs", ())
+    return est in ADV_ESTIMATORS and "values" in ADV_ESTIMATORS.meta(est).get("needs", ())
+
+
+def _critic_enable(v, view):
+    est = view.get("algorithm.adv_estimator")
+    needs = needs_critic(view)
     if v is False and needs:
         raise Unsupported(
             f"algorithm.adv_estimator={est} needs a critic", "algorithm.adv_estimator=grpo"

@@ -18,6 +18,7 @@ file, so the two entry points cannot drift apart.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -34,15 +35,24 @@ __all__ = ["main", "minimal_yaml", "split_options"]
 
 
 def _diff(value: Any, default: Any) -> Any:
-    """The part of ``value`` (nested dicts) that differs from ``default``; ``None``: no diff."""
-    if isinstance(value, dict) and isinstance(default, dict):
-        out = {}
-        for k, v in value.items():
-            d = _diff(v, default.get(k, object()))
-            if d is not None:
-                out[k] = d
-        return out or None
-    return None if value == default else value
+    """The fields of dataclass ``value`` that differ from ``default``; ``None``: no difference.
+
+    A nested section whose field default differs from its class's defaults (the critic's
+    optimizer: lr 1e-5) is written whole when anything in it differs, because the loader fills
+    a partial section from the class's defaults.
+    """
+    if not dataclasses.is_dataclass(value):
+        return None if value == default else value
+    out = {}
+    for f in dataclasses.fields(value):
+        v, d = getattr(value, f.name), getattr(default, f.name)
+        sub = _diff(v, d)
+        if sub is None:
+            continue
+        if dataclasses.is_dataclass(v) and d != type(d)():
+            sub = to_dict(v)
+        out[f.name] = sub
+    return out or None
 
 
 def minimal_yaml(t: Translation) -> str:
@@ -51,7 +61,7 @@ def minimal_yaml(t: Translation) -> str:
     ``load_config`` of this text gives back ``t.config`` exactly. Notes (accepted keys without
     effect) head the file as comments.
     """
-    body = _diff(to_dict(t.config), to_dict(PostRLConfig())) or {}
+    body = _diff(t.config, PostRLConfig()) or {}
     head = ["# postrl config translated from verl arguments (postrl train THIS_FILE runs it)"]
     head += [f"# {line}" for line in t.notes]
     return "\n".join(head) + "\n" + yaml.safe_dump(body, sort_keys=False)

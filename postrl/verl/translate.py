@@ -203,7 +203,9 @@ def _apply(rule: Rule, view: _View, matched: dict, out: dict, errors: list[str])
         if hits and not result and why:
             view.note(rule.key, f"{value!r} has no effect here: {why}")
         return
-    default = view.get(rule.key) if not rule.is_tree else None
+    default = None if rule.is_tree else rule.default
+    if isinstance(default, Ref):
+        default = view.get(default.key)
     for key, value in hits:
         accepted = rule.kind == "noop" or value == default or value in rule.ok
         if accepted:
