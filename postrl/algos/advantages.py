@@ -21,9 +21,9 @@ and returns ``(advantages, returns)``, both (B, T), zero outside ``response_mask
 Registry metadata: ``needs`` lists batch fields beyond rewards/mask/index (``("values",)`` for
 GAE makes config validation require a critic; ``postrl.trainer.needs`` maps every need to the
 stage that produces it), ``optional`` batch fields used when present, ``outcome`` says whether
-only the sequence score matters. **Deviation from verl:** a group with fewer than two valid samples gives zero
-advantage in every group estimator (verl returns the raw score for groups of one), because a
-baseline from the sample itself carries no signal.
+only the sequence score matters. **Deviation from verl:** a group with fewer than two valid
+samples gives zero advantage in every group estimator (verl returns the raw score for groups of
+one), because a baseline from the sample itself carries no signal.
 
 Scores are ``token_level_rewards.sum(-1)`` (as verl); rows are grouped with one ``index_add``
 per statistic, never a Python loop over samples. GAE and REINFORCE++ returns are a reverse

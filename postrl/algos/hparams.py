@@ -48,8 +48,8 @@ def _accepts_any(fn: Callable[..., Any]) -> bool:
 
 
 def _type_ok(value: Any, tp: Any) -> bool:
-    """Whether a value fits annotation ``tp`` (numbers, bool, str, None, list, dict; another
-    class — a tensor, a generator — only by an instance; an unresolvable annotation: anything)."""
+    """Whether a value fits annotation ``tp``: numbers, bool, str, None, list, dict; another
+    class (a tensor, a generator) only by an instance; an unresolvable annotation: anything."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any or tp is inspect.Parameter.empty:
         return True

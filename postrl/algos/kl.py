@@ -11,8 +11,8 @@ name                   value                                 notes
 ``abs``                ``|d|``
 ``k2`` / ``mse``       ``d^2 / 2``                           biased; its gradient is the true
                                                              KL gradient in expectation
-``k3`` / ``low_var_kl`` ``rho - 1 - log rho`` = ``e^{-d} - 1 + d``  unbiased, >= 0; ``-d`` clamped to
-                                                             [-20, 20] and the value to [-10, 10]
+``k3`` / ``low_var_kl`` ``rho - 1 - log rho``                 unbiased, >= 0; ``-d`` clamped to
+                       = ``e^{-d} - 1 + d``                  [-20, 20] and the value to [-10, 10]
                                                              (as verl)
 ``k1+``, ``k3+``       value of k1/k3, gradient of k2        straight-through (verl's ``+`` suffix):
                                                              ``k2 - sg(k2) + sg(k)``

@@ -67,7 +67,8 @@ def compute_rollout_correction(
         old_log_prob: (B, T) training-engine log-probs of the sampled tokens.
         rollout_log_prob: (B, T) rollout-engine log-probs of the same tokens.
         response_mask: (B, T).
-        rollout_is: None | "token" | "sequence" (config ``algorithm.rollout_correction.rollout_is``).
+        rollout_is: None | "token" | "sequence"
+            (config ``algorithm.rollout_correction.rollout_is``).
         rollout_is_threshold: truncation C of the weights.
         rollout_rs: None | "sequence" | "geometric".
         rollout_rs_threshold / rollout_rs_threshold_lower: accepted ratio range.

@@ -6,19 +6,20 @@ needs=("rollout_log_prob",))``). Every such name has one row in :data:`NEEDS`: t
 names, the stage of the step that produces it, the role that stage requires, and — for fields no
 standing stage produces — a producer the step runs after stage 5 (values), before the advantage.
 
-==================  ==================  ===================  ==========================================
-need                batch field         produced by          requires
-==================  ==================  ===================  ==========================================
-values              values              5 values (critic)    a critic (``critic.optim.lr > 0``)
-old_log_probs       old_log_probs       4 old log-probs      no old-log-prob fusion
-sum_pi_squared      sum_pi_squared      4 old log-probs      no fusion; flag ``calculate_sum_pi_squared``
-                                        (same pass)          (fallback producer: one log-prob pass)
-ref_log_prob        ref_log_prob        4 reference          a reference policy (``ref.enable`` not False)
-reward_baselines    reward_baselines    ReMax baseline       — (one greedy rollout per prompt,
-                                        (producer)           scored by the run's reward)
-rollout_log_prob    rollout_log_probs   1 rollout            —
-rollout_is_weights  rollout_is_weights  6 rollout correct.   ``algorithm.rollout_correction.rollout_is``
-==================  ==================  ===================  ==========================================
+==================  ==================  ==================  =================================
+need                batch field         produced by         requires
+==================  ==================  ==================  =================================
+values              values              5 values (critic)   a critic (``critic.optim.lr > 0``)
+old_log_probs       old_log_probs       4 old log-probs     no old-log-prob fusion
+sum_pi_squared      sum_pi_squared      4 old log-probs     no fusion; the pass gets the flag
+                                        (same pass)         ``calculate_sum_pi_squared``
+                                                            (fallback: one log-prob pass)
+ref_log_prob        ref_log_prob        4 reference         ``ref.enable`` not False
+reward_baselines    reward_baselines    ReMax producer      — (one greedy rollout per prompt,
+                                                            scored by the run's reward)
+rollout_log_prob    rollout_log_probs   1 rollout           —
+rollout_is_weights  rollout_is_weights  6 rollout correct.  ``rollout_correction.rollout_is``
+==================  ==================  ==================  =================================
 
 Config validation calls :func:`check_needs` (a need nothing produces, or whose producer cannot
 run under the config, is an error naming the estimator or loss, the need and the fix);
@@ -66,7 +67,8 @@ class NeedContext(Protocol):
     cfg: Any
     """The run's :class:`~postrl.config.PostRLConfig`."""
     reward: Any
-    """The reward stage: ``finish(batch) -> (batch with token_level_scores/sample_valid, metrics)``."""
+    """The reward stage: ``finish(batch) -> (batch, metrics)`` writing ``token_level_scores`` and
+    ``sample_valid``."""
     actor: Any
     """The actor worker group: ``compute_log_prob(batch)`` honours ``meta_info`` flags."""
 

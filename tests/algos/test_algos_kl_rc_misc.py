@@ -184,7 +184,8 @@ def test_entropy_matches_reference_and_is_stable():
 
 # ------------------------------------------------------------------ DAPO
 def test_overlong_penalty_hand():
-    # L_max 20, buffer 4 -> L_exp 16. lengths 10 -> 0, 16 -> 0, 18 -> -2/4*.5 = -.25, 20 -> -.5, 25 -> -.5
+    # L_max 20, buffer 4 -> L_exp 16.
+    # lengths 10 -> 0, 16 -> 0, 18 -> -2/4*.5 = -.25, 20 -> -.5, 25 -> -.5
     p = A.overlong_reward_penalty(torch.tensor([10, 16, 18, 20, 25]), 20, 4, 0.5)
     assert p.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -0.5])
     with pytest.raises(ValueError, match="overlong_buffer_len"):

@@ -1,4 +1,5 @@
-"""``sum_pi_squared`` (Σ_v π(v|·)², the optimal token baseline's need) from the log-prob pass."""
+"""``sum_pi_squared`` (Σ_v π(v|·)², the optimal token baseline's need) from the log-prob
+pass."""
 
 from __future__ import annotations
 
