@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     t_plain = best.pop("plain")
     results = best
     print(
-        f"batch: 128 sequences, {tokens} valid tokens, padded width {ids.shape[1]}, threads {args.threads}"
+        f"batch: 128 sequences, {tokens} valid tokens, padded width {ids.shape[1]}, "
+        f"threads {args.threads}"
     )
     print(f"plain torch padded fwd+bwd : {t_plain:.3f} s  {tokens / t_plain:9.0f} tok/s")
     for share, t in results.items():

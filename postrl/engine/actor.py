@@ -309,7 +309,8 @@ class Actor:
         if c.use_kl_loss:
             if "ref_log_prob" not in mb:
                 raise KeyError(
-                    "actor.use_kl_loss=True needs batch['ref_log_prob']; enable the reference policy"
+                    "actor.use_kl_loss=True needs batch['ref_log_prob']; "
+                    "enable the reference policy"
                 )
             kl = agg_loss(
                 kl_penalty(lp, mb["ref_log_prob"], c.kl_loss_type),

@@ -329,7 +329,8 @@ def _merged(
 def _own_shards(
     ck: Path, kind: str, rank: int, shapes: dict[str, list[int]], like: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """This rank's file as ``DTensor`` s laid out like the live tensors in ``like`` (same dp size)."""
+    """This rank's file as ``DTensor`` s laid out like the live tensors in ``like`` (same dp
+    size)."""
     out = load_file(str(_rank_file(ck, kind, rank)))
     for name in shapes:
         ref = like[name]

@@ -20,7 +20,8 @@ mini-batch is the *sum* of the ranks' gradients. FSDP2 divides by the dp size by
 factor 1.0 FSDP2 would otherwise pick ``PREMUL_SUM``, which gloo does not implement).
 
 **Why a root module that computes the whole log-prob.** The padding-free path calls the decoder
-submodule and then reads ``lm_head.weight`` directly (:func:`postrl.engine.logprob.chunked_token_logprobs`
+submodule and then reads ``lm_head.weight`` directly
+(:func:`postrl.engine.logprob.chunked_token_logprobs`
 projects chunk by chunk and recomputes each chunk in backward) — the causal LM's own forward
 never runs. FSDP2 unshards a unit in the forward pre-hook of the module it was applied to, so
 the parameters outside the decoder layers (embeddings, final norm, LM head — tied or not; the
@@ -82,7 +83,8 @@ STRATEGIES = ("fsdp2", "ddp")
 
 
 def dp_mesh(group: dist.ProcessGroup, device: torch.device | str) -> DeviceMesh:
-    """A 1-D ``DeviceMesh`` over ``group`` on ``device``'s type (``cpu`` → gloo, ``cuda`` → nccl)."""
+    """A 1-D ``DeviceMesh`` over ``group`` on ``device``'s type (``cpu`` → gloo, ``cuda`` →
+    nccl)."""
     return DeviceMesh.from_group(group, torch.device(device).type)
 
 
@@ -98,7 +100,8 @@ def transformer_layers(module: nn.Module) -> list[nn.Module]:
     layers = [m for m in module.modules() if type(m).__name__ in names]
     if not layers:
         raise ValueError(
-            f"{type(module).__name__} declares no decoder-layer classes (_no_split_modules={sorted(names)}); "
+            f"{type(module).__name__} declares no decoder-layer classes "
+            f"(_no_split_modules={sorted(names)}); "
             "FSDP2 needs them to shard layer by layer: use strategy=ddp for this model"
         )
     return layers
@@ -163,7 +166,8 @@ def shard_like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         return full
     if tuple(full.shape) != tuple(ref.shape):
         raise ValueError(
-            f"cannot shard a tensor of shape {tuple(full.shape)} like one of shape {tuple(ref.shape)}"
+            f"cannot shard a tensor of shape {tuple(full.shape)} like one of shape "
+            f"{tuple(ref.shape)}"
         )
     local = full.to(device=ref.to_local().device, dtype=ref.dtype)
     return distribute_tensor(local, ref.device_mesh, ref.placements, src_data_rank=None)
@@ -182,7 +186,8 @@ def param_numel(module: nn.Module) -> dict[str, int]:
 def _split_in_two(
     rows: list[int], seqlens: list[int], unit_of: list[int] | None
 ) -> tuple[list[int], list[int]]:
-    """Two token-balanced halves of a micro-batch, keeping prefix-sharing units together if possible."""
+    """Two token-balanced halves of a micro-batch, keeping prefix-sharing units together if
+    possible."""
     units = sorted({unit_of[r] for r in rows}) if unit_of is not None else []
     if len(units) >= 2:
         pos = {u: i for i, u in enumerate(units)}

@@ -64,7 +64,8 @@ class Packed:
 def _prefix_layout(
     group, g, gplen, pstart, rlen, rstart, tok_kind, tok_group, tok_row, within, n
 ) -> PrefixLayout:
-    """The two-pass prompt-shared attention layout (see :class:`~postrl.engine.varlen.PrefixLayout`)."""
+    """The two-pass prompt-shared attention layout (see
+    :class:`~postrl.engine.varlen.PrefixLayout`)."""
     dev = group.device
     b = group.shape[0]
     lp = max(int(gplen.max()), 1)
@@ -117,7 +118,8 @@ def pack(
     p = t - response_length
     if p < 1:
         raise ValueError(
-            f"need at least one prompt column, got input width {t} and response_length {response_length}"
+            f"need at least one prompt column, got input width {t} and "
+            f"response_length {response_length}"
         )
     mask = attention_mask.bool()
     plen = mask[:, :p].sum(1)  # (B,)

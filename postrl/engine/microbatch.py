@@ -66,7 +66,8 @@ def make_micro_batches(
     biggest = int(cost.max())
     if biggest > max_tokens:
         raise ValueError(
-            f"a sequence (or prompt group) has {biggest} tokens > ppo_max_token_len_per_gpu={max_tokens}; "
+            f"a sequence (or prompt group) has {biggest} tokens > "
+            f"ppo_max_token_len_per_gpu={max_tokens}; "
             "raise the token budget to at least the longest prompt+response"
         )
     members: list[list[int]] = [[] for _ in range(n_units)]

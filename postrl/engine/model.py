@@ -169,7 +169,8 @@ class _DataParallelRoot:
         raise NotImplementedError
 
     def shard(self, group: dist.ProcessGroup, device: torch.device | str) -> None:
-        """FSDP2-shard the decoder layers and the root module over ``group`` (build optimizers afterwards).
+        """FSDP2-shard the decoder layers and the root module over ``group`` (build optimizers
+        afterwards).
 
         With mixed precision the FSDP2 units gather parameters in the compute dtype and reduce
         gradients in the storage dtype, in place of the unsharded path's autocast."""
@@ -183,7 +184,8 @@ class _DataParallelRoot:
     def align_micro_batches(
         self, micro: list[list[int]], seqlens: torch.Tensor, unit_ids: torch.Tensor | None = None
     ) -> list[list[int]]:
-        """Same micro-batch count on every rank when sharded (:func:`postrl.engine.fsdp.align_micro_batches`);
+        """Same micro-batch count on every rank when sharded
+        (:func:`postrl.engine.fsdp.align_micro_batches`);
         unchanged otherwise."""
         if self.dp_group is None:
             return micro
@@ -220,7 +222,8 @@ class PolicyLogProbs(nn.Module):
         self.is_lora = is_lora
         self.packed = packed
         self.autocast_dtype = autocast_dtype
-        """Mixed precision without FSDP2: the forward runs under ``torch.autocast`` to this dtype."""
+        """Mixed precision without FSDP2: the forward runs under ``torch.autocast`` to this
+        dtype."""
 
     def forward(
         self,
@@ -270,7 +273,8 @@ class PolicyModel(_DataParallelRoot):
     packed: bool = True
     """Padding-free varlen forward (False: the model cannot use it; padded fallback)."""
     compute_dtype: torch.dtype | None = None
-    """Mixed precision: the dtype the math runs in when narrower than the parameters' (None: theirs)."""
+    """Mixed precision: the dtype the math runs in when narrower than the parameters' (None:
+    theirs)."""
     _runner: PolicyLogProbs | None = field(default=None, repr=False)
 
     @property
@@ -375,7 +379,8 @@ class CriticModel(_DataParallelRoot, nn.Module):
         *,
         share_prefix: bool = False,
     ) -> torch.Tensor:
-        """Values (B, R) fp32 of the response tokens (:func:`postrl.engine.logprob.critic_values`)."""
+        """Values (B, R) fp32 of the response tokens
+        (:func:`postrl.engine.logprob.critic_values`)."""
         with _autocast(input_ids.device, self.autocast_dtype):
             return critic_values(
                 self.backbone,

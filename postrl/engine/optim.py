@@ -102,7 +102,8 @@ def build_scheduler(
         raise ValueError(f"optim.lr_scheduler={kind!r}; use 'constant' or 'cosine'")
     if kind == "cosine" and total_steps <= warm:
         raise ValueError(
-            f"optim.lr_scheduler='cosine' needs the total optimizer steps (> warmup_steps={warm}), got {total_steps}; "
+            f"optim.lr_scheduler='cosine' needs the total optimizer steps "
+            f"(> warmup_steps={warm}), got {total_steps}; "
             "set trainer.total_steps or use lr_scheduler=constant"
         )
 

@@ -96,13 +96,15 @@ class RewardModel:
         path = Path(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(
-                f"reward.model.path={str(path)!r} is not a Hugging Face model directory (no config.json)"
+                f"reward.model.path={str(path)!r} is not a Hugging Face model directory "
+                "(no config.json)"
             )
         hf_cfg = AutoConfig.from_pretrained(str(path))
         if getattr(hf_cfg, "num_labels", None) != 1:
             raise ValueError(
-                f"reward model {path} has num_labels={getattr(hf_cfg, 'num_labels', None)}; a reward model outputs one "
-                f"score (a *ForSequenceClassification checkpoint with num_labels=1, e.g. from `postrl make-model --head "
+                f"reward model {path} has num_labels={getattr(hf_cfg, 'num_labels', None)}; "
+                "a reward model outputs one score (a *ForSequenceClassification checkpoint "
+                f"with num_labels=1, e.g. from `postrl make-model --head "
                 f"reward` or `postrl rm`)"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -127,7 +129,7 @@ class RewardModel:
         self.root: CriticModel | None = None
         if self.shared:
             self.packed = _use_varlen(self.model, self.model.base_model)
-            # the scoring module (and FSDP2 root, see shard()): backbone + the score head as value head
+            # the scoring module (and FSDP2 root, see shard()): backbone + score head as value head
             self.root = CriticModel(self.model.base_model, self.model.config.hidden_size)
             self.root.value_head = self.model.score
             self.root.packed = self.packed
@@ -249,7 +251,8 @@ class RewardModel:
     def score_rows(
         self, messages: list[list[dict[str, str]]], responses: list[str]
     ) -> tuple[torch.Tensor, list[bool]]:
-        """Scores of ``responses`` to the prompts ``messages`` and, per row, whether it was truncated."""
+        """Scores of ``responses`` to the prompts ``messages`` and, per row, whether it was
+        truncated."""
         if self.shared:
             p, r, cut = self.split_encode(messages, responses)
             return self.score_split(p, r), cut

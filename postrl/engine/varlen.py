@@ -129,7 +129,8 @@ def varlen_attention(
     """
     if postrl_layout is None:
         raise RuntimeError(
-            f"attn_implementation={ATTN_NAME!r} needs the postrl_layout kwarg; call the model through "
+            f"attn_implementation={ATTN_NAME!r} needs the postrl_layout kwarg; "
+            "call the model through "
             "postrl.engine.logprob (or load it with attn_implementation='sdpa' for plain use)"
         )
     if query.shape[0] != 1:

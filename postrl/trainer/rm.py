@@ -59,7 +59,8 @@ def _encode(tok, rows: list[dict[str, Any]], max_length: int) -> list[tuple[list
         for k in ("chosen", "rejected"):
             if not isinstance(r.get(k), str):
                 raise ValueError(
-                    f"preference row {i}: field {k!r} must be a string, got {type(r.get(k)).__name__}"
+                    f"preference row {i}: field {k!r} must be a string, "
+                    f"got {type(r.get(k)).__name__}"
                 )
     texts_c = render_conversations(tok, msgs, [r["chosen"] for r in rows])
     texts_r = render_conversations(tok, msgs, [r["rejected"] for r in rows])
@@ -118,7 +119,8 @@ def run_rm(model_path: str, train_file: str, out_dir: str, **options: Any) -> di
     evals, train = pairs[:n_eval], pairs[n_eval:]
     if not train:
         raise ValueError(
-            f"{cfg.train_file}: no training pairs left after holding out eval_fraction={cfg.eval_fraction}"
+            f"{cfg.train_file}: no training pairs left after holding out "
+            f"eval_fraction={cfg.eval_fraction}"
         )
     model = AutoModelForSequenceClassification.from_pretrained(
         cfg.model_path, num_labels=1, dtype=torch.float32
@@ -199,7 +201,8 @@ def rm_main(argv: list[str]) -> int:
     m = run_rm(opts.pop("model_path"), opts.pop("train_file"), opts.pop("out_dir"), **opts)
     logger.info("rm done: %s", json.dumps(m))
     sys.stdout.write(
-        f"reward model: eval preference accuracy {m['rm/eval_acc_before']:.3f} -> {m['rm/eval_acc']:.3f} "
-        f"({int(m['rm/eval_pairs'])} held-out pairs), loss {m['rm/first_loss']:.3f} -> {m['rm/final_loss']:.3f}\n"
+        f"reward model: eval preference accuracy {m['rm/eval_acc_before']:.3f} -> "
+        f"{m['rm/eval_acc']:.3f} ({int(m['rm/eval_pairs'])} held-out pairs), "
+        f"loss {m['rm/first_loss']:.3f} -> {m['rm/final_loss']:.3f}\n"
     )
     return 0

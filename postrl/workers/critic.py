@@ -58,7 +58,8 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def shard_stats(self) -> dict[str, int]:
-        """Parameter elements on this rank / in the full model, FSDP2 dummy passes (see ActorWorker)."""
+        """Parameter elements on this rank / in the full model, FSDP2 dummy passes (see
+        ActorWorker)."""
         return {**param_numel(self.model), "dummy_passes": self.model.dummy_passes}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -50,7 +50,8 @@ def _weights(actor):
     ],
 )
 def test_update_invariance(tiny_model_dir, make_batch, a_kw, b_kw):
-    """Token budget 64 vs 512 (many vs one micro-batch), and shared vs unshared prompts: same update."""
+    """Token budget 64 vs 512 (many vs one micro-batch), and shared vs unshared prompts: same
+    update."""
     batch = make_batch(num_prompts=4, n=4, seed=3)
     outs = []
     for kw in (a_kw, b_kw):
@@ -109,7 +110,8 @@ def test_empty_rows_contribute_nothing(tiny_model_dir, make_batch):
 
 
 def test_fused_old_log_prob_equals_separate_pass(tiny_model_dir, make_batch):
-    """On-policy update without old_log_probs (fused) == the update after a separate old-log-prob pass."""
+    """On-policy update without old_log_probs (fused) == the update after a separate
+    old-log-prob pass."""
     batch = make_batch(
         num_prompts=2, n=4, seed=5
     )  # 8 rows = ppo_mini_batch_size 2 × n 4: one mini-batch
@@ -137,7 +139,8 @@ def test_fused_old_log_prob_equals_separate_pass(tiny_model_dir, make_batch):
     ],
 )
 def test_fused_old_log_prob_refuses_off_policy(tiny_model_dir, make_batch, kw, rows, match):
-    """Without old_log_probs an off-policy update (2 epochs, 2 mini-batches) is an error, not a silent ratio of 1."""
+    """Without old_log_probs an off-policy update (2 epochs, 2 mini-batches) is an error, not a
+    silent ratio of 1."""
     actor = _actor(tiny_model_dir, **kw)
     batch = make_batch(num_prompts=4, n=4, seed=5)[list(range(rows))]
     with pytest.raises(ValueError, match=match):
