@@ -346,7 +346,11 @@ def policy_logprobs(
             z = torch.zeros(resp_valid.shape, device=input_ids.device)
             empty = (z, (z if calculate_entropy else None))
             return (*empty, z) if calculate_sum_pi_squared else empty
-        hidden, targets = _decoder_hidden(decoder, pk)[pk.pred_idx], pk.targets
+        # index_select, not hidden[pred_idx]: with prefix sharing pred_idx repeats (the prompt's
+        # last state predicts every response's first token), and advanced indexing's backward
+        # (index_put_ accumulate) adds repeats with racing atomics at >1 thread — run-to-run
+        # different bits; index_select's backward (index_add_) is serial over indices
+        hidden, targets = _decoder_hidden(decoder, pk).index_select(0, pk.pred_idx), pk.targets
     else:
         hidden, targets, resp_valid = _padded_pred_hidden(
             decoder, input_ids, attention_mask, response_length
@@ -390,5 +394,5 @@ def critic_values(
     if pk.num_tokens == 0:
         return torch.zeros(pk.resp_valid.shape, device=input_ids.device)
     hidden = _decoder_hidden(decoder, pk)
-    v = value_head(hidden[pk.pred_idx]).squeeze(-1).float()  # (M,)
+    v = value_head(hidden.index_select(0, pk.pred_idx)).squeeze(-1).float()  # (M,), see above
     return _scatter(v, pk.resp_valid)
