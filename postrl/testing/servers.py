@@ -28,15 +28,14 @@ def start_server(
         TimeoutError: the server did not start within ``timeout_s``.
     """
     import uvicorn
-    from transformers import AutoTokenizer
 
-    from postrl.rollout import RolloutReplica, create_rollout_backend
-    from postrl.rollout.server import create_app
+    from postrl.rollout import create_rollout_backend
+    from postrl.rollout.server import build_app
 
     be = create_rollout_backend(
         "native", str(model_dir), max_num_seqs=max_num_seqs, max_model_len=max_model_len
     )
-    app = create_app(RolloutReplica(be), AutoTokenizer.from_pretrained(str(model_dir)), api_key)
+    app = build_app(str(model_dir), be, api_key)  # exactly what `postrl serve` runs
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -1,0 +1,214 @@
+"""OpenAI API request bodies and response pieces for ``postrl serve`` (pure, no HTTP).
+
+What the official ``openai`` client sends and expects, for ``/v1/completions`` and
+``/v1/chat/completions``: request models (unknown chat roles rejected), log-probabilities
+with token *strings* (``tokens``/``token_logprobs``/``top_logprobs``/``text_offset`` for
+completions; ``content[{token, logprob, bytes, top_logprobs}]`` for chat), stop-string
+trimming, tool calls in OpenAI's shape, server-sent-event framing and error bodies
+(``{"error": {"message", "type", "param", "code"}}``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+__all__ = [
+    "ChatBody",
+    "CompletionBody",
+    "Message",
+    "error_body",
+    "sse",
+    "completion_logprobs",
+    "chat_logprobs",
+    "render_messages",
+    "trim_stop",
+    "token_text",
+    "tool_calls_of",
+]
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final chunk with token counts."""
+
+    include_usage: bool = False
+
+
+class OpenAICommon(BaseModel):
+    """Fields shared by completions and chat completions (unknown fields are ignored)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+
+
+class CompletionBody(OpenAICommon):
+    """``POST /v1/completions``: ``logprobs`` is the number of alternatives (0-20)."""
+
+    prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content list; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    """One chat message. ``role`` must be one of OpenAI's roles (else 400)."""
+
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatBody(OpenAICommon):
+    """``POST /v1/chat/completions``: ``logprobs`` on/off, ``top_logprobs`` alternatives."""
+
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def error_body(
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying ``obj`` as JSON (or the literal ``[DONE]``)."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def _text(content: str | list[ContentPart] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.text for p in content)
+
+
+def render_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: text content, tool-call arguments as dicts."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": m.role, "content": _text(m.content)}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = []
+            for c in m.tool_calls:
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        pass  # the template renders the string as it is
+                calls.append({**c, "function": fn})
+            d["tool_calls"] = calls
+        out.append(d)
+    return out
+
+
+def trim_stop(text: str, stop_reason: Any) -> str:
+    """Cut ``text`` before the stop string that ended it (OpenAI excludes it)."""
+    if isinstance(stop_reason, str) and stop_reason and stop_reason in text:
+        return text[: text.index(stop_reason)]
+    return text
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """The text of one token; a partial UTF-8 byte (decodes to U+FFFD) is named by its
+    vocabulary entry instead, so distinct tokens keep distinct names."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" in text:
+        return str(tokenizer.convert_ids_to_tokens(token_id))
+    return text
+
+
+def _token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
+    return [token_text(tokenizer, t) for t in ids]
+
+
+def completion_logprobs(
+    tokenizer: Any, ids: list[int], lps: list[float], top: list[list[tuple[int, float]]] | None
+) -> dict[str, Any]:
+    """The completions ``logprobs`` object: token strings, their log-probs, alternatives."""
+    tokens = _token_texts(tokenizer, ids)
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    alts = None
+    if top is not None:
+        alts = [{token_text(tokenizer, i): lp for i, lp in row} for row in top]
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(lps),
+        "top_logprobs": alts,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    tokenizer: Any, ids: list[int], lps: list[float], top: list[list[tuple[int, float]]] | None
+) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``content`` entries with token, bytes and alternatives."""
+    content = []
+    for j, (t, lp) in enumerate(zip(ids, lps)):
+        text = token_text(tokenizer, t)
+        alts = []
+        for i, a in top[j] if top is not None else ():
+            alt = token_text(tokenizer, i)
+            alts.append({"token": alt, "logprob": a, "bytes": list(alt.encode())})
+        content.append(
+            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": alts}
+        )
+    return {"content": content}
+
+
+def tool_calls_of(parser: Any, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Parse ``text`` for tool calls: ``(remaining content or None, OpenAI tool_calls)``."""
+    result = parser.parse(text)
+    calls = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+        }
+        for c in result.calls
+    ]
+    if not calls:
+        return text, []
+    return (result.content.strip() or None), calls
