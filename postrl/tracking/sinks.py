@@ -8,6 +8,7 @@ Sinks are registered in ``METRIC_SINKS``; TensorBoard and W&B are imported only 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -148,26 +149,44 @@ class TensorBoardSink:
         self.writer.close()
 
 
+def _config_dict(config: Any) -> dict[str, Any]:
+    """The run config as a plain nested dict (dataclasses expanded; anything else: {})."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    return dict(config) if isinstance(config, dict) else {}
+
+
 @register_sink("wandb")
 class WandbSink:
-    """Weights & Biases (needs ``wandb`` and a login; offline mode works without network)."""
+    """Weights & Biases: one W&B run per run directory, holding the resolved config.
+
+    Needs ``wandb`` (``pip install 'postrl[wandb]'``) and either a login or
+    ``WANDB_MODE=offline`` (run files under ``RUN_DIR/wandb``, uploadable with ``wandb sync``).
+    The W&B run id is kept in ``RUN_DIR/wandb_run_id``, so a resumed postrl run continues the
+    same W&B run. Metric names are postrl's (verl's): ``critic/score/mean``, ``actor/pg_loss``...
+    """
 
     def __init__(
         self, run_dir: Path, total_steps: int = 0, config: Any = None, start_step: int = 0
     ) -> None:
         try:
             import wandb
-        except ImportError as e:  # pragma: no cover
+        except ImportError as e:
             raise ImportError(
-                "trainer.loggers has 'wandb' but it is not installed: pip install wandb"
+                "trainer.loggers has 'wandb' but it is not installed: pip install 'postrl[wandb]'"
             ) from e
         tc = getattr(config, "trainer", None)
+        id_file = Path(run_dir) / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else None
         self.run = wandb.init(
             project=getattr(tc, "project_name", "postrl"),
             name=getattr(tc, "experiment_name", None),
             dir=str(run_dir),
+            id=run_id,
             resume="allow",
+            config=_config_dict(config),
         )
+        id_file.write_text(self.run.id)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
