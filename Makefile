@@ -6,7 +6,7 @@ STAMP := $(VENV)/.postrl-installed
 RUN ?= runs/quickstart
 PYTEST_ARGS ?=
 
-.PHONY: quickstart test test-fast lint install clean
+.PHONY: quickstart test test-fast test-sanitize lint install clean
 
 install: $(STAMP)
 
@@ -27,6 +27,14 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not ray" $(PYTEST_ARGS)
+
+# The C kernel tests against a -fsanitize=address,undefined build of the kernels (any finding
+# aborts); the ASan runtime must be preloaded into Python (see postrl/rollout/native/kernels.py).
+test-sanitize: $(STAMP)
+	LD_PRELOAD=$$(cc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \
+	POSTRL_KERNEL_SANITIZE=1 POSTRL_CACHE_DIR=$$(mktemp -d) OMP_NUM_THREADS=2 \
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/rollout/test_kernels.py \
+	tests/rollout/test_native.py -k "not sanitizers" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check postrl tests benchmarks

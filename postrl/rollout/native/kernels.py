@@ -16,6 +16,38 @@ the flags and the CPU's feature flags (so a shared home directory never hands a 
 cannot run). The compile takes ~1 s once per machine, under a 120 s deadline; the write is atomic
 (concurrent processes race harmlessly). No compiler, a failed build or ``POSTRL_KERNELS=0`` →
 ``load()`` returns None and the engine uses its torch path (logged once, never silent).
+
+Sanitizers: ``POSTRL_KERNEL_SANITIZE=1`` builds with ``-fsanitize=address,undefined`` (any
+finding aborts, ``-fno-sanitize-recover=all``) into its own cache entry, so an out-of-bounds
+access cannot hide behind a lucky layout. An ASan library only loads into a process whose
+first library is the ASan runtime, so Python must start with ``LD_PRELOAD`` =
+``sanitizer_preload()`` (gcc: ``cc -print-file-name=libasan.so``) and
+``ASAN_OPTIONS=detect_leaks=0`` (CPython's own allocations would be reported at exit); without
+the preload ``load()`` refuses with that fix instead of letting the loader abort the process.
+``make test-sanitize`` (or the slow test ``test_kernels_under_address_and_ub_sanitizers``) runs
+the kernel tests that way.
+
+What the fused path guarantees (tested in ``tests/rollout/test_kernels.py``), on one machine:
+
+- **Bit-equal where the operation order is the same.** ``DecodeStep`` on one thread (or with
+  ``row_split`` off) makes the same ``sgemm_`` calls, on the same shapes and in the same order,
+  as the per-op path ``forward.decode_fused`` (``F.linear``/``addmm`` → MKL), and the C ops
+  between them are the same functions: logits and K/V cache writes are bit-equal. Every kernel
+  is row-local with a fixed loop order (OpenMP ``schedule(static)`` splits over rows, no
+  reductions across threads, no atomics), so a step is deterministic run to run at a fixed
+  thread count, and so is the row split (rows ``B·t/threads ..``).
+- **A stated tolerance where BLAS blocking differs.** Row-split over ``threads``, each thread's
+  GEMMs cover only its rows (M = its share instead of B); BLAS picks its kernel and blocking
+  by shape and ISA, so a dot product of length K may be summed in another order (bit-equal on
+  the AVX-512 Intel machine this was first tested on, last-bit differences on AVX2-only AMD
+  Zen 3). Two orders of a float32 sum of K products differ by at most ``2·γ_K·Σ|x_i·w_i|``
+  with ``γ_K ≈ K·u``, ``u = eps/2`` (Higham, *Accuracy and Stability of Numerical Algorithms*,
+  §3.1); the stated bound is ``|Δ| ≤ row_split_tolerance(cfg) · max|ref|`` =
+  ``eps·K_max·max|ref|``, K_max the largest GEMM inner dimension of the model (hidden, H·D or
+  intermediate size). Measured on the tiny models (K_max = 512, bound 6.1e-5 relative) on
+  Zen 3: logits and K/V differ by ≤ 2e-6, ≈100× inside it.
+- Against the torch path (``kernels="torch"``): float rounding only (a polynomial ``exp``,
+  other summation orders and FMAs), logits ≈1e-6, log-probs ≤1e-5; greedy tokens equal.
 """
 
 from __future__ import annotations
@@ -33,7 +65,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DecodeKernels", "DecodeStep", "load", "build_error", "supports", "openmp_runtimes"]
+__all__ = [
+    "DecodeKernels",
+    "DecodeStep",
+    "load",
+    "build_error",
+    "supports",
+    "openmp_runtimes",
+    "row_split_tolerance",
+    "sanitizer_preload",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +91,13 @@ _VARIANTS = (
     ("-fopenmp-simd",),
 )
 _SERIAL = _VARIANTS[1:]  # when the OpenMP build would bring a second runtime
+# POSTRL_KERNEL_SANITIZE=1: ASan + UBSan, every finding fatal; frame pointers for readable stacks
+_SANITIZE_FLAGS = (
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+    "-fno-omit-frame-pointer",
+    "-g",
+)
 _MAX_HEAD_DIM = 1024  # stack buffers in kernels.c
 _BUILD_TIMEOUT_S = 120.0
 _lock = threading.Lock()
@@ -101,6 +149,37 @@ def _cache_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="postrl-kernels-"))
 
 
+def _sanitize() -> bool:
+    return os.environ.get("POSTRL_KERNEL_SANITIZE", "0") == "1"
+
+
+def _flags() -> list[str]:
+    return [*_FLAGS, *(_SANITIZE_FLAGS if _sanitize() else ())]
+
+
+def sanitizer_preload(cc: str | None = None) -> str | None:
+    """Path of the compiler's ASan runtime (``libasan.so``) to put in ``LD_PRELOAD`` for a
+    sanitized build (``POSTRL_KERNEL_SANITIZE=1``); None when the compiler has none."""
+    cc = cc or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    try:
+        res = subprocess.run(
+            [cc, "-print-file-name=libasan.so"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    path = res.stdout.strip()
+    return path if res.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
+
+
+def _asan_loaded() -> bool:
+    try:
+        return "libasan" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
 def _compile(cc: str, out: Path, variants: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
     """Build ``out`` with the first flag variant that compiles; return that variant."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +189,7 @@ def _compile(cc: str, out: Path, variants: tuple[tuple[str, ...], ...]) -> tuple
     try:
         for extra in variants:
             res = subprocess.run(
-                [cc, *_FLAGS, *extra, str(_SRC), "-o", tmp, "-lm"],
+                [cc, *_flags(), *extra, str(_SRC), "-o", tmp, "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=_BUILD_TIMEOUT_S,
@@ -119,11 +198,12 @@ def _compile(cc: str, out: Path, variants: tuple[tuple[str, ...], ...]) -> tuple
                 os.replace(
                     tmp, out
                 )  # atomic: a concurrent builder's identical file is simply replaced
-                out.with_suffix(".flags").write_text(" ".join(extra))
+                out.with_suffix(".flags").write_text(
+                    " ".join([*extra, *(_SANITIZE_FLAGS if _sanitize() else ())])
+                )
                 return extra
-            errors.append(
-                f"{cc} {' '.join(extra)} failed (exit {res.returncode}): {res.stderr.strip()[-400:]}"
-            )
+            err = res.stderr.strip()[-400:]
+            errors.append(f"{cc} {' '.join(extra)} failed (exit {res.returncode}): {err}")
         raise RuntimeError("; ".join(errors))
     finally:
         if os.path.exists(tmp):
@@ -142,8 +222,13 @@ def openmp_runtimes() -> set[str]:
 
 def _build_and_load(cc: str, variants: tuple[tuple[str, ...], ...]) -> DecodeKernels:
     key = hashlib.sha256(
-        "\n".join([_SRC.read_text(), cc, " ".join(_FLAGS), repr(variants), _cpu_flags()]).encode()
+        "\n".join([_SRC.read_text(), cc, " ".join(_flags()), repr(variants), _cpu_flags()]).encode()
     )
+    if _sanitize() and not _asan_loaded():
+        raise RuntimeError(
+            "POSTRL_KERNEL_SANITIZE=1 needs the ASan runtime loaded first: start Python with "
+            f"LD_PRELOAD={sanitizer_preload(cc) or '<libasan.so>'} ASAN_OPTIONS=detect_leaks=0"
+        )
     path = _cache_dir() / f"decode-{key.hexdigest()[:16]}.so"
     if not path.exists():
         logger.info("native engine: compiling fused CPU kernels -> %s", path)
@@ -231,7 +316,7 @@ class DecodeKernels:
         return out
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        """SwiGLU activation on the fused gate/up output ``gu`` (rows, 2I): ``silu(g) · u`` (rows, I)."""
+        """SwiGLU on the fused gate/up output ``gu`` (rows, 2I): ``silu(g) · u`` (rows, I)."""
         rows, two_i = gu.shape
         out = torch.empty(rows, two_i // 2, dtype=gu.dtype)
         self._lib.postrl_silu_mul(
@@ -256,8 +341,9 @@ class DecodeKernels:
         kcache: torch.Tensor,
         vcache: torch.Tensor,
     ) -> None:
-        """In place on ``qkv`` (N, (H+2·Hkv)·D): q/k-norm (when given) and RoPE at ``pos`` (N,); row
-        ``r``'s K and V are written to ``kcache``/``vcache`` (S, Hkv, Tmax, D) at ``[slot_r, :, off_r]``."""
+        """In place on ``qkv`` (N, (H+2·Hkv)·D): q/k-norm (when given) and RoPE at ``pos`` (N,);
+        row ``r``'s K and V are written to ``kcache``/``vcache`` (S, Hkv, Tmax, D) at
+        ``[slot_r, :, off_r]``."""
         N = qkv.shape[0]
         self._lib.postrl_rope_kv(
             self._check("qkv", qkv, torch.float32),
@@ -331,7 +417,8 @@ class DecodeKernels:
         counters: torch.Tensor,
         scratch: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``sampler.sample_tokens`` for rows without top-k/top-p, in C: ``(tokens (B,), log_probs (B,))``.
+        """``sampler.sample_tokens`` for rows without top-k/top-p, in C:
+        ``(tokens (B,), log_probs (B,))``.
 
         ``scratch``: a contiguous fp32 (B, V) workspace to reuse across calls (allocated if None).
         """
@@ -439,7 +526,8 @@ class DecodeStep:
         sin: torch.Tensor,
         threads: int,
     ) -> torch.Tensor:
-        """Logits (B, V) of one decode step; ``tokens``/``pos``/``plen``/``pid``/``slot`` (B,) int64."""
+        """Logits (B, V) of one decode step; ``tokens``/``pos``/``plen``/``pid``/``slot``: (B,)
+        int64."""
         B = tokens.shape[0]
         if B > self.off.numel():
             raise ValueError(
@@ -530,6 +618,13 @@ def _sgemm_ok(addr: int) -> bool:
         ctypes.byref(ci(N)),
     )
     return bool(torch.allclose(C, X @ W.t(), atol=1e-5))
+
+
+def row_split_tolerance(cfg) -> float:
+    """Relative bound of a row-split ``DecodeStep`` against the one-thread step (module docstring):
+    ``eps32 · K_max``, K_max = the largest GEMM inner dimension of the decoder config ``cfg``."""
+    k_max = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+    return torch.finfo(torch.float32).eps * k_max
 
 
 def build_error() -> str | None:
