@@ -224,3 +224,18 @@ def test_every_rule_accepts_verls_default():
             translate(MICRO, base=node)
         except VerlConfigError as e:  # pragma: no cover - the message names the key
             raise AssertionError(f"{rule.key}={rule.default!r}: {e}") from e
+
+
+def test_a_refused_row_is_an_error_not_a_traceback(verl_home, tiny_model_dir, tmp_path, caplog):
+    args = [
+        f"data.train_files={verl_home}/data/gsm8k/train.parquet",
+        "data.val_files=[]",
+        "data.max_prompt_length=8",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "algorithm.adv_estimator=grpo",
+        f"{A}.ppo_micro_batch_size_per_gpu=2",
+        f"trainer.default_local_dir={tmp_path}",
+    ]
+    assert verl_main(args) == 2
+    assert "data.max_prompt_length=8" in caplog.text and "data.* keys" in caplog.text
+    assert (tmp_path / "verl_translated.yaml").exists() and (tmp_path / "verl_args.txt").exists()
