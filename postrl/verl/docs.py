@@ -94,11 +94,15 @@ Parquet files written by verl's `examples/data_preprocess/*.py` load as they are
 `data_source`, `prompt` as chat messages, `ability`, `reward_model.ground_truth`, `extra_info`).
 Each `data_source` is scored by the rule verl's `default_compute_score` picks for it:
 
-| data_source | rule (as verl) |
-|---|---|
-| `openai/gsm8k` | the last `#### N` in the final 300 characters equals the ground truth (string); 1 / 0 |
-| `lighteval/MATH`, `DigitalLearningGmbH/MATH-lighteval`, `HuggingFaceH4/MATH-500` | the last `\\boxed{}` equals the ground truth after Hendrycks' normalisation; 1 / 0 |
-| `math_dapo`, `math_dapo_reasoning`, `aime`, `aime24`, `aime2024`, ... | the last `Answer:` line (Minerva normalisation), else the last `\\boxed{}`; +1 / -1 |
+| data_source | rule (as verl) | score |
+|---|---|---|
+| `openai/gsm8k` | the last `#### N` in the final 300 characters, as a string | 1 / 0 |
+| `DigitalLearningGmbH/MATH-lighteval` | the last `\\boxed{}`, Hendrycks-normalised | 1 / 0 |
+| `lighteval/MATH` | as `DigitalLearningGmbH/MATH-lighteval` | 1 / 0 |
+| `HuggingFaceH4/MATH-500` | as `DigitalLearningGmbH/MATH-lighteval` | 1 / 0 |
+| `math_dapo` | the last `Answer:` line (Minerva), else the last `\\boxed{}` | +1 / -1 |
+| `math_dapo_reasoning` | as `math_dapo` | +1 / -1 |
+| `aime`, `aime24`, `aime2024`, `aime_2024`, ... | as `math_dapo` | +1 / -1 |
 
 A differential test against verl's own functions agreed on 40,000 fuzzed responses. Two names
 keep postrl's rules: `gsm8k` (lenient: last number, numeric compare) and `math` (math-verify
@@ -149,9 +153,11 @@ def _row(rule: Rule) -> str:
     elif rule.kind == "noop":
         what, note = "accepted, no effect", rule.why
     else:
-        what = "rejected unless default" + (
-            f" or {', '.join(map(repr, rule.ok))}" if rule.ok else ""
-        )
+        if rule.is_tree:
+            what = "rejected when set (false/null/0 pass)"
+        else:
+            extra = f" or {', '.join(map(repr, rule.ok))}" if rule.ok else ""
+            what = f"rejected unless default{extra}"
         note = f"{rule.why}; use {rule.nearest}" if rule.nearest else rule.why
     return f"| {key} | {default} | {what} | {note.replace('|', '/')} |"
 
