@@ -26,7 +26,8 @@ import re
 import httpx
 
 TEMPLATE = (
-    "You grade answers. Question:\n{question}\n\nReference answer: {reference}\n\nResponse:\n{response}\n\n"
+    "You grade answers. Question:\n{question}\n\nReference answer: {reference}\n\n"
+    "Response:\n{response}\n\n"
     "Reply with one integer from 0 (wrong) to {max_score} (fully correct) and nothing else."
 )
 
@@ -44,8 +45,10 @@ def compute_score(
     judge_timeout_s: float = 30.0,
     max_tokens: int = 8,
 ):
-    """Score ``solution_str`` with the judge at ``judge_url``: returns ``{"score": s / max_score, "judge_raw": s}``,
-    or None when the judge's reply holds no integer in [0, max_score]."""
+    """Score ``solution_str`` with the judge at ``judge_url``.
+
+    Returns ``{"score": s / max_score, "judge_raw": s}``, or None when the judge's reply holds no
+    integer in [0, max_score]."""
     question = (extra_info or {}).get("question") or (extra_info or {}).get("prompt") or ""
     prompt = TEMPLATE.format(
         question=question, reference=ground_truth, response=solution_str, max_score=max_score
@@ -64,7 +67,8 @@ def compute_score(
             "temperature": 0.0,
         },
     )
-    r.raise_for_status()  # an HTTP error is an exception: a failed sample with the status in its detail
+    # an HTTP error is an exception: a failed sample with the status in its detail
+    r.raise_for_status()
     text = r.json()["choices"][0]["message"]["content"]
     m = re.search(r"\d+", text)
     if m is None or not 0 <= int(m.group()) <= max_score:

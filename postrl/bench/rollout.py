@@ -40,7 +40,9 @@ def _prompts(kind: str, batch: int, n: int, vocab: int, seed: int) -> list[list[
 
 
 def _native_runner(backend: Any, prompts: list[list[int]]) -> Callable[[int], int]:
-    """``run(n)``: the native engine generates ``n`` tokens for every prompt; returns the token count."""
+    """``run(n)``: the native engine generates ``n`` tokens for every prompt.
+
+    Returns the token count."""
     from postrl.rollout.types import SamplingParams
 
     async def once(n: int) -> int:
@@ -220,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{'scenario':<10}{'new_tok':>8}{'native tok/s':>14}{'hf tok/s':>12}{'ratio':>8}{extra}\n"
     )
     for r in rows:
-        line = f"{r['scenario']:<10}{r['new_tokens']:>8}{r['native_tok_s']:>14.0f}{r['hf_tok_s']:>12.0f}{r['ratio']:>7.2f}x"
+        line = (
+            f"{r['scenario']:<10}{r['new_tokens']:>8}{r['native_tok_s']:>14.0f}"
+            f"{r['hf_tok_s']:>12.0f}{r['ratio']:>7.2f}x"
+        )
         if "torch_path_tok_s" in r:
             line += (
                 f"{r['torch_path_tok_s']:>18.0f}{r['native_tok_s'] / r['torch_path_tok_s']:>13.2f}x"

@@ -28,7 +28,8 @@ def balance_for_dp(
     """
     if length_key not in data.batch:
         raise DataProtoError(
-            f"balance_for_dp: batch has no {length_key!r} (keys: {sorted(data.batch)}); pass length_key="
+            f"balance_for_dp: batch has no {length_key!r} (keys: {sorted(data.batch)}); "
+            "pass length_key="
         )
     lens = data.batch[length_key]
     if lens.dim() == 2:

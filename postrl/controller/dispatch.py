@@ -386,8 +386,8 @@ def _check_layout(ctx: DispatchContext, mesh: str, infos: list[DpInfo]) -> int:
     bad = [d for d, c in enumerate(collectors) if c != 1]
     if bad:
         raise ControllerError(
-            f"{ctx.role}: mesh {mesh!r} needs exactly one is_collect rank per dp rank; dp ranks {bad} "
-            f"have {[collectors[d] for d in bad]}"
+            f"{ctx.role}: mesh {mesh!r} needs exactly one is_collect rank per dp rank; "
+            f"dp ranks {bad} have {[collectors[d] for d in bad]}"
         )
     return dp
 

@@ -44,7 +44,10 @@ class WorkerError(RuntimeError):
         super().__init__(self._format())
 
     def _format(self) -> str:
-        head = f"[{self.role} rank {self.rank}] {self.method}: {self.exc_type + ': ' if self.exc_type else ''}{self.message}"
+        head = (
+            f"[{self.role} rank {self.rank}] {self.method}: "
+            f"{self.exc_type + ': ' if self.exc_type else ''}{self.message}"
+        )
         if self.remote_traceback:
             return f"{head}\n--- remote traceback ---\n{self.remote_traceback.rstrip()}"
         return head

@@ -48,7 +48,8 @@ def create_worker_group(
         world_size = resource_pool.world_size if resource_pool is not None else 1
     if resource_pool is not None and resource_pool.world_size != world_size:
         raise ValueError(
-            f"world_size={world_size} but resource_pool.process_on_nodes={resource_pool.process_on_nodes} "
+            f"world_size={world_size} but "
+            f"resource_pool.process_on_nodes={resource_pool.process_on_nodes} "
             f"holds {resource_pool.world_size} processes; make them equal"
         )
     opts: dict[str, Any] = dict(

@@ -41,11 +41,13 @@ class ResourcePool:
     def __post_init__(self) -> None:
         if not self.process_on_nodes or any(n < 1 for n in self.process_on_nodes):
             raise ValueError(
-                f"ResourcePool.process_on_nodes={self.process_on_nodes}: every node needs >= 1 process"
+                f"ResourcePool.process_on_nodes={self.process_on_nodes}: "
+                "every node needs >= 1 process"
             )
         if self.num_cpus_per_process <= 0:
             raise ValueError(
-                f"ResourcePool.num_cpus_per_process={self.num_cpus_per_process} must be > 0 (bundles cannot be empty)"
+                f"ResourcePool.num_cpus_per_process={self.num_cpus_per_process} must be > 0 "
+                "(bundles cannot be empty)"
             )
         if self.max_colocate_count < 1:
             raise ValueError(

@@ -113,12 +113,15 @@ class Worker:
         """
         if not 0 <= dp_rank < dp_size:
             raise ValueError(
-                f"register_dp_info({mesh_name!r}): dp_rank={dp_rank} must be in [0, dp_size={dp_size})"
+                f"register_dp_info({mesh_name!r}): "
+                f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})"
             )
         self._postrl_dp[mesh_name] = DpInfo(dp_rank, dp_size, is_collect)
 
     def _postrl_get_dp_info(self, mesh_name: str) -> DpInfo:
-        """Registered :class:`DpInfo` for ``mesh_name``; pure data parallel if none was registered."""
+        """Registered :class:`DpInfo` for ``mesh_name``.
+
+        Pure data parallel if none was registered."""
         info = self._postrl_dp.get(mesh_name)
         return info if info is not None else DpInfo(self.rank, self.world_size, True)
 

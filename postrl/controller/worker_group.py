@@ -122,7 +122,8 @@ class WorkerGroup:
         for method, spec in self._specs.items():
             if hasattr(type(self), method) or method in self.__dict__:
                 raise ControllerError(
-                    f"{self.worker_cls.__name__}.{method} clashes with a WorkerGroup attribute; rename the method"
+                    f"{self.worker_cls.__name__}.{method} clashes with a WorkerGroup attribute; "
+                    "rename the method"
                 )
             setattr(self, method, self._make_method(method, spec))
         for role in getattr(self.worker_cls, "_postrl_roles", ()):
@@ -153,7 +154,8 @@ class WorkerGroup:
         """Call registered ``method`` without blocking, whatever its spec says."""
         if method not in self._specs:
             raise ControllerError(
-                f"{self.name}: {method!r} is not a registered method; registered: {sorted(self._specs)}"
+                f"{self.name}: {method!r} is not a registered method; "
+                f"registered: {sorted(self._specs)}"
             )
         return self._call(method, self._specs[method], args, kwargs)
 
@@ -191,7 +193,8 @@ class WorkerGroup:
         calls = list(mode.dispatch_fn(ctx, args, kwargs))
         if len(calls) != self.world_size:
             raise ControllerError(
-                f"dispatch mode {mode.name!r} returned {len(calls)} calls for world size {self.world_size}"
+                f"dispatch mode {mode.name!r} returned {len(calls)} calls "
+                f"for world size {self.world_size}"
             )
         ranks = [
             r
@@ -234,7 +237,8 @@ class WorkerGroup:
     def _check_open(self) -> None:
         if self._closed:
             raise ControllerError(
-                f"worker group {self.name!r} is shut down (after an error or shutdown()); create a new one"
+                f"worker group {self.name!r} is shut down (after an error or shutdown()); "
+                "create a new one"
             )
 
     @property

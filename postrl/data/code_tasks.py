@@ -103,7 +103,8 @@ _SPECS: list[_Spec] = [
     ),
     (
         "returns the x-th Fibonacci number, with f(0) = 0 and f(1) = 1",
-        "def f(x):\n    a, b = 0, 1\n    for _ in range(x):\n        a, b = b, a + b\n    return a\n",
+        "def f(x):\n    a, b = 0, 1\n    for _ in range(x):\n"
+        "        a, b = b, a + b\n    return a\n",
         lambda r: _ints(r, 0, 40),
     ),
     (

@@ -53,8 +53,9 @@ def karmarkar_karp(seqlens: Sequence[int], k: int, equal_size: bool = True) -> l
         raise ValueError(f"karmarkar_karp: k={k} must be >= 1")
     if equal_size and n % k:
         raise ValueError(
-            f"karmarkar_karp: {n} items cannot form {k} parts of equal size; pad the batch to a multiple "
-            f"of {k} (DataProto.pad_to_divisor) or pass equal_size=False"
+            f"karmarkar_karp: {n} items cannot form {k} parts of equal size; "
+            f"pad the batch to a multiple of {k} (DataProto.pad_to_divisor) "
+            "or pass equal_size=False"
         )
     if n == 0:
         return [[] for _ in range(k)]

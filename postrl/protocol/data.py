@@ -213,7 +213,8 @@ class DataProto:
         """Split into ``n`` equal pieces; raises unless ``len(self)`` is divisible by ``n``."""
         if n <= 0 or len(self) % n:
             raise DataProtoError(
-                f"chunk: batch size {len(self)} is not divisible by {n}; use pad_to_divisor({n}) first"
+                f"chunk: batch size {len(self)} is not divisible by {n}; "
+                f"use pad_to_divisor({n}) first"
             )
         return self.split(len(self) // n) if len(self) else [self[0:0] for _ in range(n)]
 
@@ -307,7 +308,10 @@ class DataProto:
 
     def __repr__(self) -> str:
         shapes = {k: tuple(v.shape) for k, v in self.batch.items()}
-        return f"DataProto(len={len(self)}, batch={shapes}, non_tensor={sorted(self.non_tensor_batch)}, meta={sorted(self.meta_info)})"
+        return (
+            f"DataProto(len={len(self)}, batch={shapes}, "
+            f"non_tensor={sorted(self.non_tensor_batch)}, meta={sorted(self.meta_info)})"
+        )
 
 
 def _object_arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:

@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     _stage(
-        f"4/4 GRPO on CPU for {args.grpo_steps} steps (16 prompts x 8 samples per step); validation accuracy every 15 steps"
+        f"4/4 GRPO on CPU for {args.grpo_steps} steps (16 prompts x 8 samples per step); "
+        "validation accuracy every 15 steps"
     )
     from postrl.config import load_config
     from postrl.trainer.trainer import RLTrainer

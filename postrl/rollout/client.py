@@ -65,8 +65,8 @@ class RolloutReplica:
         while self._paused:
             if time.monotonic() > deadline:
                 raise RolloutTimeoutError(
-                    f"replica {self.replica_id} stayed paused > {self.pause_timeout_s}s; call resume() after the "
-                    f"weight update or raise pause_timeout_s"
+                    f"replica {self.replica_id} stayed paused > {self.pause_timeout_s}s; "
+                    f"call resume() after the weight update or raise pause_timeout_s"
                 )
             await asyncio.sleep(0.005)
         self._inflight.add(request_id)

@@ -33,7 +33,8 @@ class SGLangBackend:
             import sglang
         except ImportError as e:
             raise ImportError(
-                "rollout backend 'sglang' needs SGLang: install it with `pip install postrl[sglang]`"
+                "rollout backend 'sglang' needs SGLang: "
+                "install it with `pip install postrl[sglang]`"
             ) from e
         engine_kwargs.pop("device", None)
         engine_kwargs.setdefault("enable_memory_saver", True)

@@ -96,7 +96,8 @@ class TokenOutput:
     """Result of one ``generate`` call.
 
     ``log_probs[i]`` is the log-prob of ``token_ids[i]`` (empty when ``logprobs=False``).
-    ``stop_reason`` is the stop token id (int) or stop string (str) that ended generation, else None.
+    ``stop_reason`` is the stop token id (int) or stop string (str) that ended generation, else
+    None.
     ``versions`` records, per resumed segment, ``(num_tokens, policy_version)`` (filled by the
     client; a backend returns a single segment).
     """
@@ -145,5 +146,6 @@ class RolloutBackend(Protocol):
         ...
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; its ``generate`` returns the partial output with finish_reason "abort"."""
+        """Stop a request; its ``generate`` returns the partial output with finish_reason
+        "abort"."""
         ...

@@ -46,7 +46,8 @@ def kill_at(point: str) -> KillAt:
 
 
 def install_kill_at(point: str) -> KillAt:
-    """Install a :class:`KillAt` hook for ``point`` and return it (``hooks.uninstall`` removes it)."""
+    """Install a :class:`KillAt` hook for ``point`` and return it (``hooks.uninstall`` removes
+    it)."""
     hook = KillAt(point)
     install(hook)
     return hook

@@ -23,7 +23,8 @@ NOT_REACHED = 3
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``postrl <command...>`` with a SIGKILL hook at ``--kill-at``; see the module docstring."""
+    """Run ``postrl <command...>`` with a SIGKILL hook at ``--kill-at``; see the module
+    docstring."""
     ap = argparse.ArgumentParser(
         prog="python -m postrl.testing.faults_run",
         description=__doc__.splitlines()[0],

@@ -40,7 +40,8 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] "
+    "+ '\\n</tool_response><|im_end|>\\n' }}"
     "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"

@@ -2,10 +2,11 @@
 
 A tool's life per trajectory (verl's ``BaseTool`` contract)::
 
-    iid = await tool.create(instance_id, **create_kwargs)       # per-trajectory state
-    resp = await tool.execute(iid, {"expression": "2**100"})     # -> ToolResponse, any number of times
-    bonus = await tool.calc_reward(iid)                          # optional tool-level reward
-    await tool.release(iid)                                      # free the state
+    iid = await tool.create(instance_id, **create_kwargs)     # per-trajectory state
+    resp = await tool.execute(iid, {"expression": "2**100"})  # -> ToolResponse, any number
+                                                              #    of times
+    bonus = await tool.calc_reward(iid)                       # optional tool-level reward
+    await tool.release(iid)                                   # free the state
 
 Users add tools by subclassing ``BaseTool`` and either registering a name with
 :func:`register_tool` or naming the class by import path (``"my_pkg.tools:MyTool"``) in a tool

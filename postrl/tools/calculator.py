@@ -110,8 +110,8 @@ class CalculatorTool(BaseTool):
             "type": "function",
             "function": {
                 "name": "calculator",
-                "description": "Evaluate an arithmetic expression exactly. Supports + - * / // % ** "
-                "and parentheses on integers and decimals.",
+                "description": "Evaluate an arithmetic expression exactly. "
+                "Supports + - * / // % ** and parentheses on integers and decimals.",
                 "parameters": {
                     "type": "object",
                     "properties": {

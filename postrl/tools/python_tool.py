@@ -1,9 +1,10 @@
 """``python``: runs model-written code in the :class:`~postrl.tools.sandbox.Sandbox`.
 
 The observation is the program's stdout, then its stderr (each truncated to
-``max_output_chars``: stdout keeps its head, stderr its tail, where tracebacks end), then — when the run did not end normally — one ``[sandbox: status:
-reason]`` line, so the model sees why (timeout, memory, output limit, refused ...). Each
-non-``ok`` status is counted as ``tool/python/status/<status>``.
+``max_output_chars``: stdout keeps its head, stderr its tail, where tracebacks end), then — when
+the run did not end normally — one ``[sandbox: status: reason]`` line, so the model sees why
+(timeout, memory, output limit, refused ...). Each non-``ok`` status is counted as
+``tool/python/status/<status>``.
 
 Config keys: any :class:`~postrl.tools.sandbox.SandboxConfig` field (``wall_time_s``,
 ``memory_mb``, ``concurrency``, ``untrusted``, ...), plus ``max_output_chars`` (default 4000).

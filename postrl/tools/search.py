@@ -83,7 +83,8 @@ class SearchTool(BaseTool):
             "type": "function",
             "function": {
                 "name": "search",
-                "description": "Search the document collection and return the most relevant passages.",
+                "description": "Search the document collection "
+                "and return the most relevant passages.",
                 "parameters": {
                     "type": "object",
                     "properties": {

@@ -137,7 +137,8 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError(
-                "trainer.loggers has 'tensorboard' but it is not installed: pip install postrl[tensorboard]"
+                "trainer.loggers has 'tensorboard' but it is not installed: "
+                "pip install postrl[tensorboard]"
             ) from e
         self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 

@@ -58,7 +58,8 @@ def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str
 def compute_throughput_metrics(
     batch: DataProto, step_time_s: float, n_workers: int
 ) -> dict[str, float]:
-    """``perf/throughput`` (all tokens / s / worker), ``perf/total_num_tokens``, ``perf/time_per_step``."""
+    """``perf/throughput`` (all tokens / s / worker), ``perf/total_num_tokens``,
+    ``perf/time_per_step``."""
     total = int(batch.batch["attention_mask"].sum())
     resp = int(batch.batch["response_mask"].sum())
     return {

@@ -151,7 +151,8 @@ def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
         off, n = int(e["offset"]), int(e["nbytes"])
         if off < 0 or off + n > bucket.nbytes:
             raise ValueError(
-                f"bucket tensor {e['name']!r}: bytes [{off}, {off + n}) outside payload of {bucket.nbytes}"
+                f"bucket tensor {e['name']!r}: bytes [{off}, {off + n}) "
+                f"outside payload of {bucket.nbytes}"
             )
         out.append((e["name"], bucket.payload[off : off + n].view(dtype).view(e["shape"])))
     return out

@@ -110,7 +110,8 @@ class ActorWorker(Worker):
         if self.policy.dp_group is not None:
             raise RuntimeError(
                 "get_per_tensor_param runs on rank 0 only, but the model is FSDP2-sharded over "
-                f"{self.world_size} ranks (gathering needs all of them): use open_weight_stream / next_weight_frame"
+                f"{self.world_size} ranks (gathering needs all of them): "
+                "use open_weight_stream / next_weight_frame"
             )
         return iter_hf_params(self.policy)
 
@@ -194,7 +195,8 @@ class RefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def shard_stats(self) -> dict[str, int]:
-        """Parameter elements on this rank / in the full model, FSDP2 dummy passes (see ActorWorker)."""
+        """Parameter elements on this rank / in the full model, FSDP2 dummy passes (see
+        ActorWorker)."""
         return {**param_numel(self.policy.module), "dummy_passes": self.policy.dummy_passes}
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

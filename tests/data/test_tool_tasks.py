@@ -246,7 +246,8 @@ def test_bad_generator_options_name_the_field(kwargs, field):
         ("The answer is 121932631112635268.", 0.0),
         # the tool's observation holds the answer, but the final turn does not give it
         (
-            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123456789 * 987654321"}}'
+            '<tool_call>\n{"name": "calculator", '
+            '"arguments": {"expression": "123456789 * 987654321"}}'
             "\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n121932631112635269\n"
             "</tool_response><|im_end|>\n<|im_start|>assistant\nI am not sure.<|im_end|>",
             0.0,
@@ -339,7 +340,10 @@ def test_code_score_partial_wrong_and_errors(sandbox):
             {"input": [-3], "output": -6},
         ]
     )
-    half = "```python\ndef f(x):\n    if x > 0:\n        return 2 * x\n    raise ValueError('neg')\n```"
+    half = (
+        "```python\ndef f(x):\n    if x > 0:\n        return 2 * x\n"
+        "    raise ValueError('neg')\n```"
+    )
     out = compute_code_score(half, gt, sandbox)
     assert out["score"] == 0.5 and out["passed"] == 2
     assert "2 of 4 tests failed" in out["error"] and "ValueError: neg" in out["error"]

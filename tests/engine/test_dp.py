@@ -42,7 +42,8 @@ def ray_cluster():
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp2"])
 def groups(request, ray_cluster, tiny_model_dir):
-    """(local dp=1 actor group, ray dp=2 actor group with ``actor.strategy=<param>``) from one config."""
+    """(local dp=1 actor group, ray dp=2 actor group with ``actor.strategy=<param>``) from one
+    config."""
     cfg = load_config(
         None,
         [

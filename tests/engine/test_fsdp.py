@@ -228,7 +228,8 @@ def test_checkpoint_resume_identical_next_step(groups, make_batch, tmp_path):
 def test_lora_fsdp2_matches_dp1(tiny_model_dir, groups, make_batch):
     """LoRA adapters on an FSDP2-sharded model: dp=2 takes dp=1's update (merged weights streamed
     from the shards equal dp=1's), and the LoRA reference (adapters off) is the base model."""
-    # lr/eps = 20: the merged LoRA delta (alpha/r)·B·A of one step is small next to a full-weight step
+    # lr/eps = 20: the merged LoRA delta (alpha/r)·B·A of one step is small next to a
+    # full-weight step
     cfg = load_config(
         None,
         [
@@ -256,7 +257,8 @@ def test_lora_fsdp2_matches_dp1(tiny_model_dir, groups, make_batch):
 
 
 def test_reward_model_fsdp2_matches_dp1(tiny_model_dir, groups, make_batch, tmp_path):
-    """The reward model is FSDP2-sharded on dp=2 (half the weights per rank) and scores like dp=1."""
+    """The reward model is FSDP2-sharded on dp=2 (half the weights per rank) and scores like
+    dp=1."""
     from postrl.testing import make_model
     from postrl.workers import RewardModelWorker
 
@@ -331,7 +333,8 @@ def test_sharded_checkpoint_format(tiny_model_dir, groups, make_batch, tmp_path)
 
 @contextlib.contextmanager
 def _dp1_and_sharded_dp2(worker_cls, cfg, name: str, **kwargs):
-    """A local dp=1 group and a Ray dp=2 FSDP2 group of ``worker_cls`` (checked sharded); shut down after."""
+    """A local dp=1 group and a Ray dp=2 FSDP2 group of ``worker_cls`` (checked sharded); shut
+    down after."""
     g1 = create_worker_group("local", worker_cls, kwargs={"cfg": cfg, **kwargs}, name=f"{name}_dp1")
     g2 = None
     try:

@@ -111,7 +111,8 @@ def test_padded_fallback_when_model_cannot_run_varlen(tiny_model_factory, make_b
     with torch.no_grad():
         ref_v = good_critic(ids, am, 6)
     assert bool((ref_v != 0).any())
-    # the "model" routes attention_implementation='postrl_varlen' to plain sdpa: our function never runs
+    # the "model" routes attention_implementation='postrl_varlen' to plain sdpa: our function
+    # never runs
     monkeypatch.setattr(
         model_mod,
         "register_varlen_attention",

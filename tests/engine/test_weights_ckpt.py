@@ -57,7 +57,8 @@ def _cfg(model_dir, **actor):
 
 
 def test_checkpoint_resume_identical_next_step(tiny_model_dir, make_batch, tmp_path):
-    """save → load into a fresh worker → the next update is bit-identical to the uninterrupted one."""
+    """save → load into a fresh worker → the next update is bit-identical to the uninterrupted
+    one."""
     cfg = _cfg(tiny_model_dir, shuffle=True)
     b1, b2 = make_batch(2, 4, seed=11), make_batch(2, 4, seed=12)
     wg = create_worker_group(

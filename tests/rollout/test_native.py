@@ -282,7 +282,8 @@ def test_bad_requests_raise(backend):
 def test_import_is_lazy():
     code = (
         "import sys, postrl.rollout; "
-        "bad = [m for m in ('vllm', 'sglang', 'postrl.rollout.native.engine', 'transformers') if m in sys.modules]; "
+        "bad = [m for m in ('vllm', 'sglang', 'postrl.rollout.native.engine', 'transformers') "
+        "if m in sys.modules]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -51,7 +51,10 @@ def test_tool_tags_are_single_non_special_tokens_that_round_trip(tmp_path):
         ids = [tok.convert_tokens_to_ids(t) for t in TOOL_TOKENS]
         assert ids == [259, 260, 261, 262]
         assert not set(TOOL_TOKENS) & set(tok.all_special_tokens)
-        text = 'ok <tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+        text = (
+            'ok <tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}'
+            "\n</tool_call>"
+        )
         enc = tok(text, add_special_tokens=False)["input_ids"]
         assert enc[3] == ids[0] and enc[-1] == ids[1]
         assert len(enc) == len(text.encode()) - len("<tool_call>") - len("</tool_call>") + 2

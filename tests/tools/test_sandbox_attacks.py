@@ -163,7 +163,8 @@ def test_env_and_proc_environ_secrets_are_invisible(sandbox, monkeypatch):
         """
         import os
         print(dict(os.environ))
-        print("ppid", os.getppid(), "pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
+        pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+        print("ppid", os.getppid(), "pids", pids)
         for p in os.listdir("/proc"):
             if p.isdigit():
                 try:

@@ -46,7 +46,8 @@ def _rows(run_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("mini", [2, 4], ids=["two-minibatches", "on-policy-fused"])
 def test_grpo_local_runs_updates_and_reports(small_overrides, digits_reward, mini):
-    """mini=4 (= train_batch_size): one on-policy mini-batch, old log-probs fused into the update."""
+    """mini=4 (= train_batch_size): one on-policy mini-batch, old log-probs fused into the
+    update."""
     cfg = load_config(
         None,
         [
@@ -122,7 +123,8 @@ def test_max_failure_ratio_stops_the_run(small_overrides, tmp_path):
 
     fn = tmp_path / "broken.py"
     fn.write_text(
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    raise ValueError('x')\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    raise ValueError('x')\n"
     )
     cfg = load_config(
         None,

@@ -98,7 +98,8 @@ def countdown_files(tmp_path_factory):
 def _shrunk(
     name: str, tiny_model_dir, addition_files, countdown_files, digits_reward, run_dir: Path
 ) -> list[str]:
-    """Overrides turning a full recipe into a ~5 s run (1 step, 4 prompts × 4 responses, 8 tokens)."""
+    """Overrides turning a full recipe into a ~5 s run (1 step, 4 prompts × 4 responses, 8
+    tokens)."""
     countdown = "countdown" in name
     train, test = countdown_files if countdown else addition_files
     ov = [
@@ -269,7 +270,8 @@ def test_dapo_dynamic_sampling_shrinks_the_batch(small_overrides, tmp_path, rewa
 
 
 def test_overlong_penalty_uses_the_configured_length_not_the_batch_width():
-    """Short answers padded to a narrow batch are not punished; the ramp is over the configured max."""
+    """Short answers padded to a narrow batch are not punished; the ramp is over the configured
+    max."""
     from types import SimpleNamespace
 
     from postrl.protocol import DataProto
@@ -319,5 +321,6 @@ def test_example_data_paths_are_what_quickstart_writes():
                 rf"postrl data \S+ runs/quickstart/data/{re.escape(name)}", header
             )
             assert made, (
-                f"{p.name} reads runs/quickstart/data/{name}, which neither quickstart nor its header writes"
+                f"{p.name} reads runs/quickstart/data/{name}, "
+                "which neither quickstart nor its header writes"
             )

@@ -47,7 +47,8 @@ def _fit(small_overrides, url: str) -> dict[str, float]:
 
 def test_judge_scores_every_sample_over_http(small_overrides, judge_url):
     """Every sample got an answer from the judge: scored, or (a reply holding no digit 0-9 — the
-    tiny random judge writes arbitrary bytes) a counted ``none`` failure; no HTTP error, no timeout."""
+    tiny random judge writes arbitrary bytes) a counted ``none`` failure; no HTTP error, no
+    timeout."""
     m = _fit(small_overrides, judge_url)
     assert m["reward/generated"] == 16
     assert m["reward/scored"] + m["reward/failed/none"] == 16, m

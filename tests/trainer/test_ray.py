@@ -39,7 +39,8 @@ SAME_UPDATES = [
     "actor.ppo_mini_batch_size=4",  # = data.train_batch_size: one optimizer step per RL step
     "actor.optim.lr=10.0",
     "actor.optim.eps=1000.0",  # AdamW ≈ SGD with lr 1e-2 (see module docstring)
-    "trainer.val_before_train=false",  # time: validation still runs (and is compared) at the last step
+    # time: validation still runs (and is compared) at the last step
+    "trainer.val_before_train=false",
 ]
 # wall-clock, the dp>1-only balancing stage, and the weight transport (frames vs in-process tensors)
 NOT_COMPARED = ("timing_s/", "perf/", "balance/", "weights/")

@@ -1,4 +1,7 @@
-"""Helpers shared by the trainer tests (imported by module name: pytest puts this folder on sys.path)."""
+"""Helpers shared by the trainer tests.
+
+Imported by module name: pytest puts this folder on sys.path.
+"""
 
 from __future__ import annotations
 

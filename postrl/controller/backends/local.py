@@ -55,7 +55,8 @@ class LocalWorkerGroup(WorkerGroup):
         if init_dist:
             if world_size != 1:
                 raise ControllerError(
-                    f"local backend: init_dist needs world_size=1 (got {world_size}); use backend='ray' for real ranks"
+                    f"local backend: init_dist needs world_size=1 (got {world_size}); "
+                    "use backend='ray' for real ranks"
                 )
             self._init_single_process_group()
         self.workers: list[Any] = []

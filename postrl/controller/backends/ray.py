@@ -139,8 +139,9 @@ def _acquire_pool(pool: ResourcePool, timeout_s: float) -> _PoolState:
             for pg in pgs:
                 remove_placement_group(pg)
             raise ControllerError(
-                f"resource pool {pool.name!r} ({pool.process_on_nodes} processes x {pool.bundle()}) could not be "
-                f"placed within {timeout_s:.0f}s; cluster has {ray.available_resources()} free. Lower "
+                f"resource pool {pool.name!r} ({pool.process_on_nodes} processes x "
+                f"{pool.bundle()}) could not be placed within {timeout_s:.0f}s; "
+                f"cluster has {ray.available_resources()} free. Lower "
                 f"num_cpus_per_process/num_gpus_per_process or the process counts"
             ) from e
         state = _POOLS[pool] = _PoolState(pgs)
@@ -279,8 +280,9 @@ class RayWorkerGroup(WorkerGroup):
             if not ready:
                 stuck = sorted(ranks[index[h]] for h in pending)
                 raise WorkerTimeoutError(
-                    f"no result after {timeout_s:.1f}s from rank(s) {stuck}; raise the deadline via "
-                    f"@register(timeout_s=...) or Timeouts(per_method={{{method!r}: ...}}) if this is expected",
+                    f"no result after {timeout_s:.1f}s from rank(s) {stuck}; "
+                    "raise the deadline via @register(timeout_s=...) or "
+                    f"Timeouts(per_method={{{method!r}: ...}}) if this is expected",
                     role=self.name,
                     rank=stuck[0],
                     method=method,
@@ -292,7 +294,8 @@ class RayWorkerGroup(WorkerGroup):
                     value = ray.get(h)
                 except RayActorError as e:
                     raise WorkerDiedError(
-                        f"worker process died ({type(e).__name__}): {str(e).splitlines()[0] if str(e) else ''}",
+                        f"worker process died ({type(e).__name__}): "
+                        f"{str(e).splitlines()[0] if str(e) else ''}",
                         role=self.name,
                         rank=ranks[j],
                         method=method,
