@@ -94,8 +94,8 @@ def prepare_w1(work_dir: str | Path, w: W1 = W1()) -> tuple[Path, Path]:
         ``(model_dir, train_parquet)``.
     """
     from postrl.data import generate_addition, sft_rows_from_rl_rows, write_parquet
-    from postrl.trainer.sft import run_sft
     from postrl.testing import make_model
+    from postrl.trainer.sft import run_sft
 
     work = Path(work_dir)
     key = {
@@ -323,8 +323,11 @@ def run_bench(work_dir: str | Path, steps: int = 5, w: W1 = W1()) -> dict[str, A
         ours: list[dict[str, float]] = []
         theirs: list[dict[str, float]] = []
         for step in range(1, steps + 2):  # step 1 = warm-up on both sides
-            prompts = trainer.loader.next_batch()
-            nt = prompts.non_tensor_batch
+            # the plain side gets the prompts the trainer's mode is about to draw: peek at them
+            # and rewind the loader (same state -> same prompts, the exact-resume guarantee)
+            state = trainer.loader.state_dict()
+            nt = trainer.loader.next_batch().non_tensor_batch
+            trainer.loader.load_state_dict(state)
             ids = [list(map(int, p)) for p in nt["raw_prompt_ids"]]
             rows = [
                 {
@@ -337,7 +340,7 @@ def run_bench(work_dir: str | Path, steps: int = 5, w: W1 = W1()) -> dict[str, A
             order = ("postrl", "plain") if step % 2 else ("plain", "postrl")
             for side in order:
                 if side == "postrl":
-                    ours.append(trainer.step(prompts, step))
+                    ours.append(trainer.step(step))
                 else:
                     theirs.append(plain(ids, rows))
             logger.info(
