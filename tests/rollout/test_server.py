@@ -410,8 +410,11 @@ def test_openai_client_tools_rendered_and_tool_calls_parsed(tiny_model_dir, tmp_
         assert call.type == "function" and call.function.name == "add"
         assert json.loads(call.function.arguments) == {"a": 2, "b": 3}
         # the call and its result go back in, as OpenAI clients send them
-        follow = [*msgs, msg.model_dump(exclude_none=True),
-                  {"role": "tool", "tool_call_id": call.id, "content": "5"}]  # fmt: skip
+        follow = [
+            *msgs,
+            msg.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "5"},
+        ]
         c.chat.completions.create(model="m", messages=follow, tools=TOOLS, max_tokens=64)
         assert "<|im_start|>tool\n5" in tok.decode(be.prompts[-1])
         # streaming delivers the call as a delta

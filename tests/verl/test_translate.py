@@ -64,9 +64,14 @@ def test_verl_defaults_apply_where_postrl_differs():
 
 def test_interpolations_follow_and_explicit_values_win():
     cfg = translate(
-        [*MICRO, f"{A}.ppo_mini_batch_size=8", f"{A}.use_dynamic_bsz=True",
-         "data.max_response_length=64", f"{A}.ppo_epochs=2"]
-    ).config  # fmt: skip
+        [
+            *MICRO,
+            f"{A}.ppo_mini_batch_size=8",
+            f"{A}.use_dynamic_bsz=True",
+            "data.max_response_length=64",
+            f"{A}.ppo_epochs=2",
+        ]
+    ).config
     # critic.* defaults are ${actor_rollout_ref.actor.*}; rollout.response_length is
     # ${data.max_response_length}
     assert cfg.critic.ppo_mini_batch_size == 8 and cfg.critic.use_dynamic_bsz is True
@@ -83,13 +88,22 @@ def test_interpolations_follow_and_explicit_values_win():
 
 
 def test_noops_log_one_line_each_with_the_reason(caplog):
-    args = [*MICRO, f"{A}.fsdp_config.param_offload=True", f"{RO}.tensor_model_parallel_size=1",
-            f"{RO}.gpu_memory_utilization=0.4", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"]  # fmt: skip
+    args = [
+        *MICRO,
+        f"{A}.fsdp_config.param_offload=True",
+        f"{RO}.tensor_model_parallel_size=1",
+        f"{RO}.gpu_memory_utilization=0.4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+    ]
     with caplog.at_level(logging.INFO, logger="postrl.verl"):
         t = translate(args)
     lines = [r.getMessage() for r in caplog.records]
-    for key in ("param_offload", "tensor_model_parallel_size", "gpu_memory_utilization",
-                "ref.log_prob_micro_batch_size_per_gpu"):  # fmt: skip
+    for key in (
+        "param_offload",
+        "tensor_model_parallel_size",
+        "gpu_memory_utilization",
+        "ref.log_prob_micro_batch_size_per_gpu",
+    ):
         hits = [ln for ln in lines if key in ln and "has no effect here" in ln]
         assert len(hits) == 1, (key, lines)
     assert any("offload" in n and "FSDP2 shards" in n for n in t.notes)
@@ -98,10 +112,17 @@ def test_noops_log_one_line_each_with_the_reason(caplog):
 def test_rejections_and_unknown_keys_reported_together():
     with pytest.raises(VerlConfigError) as e:
         translate(
-            [*MICRO, f"{A}.megatron.tensor_model_parallel_size=2", "data.truncation=left",
-             f"{A}.ulysses_sequence_parallel_size=2", f"{A}.ppo_micro_batch_sze_per_gpu=2",
-             "trainer.loger=console", "algoritm.gamma=0.9", "trainer.critic_warmup=3"]
-        )  # fmt: skip
+            [
+                *MICRO,
+                f"{A}.megatron.tensor_model_parallel_size=2",
+                "data.truncation=left",
+                f"{A}.ulysses_sequence_parallel_size=2",
+                f"{A}.ppo_micro_batch_sze_per_gpu=2",
+                "trainer.loger=console",
+                "algoritm.gamma=0.9",
+                "trainer.critic_warmup=3",
+            ]
+        )
     msg = str(e.value)
     assert msg.startswith("7 verl key(s)")
     assert "no Megatron engine; nearest supported: actor_rollout_ref.actor.strategy=fsdp" in msg
@@ -113,8 +134,15 @@ def test_rejections_and_unknown_keys_reported_together():
 
 
 def test_defaults_of_rejected_keys_are_accepted():
-    t = translate([*MICRO, "trainer.critic_warmup=0", f"{A}.ulysses_sequence_parallel_size=1",
-                   "actor_rollout_ref.model.mtp.enable=False", "distillation.enabled=False"])  # fmt: skip
+    t = translate(
+        [
+            *MICRO,
+            "trainer.critic_warmup=0",
+            f"{A}.ulysses_sequence_parallel_size=1",
+            "actor_rollout_ref.model.mtp.enable=False",
+            "distillation.enabled=False",
+        ]
+    )
     assert len(t.notes) >= 4
 
 
@@ -126,8 +154,13 @@ def test_micro_batch_size_required_like_verl():
     cfg = translate([f"{A}.use_dynamic_bsz=True"]).config
     assert cfg.actor.use_dynamic_bsz and cfg.critic.use_dynamic_bsz
     # verl's deprecated global size is divided over the devices
-    cfg = translate(["algorithm.adv_estimator=grpo", f"{A}.ppo_micro_batch_size=16",
-                     "trainer.n_gpus_per_node=4"]).config  # fmt: skip
+    cfg = translate(
+        [
+            "algorithm.adv_estimator=grpo",
+            f"{A}.ppo_micro_batch_size=16",
+            "trainer.n_gpus_per_node=4",
+        ]
+    ).config
     assert cfg.actor.ppo_micro_batch_size_per_gpu == 4
 
 
@@ -146,8 +179,15 @@ def test_vllm_engine_options_pass_through_when_installed(monkeypatch):
     monkeypatch.setattr(
         conv.importlib.util, "find_spec", lambda n: object() if n == "vllm" else real(n)
     )
-    cfg = translate([*MICRO, f"{RO}.name=vllm", f"{RO}.tensor_model_parallel_size=2",
-                     f"{RO}.gpu_memory_utilization=0.6", f"+{RO}.engine_kwargs.vllm.swap_space=4"]).config  # fmt: skip
+    cfg = translate(
+        [
+            *MICRO,
+            f"{RO}.name=vllm",
+            f"{RO}.tensor_model_parallel_size=2",
+            f"{RO}.gpu_memory_utilization=0.6",
+            f"+{RO}.engine_kwargs.vllm.swap_space=4",
+        ]
+    ).config
     assert cfg.rollout.backend == "vllm"
     kw = cfg.rollout.engine_kwargs
     assert kw["tensor_parallel_size"] == 2 and kw["gpu_memory_utilization"] == 0.6
@@ -155,11 +195,19 @@ def test_vllm_engine_options_pass_through_when_installed(monkeypatch):
 
 
 def test_loggers_modes_resume_and_rewards():
-    t = translate([*MICRO, "trainer.logger=['console','tensorboard','file']",
-                   "trainer.v1.trainer_mode=separate_async", "trainer.resume_mode=resume_path",
-                   "trainer.resume_from_path=/ckpt/step_10", "custom_reward_function.path=r.py",
-                   "+custom_reward_function.reward_kwargs.format_score=0.1",
-                   "reward_model.reward_manager=batch", "postrl.rollout.num_replicas=2"])  # fmt: skip
+    t = translate(
+        [
+            *MICRO,
+            "trainer.logger=['console','tensorboard','file']",
+            "trainer.v1.trainer_mode=separate_async",
+            "trainer.resume_mode=resume_path",
+            "trainer.resume_from_path=/ckpt/step_10",
+            "custom_reward_function.path=r.py",
+            "+custom_reward_function.reward_kwargs.format_score=0.1",
+            "reward_model.reward_manager=batch",
+            "postrl.rollout.num_replicas=2",
+        ]
+    )
     c = t.config
     assert c.trainer.loggers == ["console", "tensorboard", "jsonl"]
     assert c.trainer.mode == "fully_async" and c.trainer.resume_mode == "/ckpt/step_10"
