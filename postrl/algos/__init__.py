@@ -22,6 +22,7 @@ Importing this package loads neither ray, transformers nor the config system. Se
 
 from postrl.algos import advantages_extra as _advantages_extra  # noqa: F401  (registers)
 from postrl.algos import policy_losses_cov as _policy_losses_cov  # noqa: F401  (registers)
+from postrl.algos import policy_losses_decoupled as _policy_losses_decoupled  # noqa: F401
 from postrl.algos.advantages import (
     ADV_ESTIMATOR_INPUTS,
     ADV_ESTIMATORS,

@@ -18,6 +18,9 @@ ref_log_prob        ref_log_prob        4 reference         ``ref.enable`` not F
 reward_baselines    reward_baselines    ReMax producer      — (one greedy rollout per prompt,
                                                             scored by the run's reward)
 rollout_log_prob    rollout_log_probs   1 rollout           —
+proximal_log_prob   old_log_probs       4 old log-probs     no fusion; not ``bypass_mode``; no
+                    (π_prox, recomputed)                    ``rollout_correction.rollout_is``
+                                                            (the loss weights by π_prox/μ)
 rollout_is_weights  rollout_is_weights  6 rollout correct.  ``rollout_correction.rollout_is``
 ==================  ==================  ==================  =================================
 
@@ -223,6 +226,25 @@ def _rollout_is_check(cfg: Any) -> list[str]:
     ]
 
 
+def _proximal_check(cfg: Any) -> list[str]:
+    """Decoupled PPO's proximal policy must be recomputed, and its π_prox/μ weight is the loss's
+    own (a stage-6 weight would apply twice)."""
+    rc = cfg.algorithm.rollout_correction
+    out = []
+    if rc.bypass_mode:
+        out.append(
+            "algorithm.rollout_correction.bypass_mode=true takes old log-probs from the rollout, "
+            "so π_prox would be μ: set algorithm.rollout_correction.bypass_mode=false"
+        )
+    if rc.rollout_is:
+        out.append(
+            f"algorithm.rollout_correction.rollout_is={rc.rollout_is!r} would weight the loss by "
+            "π_prox/μ a second time: unset it and set actor.policy_loss_kwargs.rollout_is / "
+            "rollout_is_threshold (same meaning)"
+        )
+    return out
+
+
 for _need in (
     Need(
         "values",
@@ -264,6 +286,14 @@ for _need in (
         produce=produce_reward_baselines,
     ),
     Need("rollout_log_prob", "rollout_log_probs", "rollout", "the sampler's log-probs (B, T)"),
+    Need(
+        "proximal_log_prob",
+        "old_log_probs",
+        "old_log_prob",
+        "log-probs under the weights at the start of this update, recomputed (π_prox, B, T)",
+        before_update=True,
+        check=_proximal_check,
+    ),
     Need(
         "rollout_is_weights",
         "rollout_is_weights",
