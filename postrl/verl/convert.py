@@ -328,18 +328,39 @@ _LOSS_HPARAMS = {
 }
 
 
+_VECTORIZED = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
+
+
+def _adv_estimator(v, view):
+    from postrl.algos import ADV_ESTIMATORS
+
+    if v in _VECTORIZED:
+        view.note("algorithm.adv_estimator", f"{v} is {_VECTORIZED[v]} (postrl's is vectorised)")
+        v = _VECTORIZED[v]
+    if v not in ADV_ESTIMATORS:
+        raise Unsupported(
+            f"postrl has no {v!r} estimator",
+            "algorithm.adv_estimator=" + "|".join(sorted(ADV_ESTIMATORS.names())),
+        )
+    return {"algorithm.adv_estimator": v}
+
+
 def _loss_mode(v, view):
     from postrl.algos import POLICY_LOSSES
 
+    if v not in POLICY_LOSSES:
+        raise Unsupported(
+            f"postrl has no {v!r} policy loss",
+            f"{A}.policy_loss.loss_mode=" + "|".join(sorted(POLICY_LOSSES.names())),
+        )
     kwargs: dict[str, Any] = {}
-    if v in POLICY_LOSSES:
-        params = inspect.signature(POLICY_LOSSES.get(v)).parameters
-        for vkey, name in _LOSS_HPARAMS.items():
-            value = view.get(vkey)
-            if name in params and value is not None:
-                kwargs[name] = value
-            elif view.is_set(vkey):
-                view.note(vkey, f"the {v!r} policy loss has no {name!r} hyper-parameter")
+    params = inspect.signature(POLICY_LOSSES.get(v)).parameters
+    for vkey, name in _LOSS_HPARAMS.items():
+        value = view.get(vkey)
+        if name in params and value is not None:
+            kwargs[name] = value
+        elif view.is_set(vkey):
+            view.note(vkey, f"the {v!r} policy loss has no {name!r} hyper-parameter")
     return {"actor.policy_loss": v, "actor.policy_loss_kwargs": kwargs}
 
 

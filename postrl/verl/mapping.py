@@ -33,6 +33,7 @@ from postrl.verl.convert import (  # noqa: F401 - names the rows below use
     RO,
     A,
     C,
+    _adv_estimator,
     _agent_loop,
     _clip_side,
     _compute_dtype,
@@ -608,7 +609,8 @@ RULES: list[Rule] = [
     # ---------------------------------------------------------------- algorithm
     M("algorithm.gamma", 1.0, "algorithm.gamma"),
     M("algorithm.lam", 1.0, "algorithm.lam"),
-    M("algorithm.adv_estimator", "gae", "algorithm.adv_estimator"),
+    M("algorithm.adv_estimator", "gae", "algorithm.adv_estimator", _adv_estimator,
+        why="*_vectorized names are the same estimators"),
     M("algorithm.norm_adv_by_std_in_grpo", True, "algorithm.norm_adv_by_std_in_grpo"),
     M("algorithm.use_kl_in_reward", False, "algorithm.use_kl_in_reward"),
     M("algorithm.kl_penalty", "kl", "algorithm.kl_penalty"),

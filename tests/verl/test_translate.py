@@ -287,3 +287,12 @@ def test_a_refused_row_is_an_error_not_a_traceback(verl_home, tiny_model_dir, tm
     assert verl_main(args) == 2
     assert "data.max_prompt_length=8" in caplog.text and "data.* keys" in caplog.text
     assert (tmp_path / "verl_translated.yaml").exists() and (tmp_path / "verl_args.txt").exists()
+
+
+def test_estimator_and_loss_names_checked_against_postrls_registries():
+    cfg = translate([*MICRO, "algorithm.adv_estimator=grpo_vectorized"]).config
+    assert cfg.algorithm.adv_estimator == "grpo"
+    with pytest.raises(VerlConfigError, match="no 'dppo_tv' policy loss; nearest supported: "):
+        translate([*MICRO, f"{A}.policy_loss.loss_mode=dppo_tv"])
+    with pytest.raises(VerlConfigError, match="no 'tir_optimal_token_baseline' estimator"):
+        translate([*MICRO, "algorithm.adv_estimator=tir_optimal_token_baseline"])
