@@ -262,6 +262,13 @@ class RolloutCorrectionConfig:
 class FilterGroupsConfig:
     enable: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal."""
+    refill: bool = True
+    """Refill exactly: for every dropped group draw one more prompt from the loader, generate
+    and score it, until ``data.train_batch_size`` informative groups are kept (so every update
+    sees a full batch). False: train on the shrunk batch."""
+    max_num_gen_batches: int = 10
+    """Generation rounds per step before giving up on a full batch (the step then trains on the
+    groups it kept, with a warning and ``dynamic_sampling/refill_exhausted``); 0 = no limit."""
 
 
 @dataclass

@@ -216,11 +216,20 @@ class PromptLoader:
 
     def next_batch(self) -> DataProto:
         """Return the next batch and advance (wrapping into the next epoch)."""
-        if self.position + self.batch_size > len(self.dataset):
+        return self.next_prompts(self.batch_size)
+
+    def next_prompts(self, k: int) -> DataProto:
+        """The next ``k`` prompts of the order, advancing; when fewer than ``k`` are left in the
+        epoch the rest of it is skipped (counted like the trailing partial batch) and the next
+        epoch starts. ``next_batch`` is ``next_prompts(batch_size)``; DAPO's refill draws the
+        exact number of groups it evicted."""
+        if not 0 < k <= len(self.dataset):
+            raise DatasetError(f"next_prompts({k}): k must be in [1, {len(self.dataset)}]")
+        if self.position + k > len(self.dataset):
             self.epoch += 1
             self.position = 0
-        idx = self._order(self.epoch)[self.position : self.position + self.batch_size]
-        self.position += self.batch_size
+        idx = self._order(self.epoch)[self.position : self.position + k]
+        self.position += k
         out = self.dataset.batch(idx)
         out.meta_info["epoch"] = self.epoch
         return out

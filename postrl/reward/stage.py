@@ -138,7 +138,12 @@ class RewardStage:
 
     # ------------------------------------------------------------------ batch
     def finish(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
-        """Score every row of ``batch`` and write ``token_level_scores`` / ``sample_valid``."""
+        """Score every row of ``batch`` and write ``token_level_scores`` / ``sample_valid``.
+
+        A batch that is already scored (``token_level_scores`` present: the mode scored it to
+        filter groups) passes through unchanged, with no metrics (the mode reported them)."""
+        if "token_level_scores" in batch.batch:
+            return batch, {}
         metrics: dict[str, float] = {}
         rule = self.rule_scores(batch) if self.rule_functions else None
         rm = None

@@ -5,8 +5,11 @@
 :class:`~postrl.trainer.context.TrainerContext` (config, prompt loader, agent manager, rollout
 fleet, reward stage, weight source) — never from the whole trainer:
 
-* ``next_batch(step)`` — the rollout batch the step trains on (``sync``: the next prompts of
-  the loader, generated now; an async mode pulls finished groups from a replay buffer);
+* ``next_batch(step)`` — ``(batch, metrics)``: the rollout batch the step trains on (``sync``:
+  the next prompts of the loader, generated now; an async mode pulls finished groups from a
+  replay buffer). A mode may return it already scored (``token_level_scores`` set: the reward
+  stage then passes it through) — ``sync`` does so under DAPO dynamic sampling, which it owns:
+  uninformative groups are dropped and refilled exactly;
 * ``on_trajectory(i, output, row)`` — called as each trajectory finishes (reward streaming);
 * ``sync_weights()`` — after the update, make the rollout use the new policy; ``weights/*``
   metrics;
@@ -24,6 +27,7 @@ way (see ``tests/trainer/test_modes.py``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -55,8 +59,8 @@ def is_on_policy(mode: str) -> bool:
 class TrainerMode(Protocol):
     """Where batches come from and when weights move (see the module docstring)."""
 
-    def next_batch(self, step: int) -> DataProto:
-        """The rollout batch of ``step`` (``meta_info['epoch']`` set)."""
+    def next_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
+        """The rollout batch of ``step`` (``meta_info['epoch']`` set) and the mode's metrics."""
         ...
 
     def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:
@@ -89,15 +93,75 @@ class SyncMode:
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
 
-    def next_batch(self, step: int) -> DataProto:
-        """The loader's next prompts, ``rollout.n`` trajectories each, generated now."""
+    def next_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
+        """The loader's next prompts, ``rollout.n`` trajectories each, generated now; with
+        ``algorithm.filter_groups.enable`` scored here and refilled to a full batch of
+        informative groups (:meth:`_informative`)."""
         ctx = self.ctx
         prompts = ctx.loader.next_batch()
+        batch = self._generate(prompts, step)
+        if not ctx.cfg.algorithm.filter_groups.enable:
+            return batch, {}
+        t0 = time.perf_counter()
+        batch, metrics = self._informative(batch, step)
+        metrics["timing_s/dynamic_sampling"] = time.perf_counter() - t0
+        return batch, metrics
+
+    def _generate(self, prompts: DataProto, step: int) -> DataProto:
+        ctx = self.ctx
         batch = ctx.generate(
             prompts, ctx.sampling_params(), ctx.cfg.rollout.n, step, self.on_trajectory
         )
         batch.meta_info["epoch"] = prompts.meta_info.get("epoch", 0)
         return batch
+
+    def _informative(self, batch: DataProto, step: int) -> tuple[DataProto, dict[str, float]]:
+        """DAPO dynamic sampling with exact refill: score, drop groups whose valid rewards are
+        all equal, and for every dropped group draw one more prompt, until
+        ``data.train_batch_size`` groups are kept (or ``max_num_gen_batches`` rounds ran).
+
+        Reward counts (``reward/generated``, ``scored``, ``failed/*``) and DAPO counts are summed
+        over the rounds; the other reward metrics are row-weighted means over them.
+        """
+        from postrl.trainer.stages import concat_rollouts, dynamic_sampling_stage
+
+        ctx, fg = self.ctx, self.ctx.cfg.algorithm.filter_groups
+        want, kept, kept_groups, rounds = ctx.cfg.data.train_batch_size, [], 0, 0
+        reward_parts: list[tuple[int, dict[str, float]]] = []
+        counts = {"num_groups": 0.0, "num_dropped_groups": 0.0}
+        exhausted = 0.0
+        while True:
+            rounds += 1
+            scored, rm = ctx.reward.finish(batch)
+            reward_parts.append((len(scored), rm))
+            filtered, dm = dynamic_sampling_stage(scored)
+            for k in counts:
+                counts[k] += dm.get(f"dynamic_sampling/{k}", 0.0)
+            if dm["dynamic_sampling/skipped_update"] == 0.0:
+                kept.append(filtered)
+                kept_groups += int(dm["dynamic_sampling/num_kept_groups"])
+            missing = want - kept_groups
+            if missing <= 0 or not fg.refill:
+                break
+            if fg.max_num_gen_batches and rounds >= fg.max_num_gen_batches:
+                exhausted = 1.0
+                logger.warning(
+                    "dynamic sampling: %d of %d informative groups after %d generation rounds "
+                    "(algorithm.filter_groups.max_num_gen_batches); training on those",
+                    kept_groups,
+                    want,
+                    rounds,
+                )
+                break
+            batch = self._generate(ctx.loader.next_prompts(missing), step)
+        out = concat_rollouts(kept) if kept else filtered  # nothing kept: all-masked, no update
+        metrics = _merge_reward_metrics(reward_parts)
+        metrics.update({f"dynamic_sampling/{k}": v for k, v in counts.items()})
+        metrics["dynamic_sampling/num_kept_groups"] = float(kept_groups)
+        metrics["dynamic_sampling/skipped_update"] = 0.0 if kept else 1.0
+        metrics["dynamic_sampling/gen_rounds"] = float(rounds)
+        metrics["dynamic_sampling/refill_exhausted"] = exhausted
+        return out, metrics
 
     def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:
         """Start scoring the trajectory while the rollout tail runs."""
@@ -117,3 +181,22 @@ class SyncMode:
 
     def close(self) -> None:
         """Nothing of its own to release (the context owns the fleet)."""
+
+
+def _merge_reward_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """Reward metrics of several scored rounds: counts summed, the rest row-weighted means."""
+    if len(parts) == 1:
+        return dict(parts[0][1])
+    out: dict[str, float] = {}
+    rows = sum(n for n, _ in parts)
+    for key in {k for _, m in parts for k in m}:
+        vals = [(n, m[key]) for n, m in parts if key in m]
+        if key.startswith(("reward/generated", "reward/scored", "reward/failed/")) or key.endswith(
+            "truncated"
+        ):
+            out[key] = float(sum(v for _, v in vals))
+        elif key.startswith("timing_s/"):
+            out[key] = float(sum(v for _, v in vals))
+        else:
+            out[key] = float(sum(n * v for n, v in vals) / max(rows, 1))
+    return out

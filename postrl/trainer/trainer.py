@@ -7,7 +7,6 @@ DESIGN.md's stages, each in its own module, visited once and in order:
 
     1 rollout        mode.next_batch                (trainer/modes.py → context.generate)
     2 reward         ctx.reward.finish              (reward/stage.py)
-      dynamic samp.  stages.dynamic_sampling_stage  (trainer/stages.py)
     3 balance        roles.balance                  (trainer/roles.py)
     4 old/ref logp   roles.old_log_probs, ref_log_probs
     5 values         roles.values
@@ -140,7 +139,7 @@ class RLTrainer:
     # ------------------------------------------------------------------ the step
     def step(self, step: int) -> dict[str, float]:
         """One RL step: the mode's next batch through every stage; the step's metrics."""
-        cfg, ctx, roles, algo = self.cfg, self.ctx, self.roles, self.cfg.algorithm
+        cfg, ctx, roles = self.cfg, self.ctx, self.roles
         t: dict[str, float] = {}
         m: dict[str, Any] = {}
         t_step = time.perf_counter()
@@ -152,10 +151,10 @@ class RLTrainer:
             return batch
 
         with timer("gen", t):  # 1. rollout: the mode decides where the batch comes from
-            batch = self.mode.next_batch(step)
+            batch, gm = self.mode.next_batch(step)  # (sync owns DAPO's filter and refill)
+        m.update(gm)
         fire(f"step{step}:after_gen")
         batch = run("reward", ctx.reward.finish, batch)  # 2. reward
-        batch = run(None, stages.dynamic_sampling_stage, batch, algo.filter_groups.enable)
         batch = run(None, roles.balance, batch)  # 3. balance
         batch.meta_info.update(temperature=cfg.rollout.temperature, global_step=step)
         batch = run("old_log_prob", roles.old_log_probs, batch)  # 4. old / ref log-probs

@@ -233,7 +233,8 @@ _ALL_CONSTANT = (
     ids=["half-dropped", "half-dropped-ragged-minibatch", "all-dropped"],
 )
 def test_dapo_dynamic_sampling_shrinks_the_batch(small_overrides, tmp_path, reward, mini):
-    """Dropped groups shrink the batch (possibly below/off a mini-batch multiple, or to nothing)."""
+    """Without refill, dropped groups shrink the batch (possibly below/off a mini-batch
+    multiple, or to nothing)."""
     fn = tmp_path / "reward.py"
     fn.write_text(reward)
     ov = [
@@ -244,6 +245,7 @@ def test_dapo_dynamic_sampling_shrinks_the_batch(small_overrides, tmp_path, rewa
         "data.train_batch_size=6",
         f"actor.ppo_mini_batch_size={mini}",
         "reward.overlong.enable=false",
+        "algorithm.filter_groups.refill=false",
     ]  # the length penalty would make constant rewards differ
     trainer = RLTrainer(load_config(EXAMPLES / "dapo_addition.yaml", ov))
     try:
@@ -324,3 +326,42 @@ def test_example_data_paths_are_what_quickstart_writes():
                 f"{p.name} reads runs/quickstart/data/{name}, "
                 "which neither quickstart nor its header writes"
             )
+
+
+def test_dapo_refills_dropped_groups_exactly(small_overrides, tmp_path):
+    """Prompts with an even dataset index score a constant (DAPO drops their groups); every
+    dropped group is replaced by one more prompt from the loader until the update sees
+    ``train_batch_size`` informative groups — the batch never shrinks."""
+    fn = tmp_path / "reward.py"
+    fn.write_text(_HALF_CONSTANT)
+    ov = [
+        *small_overrides,
+        f"reward.custom_function.path={fn}",
+        "data.val_files=[]",
+        "trainer.total_steps=2",
+        "data.train_batch_size=6",
+        "actor.ppo_mini_batch_size=3",
+        "reward.overlong.enable=false",
+    ]
+    trainer = RLTrainer(load_config(EXAMPLES / "dapo_addition.yaml", ov))
+    seen: list[list[int]] = []
+    update = trainer.roles.update_actor
+
+    def spy(batch):
+        idx = batch.non_tensor_batch["extra_info"]
+        seen.append(sorted({int(e["index"]) for e in idx}))
+        return update(batch)
+
+    trainer.roles.update_actor = spy
+    try:
+        last = trainer.fit()
+    finally:
+        trainer.close()
+    for groups in seen:  # a full batch of informative (odd-index) prompts, each once
+        assert len(groups) == 6 and all(i % 2 == 1 for i in groups), groups
+    assert last["dynamic_sampling/num_kept_groups"] == 6
+    assert last["dynamic_sampling/gen_rounds"] >= 2  # at least one refill round
+    assert last["dynamic_sampling/num_groups"] == 6 + last["dynamic_sampling/num_dropped_groups"]
+    assert last["reward/generated"] == 4 * last["dynamic_sampling/num_groups"]  # n = 4
+    assert last["dynamic_sampling/refill_exhausted"] == 0
+    assert len(set(seen[0]) | set(seen[1])) == 12  # no prompt trained twice across the steps

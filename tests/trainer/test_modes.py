@@ -29,7 +29,7 @@ class ReverseMode:
         self.seen: list[list[int]] = []
         self.synced = 0
 
-    def next_batch(self, step: int) -> DataProto:
+    def next_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
         bs = self.ctx.cfg.data.train_batch_size
         if self.cursor < bs:
             self.cursor = len(self.ctx.loader.dataset)
@@ -38,7 +38,8 @@ class ReverseMode:
         self.seen.append(rows)
         prompts = self.ctx.loader.dataset.batch(rows)
         ctx = self.ctx
-        return ctx.generate(prompts, ctx.sampling_params(), ctx.cfg.rollout.n, step, None)
+        batch = ctx.generate(prompts, ctx.sampling_params(), ctx.cfg.rollout.n, step, None)
+        return batch, {"toy/cursor": float(self.cursor)}
 
     def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:
         """Unused: this mode scores every row in the reward stage's ``finish``."""
@@ -113,6 +114,7 @@ def test_external_mode_trains_saves_and_resumes_exactly(small_overrides, tmp_pat
     assert not diff  # exact resume through the external mode (1 thread)
     assert full[-1]["weights/version"] == 5  # the initial push + one sync per step
     assert all(r["actor/grad_norm"] > 0 for r in full)  # it trained
+    assert [r["toy/cursor"] for r in full] == [4, 0, 4, 0]  # the mode's metrics are logged
 
 
 def test_on_policy_metadata_drives_old_log_prob_fusion(small_overrides):

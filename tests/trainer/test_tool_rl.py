@@ -97,9 +97,9 @@ class ScriptedToolMode(SyncMode):
         self.trained: list[Any] = []
 
     def next_batch(self, step: int) -> Any:
-        batch = super().next_batch(step)
+        batch, metrics = super().next_batch(step)
         self.trained.append(batch)
-        return batch
+        return batch, metrics
 
 
 @pytest.fixture(scope="module")
