@@ -470,6 +470,15 @@ def _multi_turn(v, view):
     return {}
 
 
+def _bucket_mb(v, view):
+    keys = (f"{RO}.checkpoint_engine.update_weights_bucket_megabytes",
+            f"{RO}.update_weights_bucket_megabytes")  # fmt: skip
+    for k in keys:
+        if view.is_set(k):
+            return {"rollout.weight_bucket_mb": float(view.get(k))}
+    return {}  # verl's 2 GiB default would only raise the sender's peak memory here
+
+
 def _sanity_check(v, view):
     if not view.get(f"{RO}.multi_turn.enable"):
         return {}
