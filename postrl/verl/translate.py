@@ -1,8 +1,9 @@
 """Translate verl's launch keys into a :class:`~postrl.config.PostRLConfig` through ``RULES``.
 
 ``translate(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", ...])`` returns a
-:class:`Translation`: the typed postrl config, the nested dict it was built from (what
-``--print-config`` shows), and one note per accepted key that has no effect here. Every
+:class:`Translation`: the typed postrl config, the nested dict it was built from, and one
+note per accepted key that has no effect here (``--print-config`` prints the config's
+differences from postrl's defaults, headed by the notes). Every
 rejected or unknown key is collected and reported at once in a :class:`VerlConfigError`, each
 with the reason and the nearest supported setting (unknown keys: a did-you-mean among verl's
 keys).
@@ -48,7 +49,7 @@ class Translation:
     config: PostRLConfig
     """The typed postrl configuration (not yet validated against files and registries)."""
     postrl: dict[str, Any]
-    """The nested postrl dict the config was built from (``--print-config`` prints it)."""
+    """The nested postrl dict the config was built from (every key a rule wrote)."""
     notes: list[str] = field(default_factory=list)
     """One line per verl key that is accepted but has no effect here."""
     verl: dict[str, Any] = field(default_factory=dict)
