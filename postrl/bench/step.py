@@ -406,7 +406,8 @@ def format_report(res: dict[str, Any]) -> str:
     n = len(res["steps"]["postrl"])
     lines = [
         f"W1 step: {w['num_prompts']} prompts x {w['n']} samples, <= {w['new_tokens']} new tokens, "
-        f"T={w['temperature']}, fp32, {w['threads']} threads; median of {n} step(s) after 1 warm-up",
+        f"T={w['temperature']}, fp32, {w['threads']} threads; "
+        f"median of {n} step(s) after 1 warm-up",
         "",
         f"postrl  {p['step']:.3f} s/step   {p['completion_tokens_per_s']:.0f} completion tok/s   "
         f"(mean response {p['response_length/mean']:.1f} tok, score {p['score/mean']:.2f})",
@@ -420,9 +421,12 @@ def format_report(res: dict[str, Any]) -> str:
         f"  {'fwd+bwd+adam':<13}{q['update']:.3f} s",
         "",
         f"ratio plain/postrl: step {r['step']:.2f}x   gen {r['gen']:.2f}x   "
-        f"update {r['update']:.2f}x (vs update_actor)   train {r['train']:.2f}x (vs old_log_prob+update_actor)",
-        f"best-of-{n} step ratio {r['step_best']:.2f}x (less sensitive to bursts of background load)",
-        f"per-step s: postrl {[round(x, 3) for x in res['steps']['postrl']]}  plain {[round(x, 3) for x in res['steps']['plain']]}",
+        f"update {r['update']:.2f}x (vs update_actor)   "
+        f"train {r['train']:.2f}x (vs old_log_prob+update_actor)",
+        f"best-of-{n} step ratio {r['step_best']:.2f}x "
+        "(less sensitive to bursts of background load)",
+        f"per-step s: postrl {[round(x, 3) for x in res['steps']['postrl']]}  "
+        f"plain {[round(x, 3) for x in res['steps']['plain']]}",
     ]
     return "\n".join(lines)
 

@@ -43,7 +43,8 @@ def validate_row(row: Any, where: str, prompt_key: str = "prompt") -> None:
     for key in ("data_source", prompt_key, "reward_model"):
         if key not in row or row[key] is None:
             raise DatasetError(
-                f"{where}: missing field {key!r} (verl schema needs data_source, {prompt_key}, reward_model)"
+                f"{where}: missing field {key!r} "
+                f"(verl schema needs data_source, {prompt_key}, reward_model)"
             )
     if not isinstance(row["data_source"], str) or not row["data_source"]:
         raise DatasetError(
@@ -54,7 +55,8 @@ def validate_row(row: Any, where: str, prompt_key: str = "prompt") -> None:
         msgs = msgs.tolist()
     if not isinstance(msgs, list) or not msgs:
         raise DatasetError(
-            f"{where}: field {prompt_key!r} must be a non-empty list of chat messages, got {msgs!r:.80}"
+            f"{where}: field {prompt_key!r} must be a non-empty list of chat messages, "
+            f"got {msgs!r:.80}"
         )
     for j, m in enumerate(msgs):
         if (
@@ -63,11 +65,13 @@ def validate_row(row: Any, where: str, prompt_key: str = "prompt") -> None:
             or not isinstance(m.get("content"), str)
         ):
             raise DatasetError(
-                f"{where}: field {prompt_key}[{j}] must be {{'role': str, 'content': str}}, got {m!r:.80}"
+                f"{where}: field {prompt_key}[{j}] must be {{'role': str, 'content': str}}, "
+                f"got {m!r:.80}"
             )
         if m["role"] not in _ROLES:
             raise DatasetError(
-                f"{where}: field {prompt_key}[{j}].role={m['role']!r} is not one of {sorted(_ROLES)}"
+                f"{where}: field {prompt_key}[{j}].role={m['role']!r} "
+                f"is not one of {sorted(_ROLES)}"
             )
     if not any(m["content"].strip() for m in msgs):
         raise DatasetError(
@@ -135,7 +139,8 @@ class RLDataset:
             if len(p) > self.max_prompt_length:
                 if self.truncation == "error":
                     raise DatasetError(
-                        f"{r['_where']}: prompt has {len(p)} tokens > data.max_prompt_length={self.max_prompt_length}; "
+                        f"{r['_where']}: prompt has {len(p)} tokens > "
+                        f"data.max_prompt_length={self.max_prompt_length}; "
                         f"raise data.max_prompt_length or set data.truncation=filter"
                     )
                 self.num_filtered += 1
@@ -198,7 +203,8 @@ class PromptLoader:
     def __post_init__(self) -> None:
         if self.batch_size > len(self.dataset):
             raise DatasetError(
-                f"data.train_batch_size={self.batch_size} exceeds the {len(self.dataset)} usable prompts; lower it or add data"
+                f"data.train_batch_size={self.batch_size} exceeds the {len(self.dataset)} "
+                "usable prompts; lower it or add data"
             )
 
     @property

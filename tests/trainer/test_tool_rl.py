@@ -1,4 +1,5 @@
-"""Agentic RL end to end: GRPO with the tool loop, SFT-warmed tool use, and the sandboxed code reward.
+"""Agentic RL end to end: GRPO with the tool loop, SFT-warmed tool use, and the sandboxed code
+reward.
 
 * ``test_grpo_with_tool_loop_end_to_end`` — a few GRPO steps on the tiny model with
   ``tool_agent`` on tool-arith rows (local backend, native rollout). The first assistant turn of
