@@ -31,6 +31,7 @@ __all__ = [
     "RolloutClientLike",
     "SingleTurnAgentLoop",
     "register_agent_loop",
+    "token_versions",
 ]
 
 T = TypeVar("T")
@@ -64,7 +65,11 @@ class AgentLoopOutput:
 
     ``response_mask[i]`` is 1 where ``response_ids[i]`` was sampled by the policy (trained on)
     and 0 on observation/tool tokens. ``response_logprobs`` holds the rollout log-prob of policy
-    tokens (0.0 on observation tokens).
+    tokens (0.0 on observation tokens). ``response_versions`` is the policy version that produced
+    each response token, run-length encoded as ``(num_tokens, policy_version)`` segments that
+    cover ``response_ids`` in order (a trajectory resumed after a weight update, or a multi-turn
+    one spanning updates, has several); observation tokens carry version ``-1`` (no policy
+    produced them). ``None``: the loop does not know (every token gets ``-1``).
     """
 
     prompt_ids: list[int]
@@ -75,6 +80,28 @@ class AgentLoopOutput:
     finish_reason: str = "stop"
     metrics: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    response_versions: list[tuple[int, int]] | None = None
+
+
+def token_versions(out: Any, num_tokens: int) -> list[tuple[int, int]]:
+    """``(num_tokens, policy_version)`` segments of one ``generate`` result's tokens.
+
+    Reads ``out.versions`` (:class:`postrl.rollout.TokenOutput`: one segment per resumed
+    request); empty segments are dropped. A client that reports no versions gives one segment
+    of version ``-1`` (unknown). Raises ``ValueError`` when the segments do not cover exactly
+    ``num_tokens`` tokens (a client bug: the versions would land on the wrong tokens).
+    """
+    segs = [(int(k), int(v)) for k, v in (getattr(out, "versions", None) or ()) if int(k) > 0]
+    if not segs:
+        return [(num_tokens, -1)] if num_tokens else []
+    total = sum(k for k, _ in segs)
+    if total != num_tokens:
+        raise ValueError(
+            f"the rollout client reported policy versions for {total} tokens but returned "
+            f"{num_tokens}: TokenOutput.versions must be (num_tokens, version) segments covering "
+            "token_ids exactly"
+        )
+    return segs
 
 
 class AgentLoopBase(ABC):
@@ -117,4 +144,5 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_logprobs=logprobs,
             num_turns=2,
             finish_reason=out.finish_reason,
+            response_versions=token_versions(out, n),
         )

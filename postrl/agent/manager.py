@@ -10,9 +10,14 @@ this batch, not the configured maxima, so no compute is spent on padding that ne
     position_ids     (B, P+R)  0.. over real tokens
     response_mask    (B, R)    1 on policy tokens (0 on padding and observation tokens)
     rollout_log_probs(B, R)    sampler log-probs (0 where response_mask is 0)
+    rollout_policy_version (B, R) int64: policy version of the weights that sampled each token;
+                               -1 on padding, observation tokens and where the loop reported none
 
 Non-tensor columns: ``uid`` (one per prompt, shared by its n samples), ``sample_index`` (k),
-``data_source``, ``ground_truth``, ``extra_info``, ``messages``, ``num_turns``, ``finish_reason``.
+``data_source``, ``ground_truth``, ``extra_info``, ``messages``, ``num_turns``, ``finish_reason``,
+``min_version`` / ``max_version`` (int64 per row: the oldest / newest policy version among the
+row's sampled tokens, -1 when none is known — the replay buffer's tags read these, never the
+tensor).
 Sampling seeds are derived from ``(seed, step, prompt index, k)`` so a resumed run samples
 exactly what the uninterrupted run sampled.
 """
@@ -136,6 +141,7 @@ class AgentLoopManager:
                     f"response_mask ({len(o.response_mask)}) and response_logprobs "
                     f"({len(o.response_logprobs)}) must have the same length"
                 )
+        seg_n, seg_v = _version_segments(outputs, rows)
         P, R = int(plen.max()), max(1, int(rlen.max()))
         # One masked write per field (row-major order = concatenation order): no per-row tensor ops.
         prompt_am = (torch.arange(P).unsqueeze(0) >= (P - plen).unsqueeze(1)).long()  # left-padded
@@ -157,6 +163,12 @@ class AgentLoopManager:
         logprobs[rm] = torch.tensor(
             list(chain.from_iterable(o.response_logprobs for o in outputs)), dtype=torch.float32
         )
+        versions = torch.full((B, R), -1, dtype=torch.long)
+        versions[rm] = torch.repeat_interleave(seg_v, seg_n)  # (sum rlen,) in row-major order
+        known = versions >= 0  # (B, R)
+        vmin = versions.masked_fill(~known, torch.iinfo(torch.long).max).amin(1)  # (B,)
+        vmax = versions.amax(1)  # (B,)
+        vmin = torch.where(known.any(1), vmin, torch.full_like(vmin, -1))
         attention_mask = torch.cat([prompt_am, resp_am], dim=1)
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0) * attention_mask
         keep = (
@@ -173,6 +185,8 @@ class AgentLoopManager:
         non_tensors["finish_reason"] = [o.finish_reason for o in outputs]
         non_tensors["agent_extra"] = [o.extra for o in outputs]
         non_tensors["agent_metrics"] = [o.metrics for o in outputs]
+        non_tensors["min_version"] = vmin.numpy()
+        non_tensors["max_version"] = vmax.numpy()
         return DataProto.from_dict(
             {
                 "prompts": prompts,
@@ -182,6 +196,29 @@ class AgentLoopManager:
                 "position_ids": position_ids,
                 "response_mask": response_mask,
                 "rollout_log_probs": logprobs,
+                "rollout_policy_version": versions,
             },
             non_tensors,
         )
+
+
+def _version_segments(
+    outputs: list[AgentLoopOutput], rows: list[dict[str, Any]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All trajectories' ``(num_tokens, policy_version)`` segments, concatenated in row order:
+    ``(counts (S,), versions (S,))``; a trajectory without versions is one segment of -1."""
+    counts: list[int] = []
+    values: list[int] = []
+    for i, o in enumerate(outputs):
+        n = len(o.response_ids)
+        segs = o.response_versions if o.response_versions is not None else [(n, -1)]
+        covered = sum(int(k) for k, _ in segs)
+        if covered != n:
+            raise ValueError(
+                f"trajectory {rows[i].get('request_id')}: response_versions cover {covered} "
+                f"tokens but response_ids has {n}: (num_tokens, version) segments must cover "
+                "response_ids exactly"
+            )
+        counts += [int(k) for k, _ in segs]
+        values += [int(v) for _, v in segs]
+    return torch.tensor(counts, dtype=torch.long), torch.tensor(values, dtype=torch.long)

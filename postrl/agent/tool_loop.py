@@ -18,10 +18,11 @@ where ``base = [user "U", assistant MARKER]`` and ``head`` is ``render(base)`` c
 ``<|im_end|>\\n<|im_start|>user\\n<tool_response>\\n…\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n``.
 Its first token is the end-of-turn token the model itself sampled (``<|im_end|>``), so it is
 dropped; the rest — including the template's ``\\n`` after ``<|im_end|>`` — is appended with
-``response_mask = 0`` and log-prob 0. The delta is exact whenever the template renders a message
-independently of the messages after it and the tokenizer splits at the end-of-turn special
-token (ChatML/Qwen, Llama-3, Mistral-style templates); the faithfulness check below proves it per
-trajectory.
+``response_mask = 0``, log-prob 0 and policy version -1 (policy tokens carry the version of the
+weights that sampled them, per resumed segment: ``AgentLoopOutput.response_versions``). The
+delta is exact whenever the template renders a message independently of the messages after it
+and the tokenizer splits at the end-of-turn special token (ChatML/Qwen, Llama-3, Mistral-style
+templates); the faithfulness check below proves it per trajectory.
 
 Token-faithfulness check (``check_token_faithfulness``): rebuild the conversation (prompt
 messages, assistant turns, tool messages) and render it with ``apply_chat_template``;
@@ -44,7 +45,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from postrl.agent.base import AgentLoopBase, AgentLoopOutput, register_agent_loop
+from postrl.agent.base import AgentLoopBase, AgentLoopOutput, register_agent_loop, token_versions
 from postrl.agent.manager import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class _Trajectory:
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     response_logprobs: list[float] = field(default_factory=list)
+    response_versions: list[tuple[int, int]] = field(default_factory=list)
     last_generated: list[int] = field(default_factory=list)
     assistant_idx: list[int] = field(default_factory=list)
     turn_contents: list[list[int]] = field(default_factory=list)
@@ -164,11 +166,20 @@ class _Trajectory:
     tool_metrics: dict[str, float] = field(default_factory=dict)
     instances: dict[str, Any] = field(default_factory=dict)
 
-    def append(self, ids: list[int], logprobs: list[float] | None, policy: bool) -> None:
-        """Append policy (mask 1) or observation (mask 0, log-prob 0) ids."""
+    def append(
+        self,
+        ids: list[int],
+        logprobs: list[float] | None,
+        policy: bool,
+        versions: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """Append policy (mask 1; ``versions``: their ``(num_tokens, policy_version)``
+        segments) or observation (mask 0, log-prob 0, version -1) ids."""
         self.response_ids += ids
         self.response_mask += [1 if policy else 0] * len(ids)
         self.response_logprobs += list(logprobs) if (policy and logprobs) else [0.0] * len(ids)
+        if ids:
+            self.response_versions += versions if policy and versions else [(len(ids), -1)]
 
 
 @register_agent_loop("tool_agent")
@@ -287,7 +298,7 @@ class ToolAgentLoop(AgentLoopBase):
             trajectory_id=traj.request_id,
         )
         ids = [int(t) for t in out.token_ids]
-        traj.append(ids, out.log_probs, policy=True)
+        traj.append(ids, out.log_probs, policy=True, versions=token_versions(out, len(ids)))
         traj.last_generated = ids
         traj.assistant_turns += 1
         traj.finish_reason = out.finish_reason
@@ -399,6 +410,7 @@ class ToolAgentLoop(AgentLoopBase):
             response_ids=traj.response_ids,
             response_mask=traj.response_mask,
             response_logprobs=traj.response_logprobs,
+            response_versions=traj.response_versions,
             num_turns=1 + traj.assistant_turns + traj.user_turns,
             finish_reason=traj.finish_reason,
             metrics=metrics,
