@@ -63,13 +63,18 @@ class Roles:
         if self.cfg.algorithm.rollout_correction.bypass_mode:
             old = {"old_log_probs": batch.batch["rollout_log_probs"]}
             return batch.union(DataProto.from_dict(old)), {}
-        batch.meta_info["calculate_entropy"] = True
-        out = self.actor.compute_log_prob(batch)
+        from postrl.trainer.needs import log_prob_meta
+
+        flags = log_prob_meta(self.cfg)  # needs from the same forward (e.g. sum_pi_squared)
+        query = DataProto(batch.batch, batch.non_tensor_batch, dict(batch.meta_info))
+        query.meta_info.update(calculate_entropy=True, **flags)  # this pass only, not the ref's
+        out = self.actor.compute_log_prob(query)
         metrics: dict[str, float] = {}
         if "entropys" in out.batch:
             ent, mask = out.batch.pop("entropys"), batch.batch["response_mask"].float()
             metrics["actor/entropy_old"] = float((ent * mask).sum() / mask.sum().clamp(min=1))
-        return batch.union(out.select(["old_log_probs"], [], [])), metrics
+        keep = ["old_log_probs"] + [k for k in ("sum_pi_squared",) if k in out.batch]
+        return batch.union(out.select(keep, [], [])), metrics
 
     def ref_log_probs(self, batch: DataProto) -> Staged:
         """Stage 4: reference log-probs (the reference group, or the actor with LoRA off)."""

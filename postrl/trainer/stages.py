@@ -17,9 +17,9 @@ import torch
 from postrl.algos import (
     ADV_ESTIMATORS,
     apply_kl_penalty,
+    bind_adv_estimator,
     compute_rollout_correction,
     filter_groups,
-    get_adv_estimator,
 )
 from postrl.protocol import DataProto
 from postrl.trainer.metrics import compute_data_metrics, compute_throughput_metrics
@@ -86,9 +86,11 @@ def rollout_correction_stage(batch: DataProto, rc: Any) -> tuple[DataProto, dict
 
 
 def compute_advantage_stage(batch: DataProto, algo: Any) -> DataProto:
-    """Run the configured estimator; inputs are chosen by the estimator's declared needs."""
+    """Run the configured estimator (``algorithm.adv_estimator_kwargs`` bound); inputs are
+    chosen by the estimator's declared ``needs`` (required) and ``optional`` fields (passed when
+    the batch has them, e.g. ``rollout_is_weights``)."""
     name = algo.adv_estimator
-    fn = get_adv_estimator(name)
+    fn = _bound_estimator(name, algo.adv_estimator_kwargs)
     b = dict(batch.batch)
     rewards = b.get("token_level_rewards", b["token_level_scores"])
     kwargs: dict[str, Any] = dict(
@@ -106,11 +108,27 @@ def compute_advantage_stage(batch: DataProto, algo: Any) -> DataProto:
                 f"advantage estimator {name!r} needs batch[{need!r}], which the step did not produce"
             )
         kwargs[need] = b[need]
+    for opt in ADV_ESTIMATORS.meta(name).get("optional", ()):
+        if opt in b:
+            kwargs[opt] = b[opt]
     advantages, returns = fn(**kwargs)
     b["token_level_rewards"] = rewards
     b["advantages"] = advantages
     b["returns"] = returns
     return DataProto(b, batch.non_tensor_batch, batch.meta_info)
+
+
+_BOUND: dict[tuple[str, str], Any] = {}
+
+
+def _bound_estimator(name: str, hparams: dict[str, Any]) -> Any:
+    """The estimator with its hyperparameters bound, once per (name, hyperparameters)."""
+    import json
+
+    key = (name, json.dumps(hparams, sort_keys=True, default=str))
+    if key not in _BOUND:
+        _BOUND[key] = bind_adv_estimator(name, hparams)
+    return _BOUND[key]
 
 
 def dynamic_sampling_stage(

@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from postrl.algos import ADV_ESTIMATORS, AdaptiveKLController, FixedKLController
+from postrl.algos import AdaptiveKLController, FixedKLController
 from postrl.config import PostRLConfig, dump_config, validate_config
 from postrl.data import PromptLoader, RLDataset, load_tokenizer
 from postrl.protocol import DataProto
-from postrl.trainer import stages
+from postrl.trainer import needs, stages
 from postrl.trainer.checkpoint import find_latest_checkpoint, load_trainer_state, save_checkpoint
 from postrl.trainer.context import build_context
 from postrl.trainer.hooks import fire
@@ -102,12 +102,16 @@ class RLTrainer:
         )
         self.global_step = 0
 
-        needs = set(ADV_ESTIMATORS.meta(cfg.algorithm.adv_estimator).get("needs", ()))
-        self.use_critic = "values" in needs
+        roles_needed = needs.roles_needed(cfg)  # from the declared needs, never by name
+        self.use_critic = "critic" in roles_needed
         self.use_ref = (
             cfg.ref.enable
             if cfg.ref.enable is not None
-            else (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+            else (
+                cfg.actor.use_kl_loss
+                or cfg.algorithm.use_kl_in_reward
+                or "reference" in roles_needed
+            )
         )
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (
