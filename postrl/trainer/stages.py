@@ -40,7 +40,8 @@ __all__ = [
 def kl_in_reward_stage(
     batch: DataProto, kl_ctrl: Any, kl_penalty: str
 ) -> tuple[DataProto, dict[str, float]]:
-    """token_level_rewards = scores − β·KL(π_old‖π_ref) (Ziegler et al. 2019); updates the controller."""
+    """token_level_rewards = scores − β·KL(π_old‖π_ref) (Ziegler et al. 2019); updates the
+    controller."""
     b = dict(batch.batch)
     rewards, m = apply_kl_penalty(
         b["token_level_scores"],
@@ -105,7 +106,8 @@ def compute_advantage_stage(batch: DataProto, algo: Any) -> DataProto:
     for need in ADV_ESTIMATORS.meta(name).get("needs", ()):
         if need not in b:
             raise KeyError(
-                f"advantage estimator {name!r} needs batch[{need!r}], which the step did not produce"
+                f"advantage estimator {name!r} needs batch[{need!r}], "
+                "which the step did not produce"
             )
         kwargs[need] = b[need]
     for opt in ADV_ESTIMATORS.meta(name).get("optional", ()):
