@@ -52,7 +52,8 @@ class DataConfig:
     val_batch_size: int = 0
     """Prompts per validation batch; 0 = the whole validation set at once."""
     max_prompt_length: int = 256
-    """Prompts longer than this (in tokens, after the chat template) are handled per ``truncation``."""
+    """Prompts longer than this (in tokens, after the chat template) are handled per
+    ``truncation``."""
     truncation: str = "error"
     """``error`` (name the row) or ``filter`` (drop and count) for over-long prompts."""
     shuffle: bool = True
@@ -151,7 +152,8 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"
     """Aggregation of the value loss."""
     strategy: str = "fsdp2"
-    """Data parallelism when dp > 1: ``fsdp2`` (sharded) or ``ddp`` (replicas); see ``actor.strategy``."""
+    """Data parallelism when dp > 1: ``fsdp2`` (sharded) or ``ddp`` (replicas); see
+    ``actor.strategy``."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer of the critic."""
     model_path: str = ""
@@ -181,7 +183,8 @@ class AgentConfig:
     tool_parser: str = "hermes"
     """Registered tool-call parser."""
     check_token_faithfulness: bool = False
-    """Compare trained ids with apply_chat_template of the conversation (agent/token_drift_ratio)."""
+    """Compare trained ids with apply_chat_template of the conversation
+    (agent/token_drift_ratio)."""
 
 
 @dataclass
@@ -305,7 +308,8 @@ class CustomRewardConfig:
     name: str = "compute_score"
     """Function name in that file."""
     batch: bool = False
-    """The function takes lists (data_sources, solution_strs, ground_truths, extra_infos) and returns a list."""
+    """The function takes lists (data_sources, solution_strs, ground_truths, extra_infos) and
+    returns a list."""
 
 
 @dataclass

@@ -64,8 +64,10 @@ def dtype_errors(dtype: str, compute_dtype: str) -> list[str]:
         e.append(f"model.compute_dtype={compute_dtype!r} is not one of {list(_COMPUTE_NAMES)}{why}")
     elif dtype in _WIDTH and compute_dtype in _WIDTH and _WIDTH[compute_dtype] > _WIDTH[dtype]:
         e.append(
-            f"model.compute_dtype={compute_dtype} is wider than model.dtype={dtype}: computing in more precision "
-            f"than the weights are stored in gains nothing; set model.dtype=float32 (mixed precision) or "
+            f"model.compute_dtype={compute_dtype} is wider than model.dtype={dtype}: computing in "
+            f"more precision "
+            f"than the weights are stored in gains nothing; set model.dtype=float32 (mixed "
+            f"precision) or "
             f"model.compute_dtype={dtype}"
         )
     elif (
@@ -75,7 +77,8 @@ def dtype_errors(dtype: str, compute_dtype: str) -> list[str]:
         and _WIDTH[dtype] == 16
     ):
         e.append(
-            f"model.dtype={dtype} with model.compute_dtype={compute_dtype}: two different 16-bit formats; "
+            f"model.dtype={dtype} with model.compute_dtype={compute_dtype}: two different 16-bit "
+            f"formats; "
             f"store in float32 (model.dtype=float32) or compute in {dtype}"
         )
     return e
@@ -90,18 +93,21 @@ def validate_config(
 
     if not cfg.model.path:
         e.append(
-            "model.path is empty: set it to a Hugging Face model directory (create a tiny one with `postrl make-model runs/tiny`)"
+            "model.path is empty: set it to a Hugging Face model directory (create a tiny one with "
+            "`postrl make-model runs/tiny`)"
         )
     elif check_files and not Path(cfg.model.path).exists():
         e.append(
-            f"model.path={cfg.model.path!r} does not exist: create it with `postrl make-model {cfg.model.path}` or fix the path"
+            f"model.path={cfg.model.path!r} does not exist: create it with `postrl make-model "
+            f"{cfg.model.path}` or fix the path"
         )
     e.extend(dtype_errors(cfg.model.dtype, cfg.model.compute_dtype))
     rm = cfg.reward.model
     if rm.enable:
         if not rm.path:
             e.append(
-                "reward.model.enable=True but reward.model.path is empty: point it at a sequence-classification "
+                "reward.model.enable=True but reward.model.path is empty: point it at a "
+                "sequence-classification "
                 "model directory (`postrl make-model DIR --head reward` makes a tiny one)"
             )
         elif check_files and not Path(rm.path).exists():
@@ -121,7 +127,8 @@ def validate_config(
             for f in files:
                 if not Path(f).exists():
                     e.append(
-                        f"{key} contains {f!r}, which does not exist: write it with `postrl data addition {f}` or fix the path"
+                        f"{key} contains {f!r}, which does not exist: write it with `postrl data "
+                        f"addition {f}` or fix the path"
                     )
     if not d.train_files:
         e.append("data.train_files is empty: give at least one parquet file")
@@ -145,8 +152,10 @@ def validate_config(
         and d.train_batch_size % a.ppo_mini_batch_size
     ):
         e.append(
-            f"data.train_batch_size={d.train_batch_size} is not divisible by actor.ppo_mini_batch_size={a.ppo_mini_batch_size}: "
-            f"each step must split into whole mini-batches; set actor.ppo_mini_batch_size to a divisor of "
+            f"data.train_batch_size={d.train_batch_size} is not divisible by "
+            f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}: "
+            f"each step must split into whole mini-batches; set actor.ppo_mini_batch_size to a "
+            f"divisor of "
             f"{d.train_batch_size} (e.g. {math.gcd(d.train_batch_size, a.ppo_mini_batch_size)})"
         )
     dp = t.num_workers if t.backend == "ray" else 1
@@ -155,8 +164,10 @@ def validate_config(
         if per_mini % dp:
             step = dp // math.gcd(r.n, dp)
             e.append(
-                f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} × rollout.n={r.n} = {per_mini} responses per mini-batch "
-                f"is not divisible by trainer.num_workers={dp}: set actor.ppo_mini_batch_size to a multiple of {step}"
+                f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} × rollout.n={r.n} = {per_mini} "
+                f"responses per mini-batch "
+                f"is not divisible by trainer.num_workers={dp}: set actor.ppo_mini_batch_size to a "
+                f"multiple of {step}"
             )
     if d.truncation not in ("error", "filter"):
         e.append(f"data.truncation={d.truncation!r} must be 'error' or 'filter'")
@@ -164,18 +175,21 @@ def validate_config(
         e.append(f"trainer.backend={t.backend!r} must be 'local' or 'ray'")
     if t.backend == "local" and t.num_workers != 1:
         e.append(
-            f"trainer.num_workers={t.num_workers} needs trainer.backend=ray (the local backend runs one in-process worker)"
+            f"trainer.num_workers={t.num_workers} needs trainer.backend=ray (the local backend "
+            f"runs one in-process worker)"
         )
     if t.device not in ("cpu", "cuda"):
         e.append(f"trainer.device={t.device!r} must be 'cpu' or 'cuda'")
     if not (0 < a.clip_ratio_low < 1 and 0 < a.clip_ratio_high):
         e.append(
-            f"actor.clip_ratio_low={a.clip_ratio_low}/clip_ratio_high={a.clip_ratio_high}: need 0 < low < 1 and high > 0"
+            f"actor.clip_ratio_low={a.clip_ratio_low}/clip_ratio_high={a.clip_ratio_high}: need 0 "
+            f"< low < 1 and high > 0"
         )
     for key, value in (("actor.strategy", a.strategy), ("critic.strategy", cfg.critic.strategy)):
         if value not in ("fsdp2", "ddp"):
             e.append(
-                f"{key}={value!r} must be 'fsdp2' (shard the model over dp ranks) or 'ddp' (full replica per rank)"
+                f"{key}={value!r} must be 'fsdp2' (shard the model over dp ranks) or 'ddp' (full "
+                f"replica per rank)"
             )
     if a.clip_ratio_c <= 1:
         e.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip lower bound)")
@@ -191,16 +205,19 @@ def validate_config(
         and not Path(cfg.trainer.resume_mode).exists()
     ):
         e.append(
-            f"trainer.resume_mode={cfg.trainer.resume_mode!r} is neither auto/disable nor an existing checkpoint path"
+            f"trainer.resume_mode={cfg.trainer.resume_mode!r} is neither auto/disable nor an "
+            f"existing checkpoint path"
         )
     if a.fuse_old_log_prob:
         for why in old_log_prob_fusion_blockers(cfg):
             e.append(
-                f"actor.fuse_old_log_prob=True but {why}: set actor.fuse_old_log_prob=null (auto) or false"
+                f"actor.fuse_old_log_prob=True but {why}: set actor.fuse_old_log_prob=null (auto) "
+                f"or false"
             )
     if t.total_steps < 0 or t.total_epochs < 1:
         e.append(
-            f"trainer.total_steps={t.total_steps} must be >= 0 and trainer.total_epochs={t.total_epochs} >= 1"
+            f"trainer.total_steps={t.total_steps} must be >= 0 and "
+            f"trainer.total_epochs={t.total_epochs} >= 1"
         )
 
     if check_registries:
@@ -223,7 +240,8 @@ def old_log_prob_fusion_blockers(cfg: PostRLConfig) -> list[str]:
         out.append(f"actor.ppo_epochs={a.ppo_epochs} (epochs after the first are off-policy)")
     if a.ppo_mini_batch_size != cfg.data.train_batch_size:
         out.append(
-            f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} != data.train_batch_size={cfg.data.train_batch_size} "
+            f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} != "
+            f"data.train_batch_size={cfg.data.train_batch_size} "
             "(mini-batches after the first are off-policy)"
         )
     if cfg.algorithm.use_kl_in_reward:
@@ -232,7 +250,8 @@ def old_log_prob_fusion_blockers(cfg: PostRLConfig) -> list[str]:
         )
     if rc.rollout_is or rc.rollout_rs:
         out.append(
-            "algorithm.rollout_correction.rollout_is/rollout_rs is set (the weights need old log-probs before the update)"
+            "algorithm.rollout_correction.rollout_is/rollout_rs is set (the weights need old "
+            "log-probs before the update)"
         )
     if rc.bypass_mode:
         out.append(
