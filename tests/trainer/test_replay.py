@@ -76,6 +76,7 @@ def test_version_range_ignores_empty_segments():
     assert version_range([(4, 2), (0, 3), (6, 4)]) == (2, 4)
     assert version_range([]) == (None, None)
     assert version_range([(0, 7)]) == (None, None)
+    assert version_range([(3, -1), (2, 5)]) == (5, 5)  # -1: tool/observation tokens
 
 
 def test_group_age_counts_from_the_oldest_token_not_the_dispatch_step():

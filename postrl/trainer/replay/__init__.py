@@ -1,15 +1,8 @@
 """The replay buffer of async training: tags (control plane), the trajectory store (data
 plane), the event-driven :class:`ReplayBuffer` and its samplers. See ``docs/async.md``."""
 
-from postrl.trainer.replay.buffer import (
-    EVICTION_REASONS,
-    STRATEGIES,
-    AdmissionError,
-    Eviction,
-    ReplayBuffer,
-    ReplayTimeoutError,
-    StalenessBoundError,
-)
+from postrl.trainer.replay.buffer import EVICTION_REASONS, STRATEGIES, ReplayBuffer
+from postrl.trainer.replay.errors import AdmissionError, ReplayTimeoutError, StalenessBoundError
 from postrl.trainer.replay.samplers import SAMPLERS, OldestFirstSampler, Sampler, build_sampler
 from postrl.trainer.replay.store import (
     LocalTrajectoryStore,
@@ -17,6 +10,7 @@ from postrl.trainer.replay.store import (
     TrajectoryStore,
 )
 from postrl.trainer.replay.tags import (
+    Eviction,
     GroupTags,
     TrajectoryKey,
     TrajectoryStatus,

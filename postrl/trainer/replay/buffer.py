@@ -43,6 +43,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from postrl.trainer.replay.errors import AdmissionError, ReplayTimeoutError, StalenessBoundError
 from postrl.trainer.replay.samplers import OldestFirstSampler, build_sampler, check_selection
 from postrl.trainer.replay.store import (
     LocalTrajectoryStore,
@@ -50,6 +51,7 @@ from postrl.trainer.replay.store import (
     TrajectoryStore,
 )
 from postrl.trainer.replay.tags import (
+    Eviction,
     GroupTags,
     TrajectoryKey,
     TrajectoryStatus,
@@ -60,54 +62,12 @@ from postrl.trainer.replay.tags import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "ReplayBuffer",
-    "Eviction",
-    "ReplayTimeoutError",
-    "StalenessBoundError",
-    "AdmissionError",
-    "STRATEGIES",
-    "EVICTION_REASONS",
-]
+__all__ = ["ReplayBuffer", "STRATEGIES", "EVICTION_REASONS"]
 
 STRATEGIES = ("drop", "wait")
 """``trainer.async.staleness_strategy`` values."""
 EVICTION_REASONS = ("stale", "filtered", "failed")
 """Why a group is evicted (each eviction asks for exactly one refill prompt)."""
-
-
-class ReplayTimeoutError(TimeoutError):
-    """A buffer wait passed its deadline; the message says what it waited for and what it had."""
-
-
-class StalenessBoundError(RuntimeError):
-    """The ``wait`` strategy cannot keep ``max_staleness``: more groups must be trained at this
-    version than one update takes (admission beyond the pacing cap, or versions skipped)."""
-
-
-class AdmissionError(RuntimeError):
-    """``admit`` beyond the pacing cap, or a uid admitted twice."""
-
-
-@dataclass(frozen=True)
-class Eviction:
-    """One evicted group = one refill request.
-
-    Attributes:
-        uid: the evicted group.
-        reason: ``stale`` | ``filtered`` | ``failed``.
-        age: its staleness when evicted (policy versions).
-        response_lens: response lengths of its finished trajectories.
-    """
-
-    uid: str
-    reason: str
-    age: int
-    response_lens: tuple[int, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe dict."""
-        return {**self.__dict__, "response_lens": list(self.response_lens)}
 
 
 @dataclass

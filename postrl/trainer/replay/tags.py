@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = ["TrajectoryKey", "TrajectoryStatus", "TrajectoryTag", "GroupTags", "version_range"]
+__all__ = [
+    "TrajectoryKey",
+    "TrajectoryStatus",
+    "TrajectoryTag",
+    "GroupTags",
+    "Eviction",
+    "version_range",
+]
 
 TrajectoryKey = tuple[str, int]
 """``(group uid, sample index)``: the uid is the agent manager's ``f"{step}-{index}"``."""
@@ -42,10 +49,11 @@ class TrajectoryStatus(str, Enum):
 def version_range(segments: Iterable[tuple[int, int]]) -> tuple[int | None, int | None]:
     """``(min, max)`` policy version over the segments that produced at least one token.
 
-    ``segments`` is ``TokenOutput.versions``: ``[(num_tokens, policy_version), ...]``. Returns
-    ``(None, None)`` when no segment produced a token.
+    ``segments`` is ``TokenOutput.versions`` / ``AgentLoopOutput.response_versions``:
+    ``[(num_tokens, policy_version), ...]``; a negative version (-1: unknown, e.g. observation
+    tokens) is skipped. Returns ``(None, None)`` when no segment has a known version.
     """
-    versions = [int(v) for n, v in segments if int(n) > 0]
+    versions = [int(v) for n, v in segments if int(n) > 0 and int(v) >= 0]
     return (min(versions), max(versions)) if versions else (None, None)
 
 
@@ -170,6 +178,27 @@ class GroupTags:
     def keys(self) -> list[TrajectoryKey]:
         """Keys of every trajectory, in sample-index order."""
         return [t.key for t in self.tags]
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """One evicted group = one refill request.
+
+    Attributes:
+        uid: the evicted group.
+        reason: ``stale`` | ``filtered`` | ``failed``.
+        age: its staleness when evicted (policy versions).
+        response_lens: response lengths of its finished trajectories.
+    """
+
+    uid: str
+    reason: str
+    age: int
+    response_lens: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict."""
+        return {**self.__dict__, "response_lens": list(self.response_lens)}
 
 
 def sort_oldest_first(groups: Sequence[GroupTags]) -> list[GroupTags]:
