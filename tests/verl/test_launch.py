@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import GRPO_QWEN2_7B, GRPO_QWEN3_8B, QUICKSTART_PPO, shrink
+from verl_commands import GRPO_QWEN2_7B, GRPO_QWEN3_8B, QUICKSTART_PPO, shrink
 
 from postrl.cli import main as postrl_main
 from postrl.config import load_config
