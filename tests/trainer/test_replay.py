@@ -2,10 +2,11 @@
 wake-ups, staleness counted in the tokens' policy versions, whole-group eviction with exact
 refills, admission pacing, and a JSON checkpoint round trip.
 
-No model is needed: the buffer never reads a payload, so payloads here are poison objects that
-raise on any access (the proof that sampling, staleness and eviction decide from tags), and the
-rollouts of the property test are asyncio tasks whose "latency" is a random number of event-loop
-turns (random completion orders without wall-clock sleeps).
+The buffer never reads a payload, so most payloads here are poison objects that raise on any
+access (the proof that sampling, staleness and eviction decide from tags), and the rollouts of
+the property test are asyncio tasks whose "latency" is a random number of event-loop turns
+(random completion orders without wall-clock sleeps). The last test runs a real native replica
+with a weight update mid-generation and checks the buffer against the real token versions.
 """
 
 from __future__ import annotations
@@ -519,3 +520,105 @@ def test_state_dict_round_trip_through_json():
         ReplayBuffer(3, 2).load_state_dict(state, payloads)
     with pytest.raises(KeyError, match="no payload"):
         ReplayBuffer(2, 2).load_state_dict(state, {})
+
+
+# ---------------------------------------------------------------------------- real rollout
+
+
+def test_real_rollout_feeds_tags_and_assembles_the_same_batch(tiny_model_factory):
+    """A real native replica, the resuming client and the agent manager: trajectories enter the
+    buffer from ``on_sample_end`` as they finish; a weight update lands mid-generation (pause,
+    update, resume), so tokens carry versions 0 and 1. The buffer's ages are exactly
+    ``1 − oldest token version`` of each group (from ``response_versions``); with
+    ``max_staleness=0`` and ``drop`` exactly the groups holding version-0 tokens are evicted;
+    and the payloads the buffer hands back assemble into the manager's own batch."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from postrl.agent import AgentLoopManager
+    from postrl.config.schema import AgentConfig
+    from postrl.protocol import DataProto
+    from postrl.rollout import RolloutClient, RolloutReplica, SamplingParams, create_rollout_backend
+    from postrl.testing import make_tokenizer
+
+    d = tiny_model_factory("qwen2")
+    be = create_rollout_backend("native", d, max_num_seqs=8, max_model_len=256)
+    replica = RolloutReplica(be)
+    mgr = AgentLoopManager(
+        RolloutClient(replica), make_tokenizer(), AgentConfig(default_agent_loop="single_turn")
+    )
+    prompts = DataProto.from_dict(
+        {"dummy": torch.zeros(3, 1)},
+        {
+            "raw_prompt_ids": np.array([[3, 1, 4, 1, 5], [2, 7, 1, 8], [9, 9]], dtype=object),
+            "index": np.array([0, 1, 2]),
+        },
+    )
+    sp = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True)
+    buf = ReplayBuffer(2, 3, max_staleness=1, strategy="wait", timeout_s=300)
+    buf.admit(["0-0", "0-1", "0-2"], dispatch_step=0, version=0)
+    outputs: dict[tuple[str, int], Any] = {}
+
+    def on_end(i: int, out: Any, row: dict[str, Any]) -> None:
+        key = (row["uid"], int(row["sample_index"]))
+        outputs[key] = (out, row)
+        buf.finish(
+            key,
+            (out, row),
+            prompt_len=len(out.prompt_ids),
+            response_len=len(out.response_ids),
+            versions=out.response_versions,
+        )
+
+    async def main() -> tuple[DataProto, dict[str, int], list[str]]:
+        task = asyncio.create_task(
+            mgr.generate(prompts, sp, 2, seed=0, step=0, on_sample_end=on_end)
+        )
+        while be.num_running == 0 or int(be.s_ngen[0]) < 5:
+            await asyncio.sleep(0.002)
+        replica.pause()
+        await asyncio.sleep(0.05)  # the aborted partials return (stamped v0) before the update
+        replica.update_weights(load_file(str(d / "model.safetensors")).items())  # v0 -> v1
+        replica.resume()
+        batch = await asyncio.wait_for(task, 300)
+        buf.set_version(1)
+        truth = {
+            uid: 1 - min(version_range(outputs[(uid, k)][0].response_versions)[0] for k in (0, 1))
+            for uid in ("0-0", "0-1", "0-2")
+        }
+        assert {g.uid: g.age(1) for g in buf.groups()} == truth
+        assert 1 in truth.values()  # the update did cut at least one group
+        return batch, truth, await buf.sample(3, current_version=1)
+
+    batch, truth, uids = run(main())
+    rows = buf.assemble(uids)
+    rebuilt = mgr.assemble([p[0] for _, p in rows], [p[1] for _, p in rows])
+    order = sorted(
+        range(len(batch)),
+        key=lambda i: (batch.non_tensor_batch["uid"][i], batch.non_tensor_batch["sample_index"][i]),
+    )
+    mine = sorted(
+        range(len(rebuilt)),
+        key=lambda i: (
+            rebuilt.non_tensor_batch["uid"][i],
+            rebuilt.non_tensor_batch["sample_index"][i],
+        ),
+    )
+    for name in ("responses", "response_mask", "rollout_log_probs", "rollout_policy_version"):
+        assert torch.equal(batch.batch[name][order], rebuilt.batch[name][mine]), name
+
+    # The same trajectories through a buffer with max_staleness=0 and drop: exactly the groups
+    # holding version-0 tokens are evicted at version 1, one refill each; the rest stay ready.
+    strict = ReplayBuffer(2, 3, max_staleness=0, strategy="drop")
+    strict.set_version(1)
+    strict.admit(["0-0", "0-1", "0-2"], dispatch_step=0, version=0)
+    for key, (out, row) in outputs.items():
+        strict.finish(key, (out, row), prompt_len=1, response_len=1, versions=out.response_versions)
+    with pytest.raises(ReplayTimeoutError):
+        run(strict.sample(3, current_version=1, timeout_s=0.2))
+    stale = {uid for uid, age in truth.items() if age == 1}
+    refills = strict.pop_refills()
+    assert {e.uid for e in refills} == stale and len(refills) == len(stale)
+    assert {e.reason for e in refills} == {"stale"}
+    assert {g.uid for g in strict.ready()} == set(truth) - stale
