@@ -15,10 +15,12 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
     """Load the config, validate it, train; returns a process exit code."""
     from postrl.trainer.trainer import RLTrainer
 
+    from postrl.data.dataset import DatasetError
+
     try:
         cfg = load_config(config_path, overrides)
         trainer = RLTrainer(cfg)
-    except ConfigError as e:
+    except (ConfigError, DatasetError) as e:  # bad config or data: the message names the fix
         logger.error("%s", e)
         return 2
     try:
@@ -30,6 +32,7 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
 
 def eval_main(config_path: str | None, overrides: list[str]) -> int:
     """Validate ``model.path`` on ``data.val_files`` and print the ``val/*`` metrics."""
+    from postrl.data.dataset import DatasetError
     from postrl.trainer.trainer import RLTrainer
 
     try:
@@ -37,7 +40,7 @@ def eval_main(config_path: str | None, overrides: list[str]) -> int:
         if not cfg.data.train_files:
             cfg.data.train_files = list(cfg.data.val_files)
         trainer = RLTrainer(cfg)
-    except ConfigError as e:
+    except (ConfigError, DatasetError) as e:
         logger.error("%s", e)
         return 2
     try:

@@ -141,3 +141,15 @@ def test_max_failure_ratio_stops_the_run(small_overrides, tmp_path):
             trainer.fit()
     finally:
         trainer.close()
+
+
+def test_train_main_reports_bad_data_without_a_traceback(
+    small_overrides, tmp_path, tiny_model_dir, caplog
+):
+    """A prompt over data.max_prompt_length is a clear error (exit code 2, the message names
+    the row and the fix), not a traceback out of ``postrl train``."""
+    from postrl.trainer.run import train_main
+
+    code = train_main(None, [*small_overrides, "data.max_prompt_length=4"])
+    assert code == 2
+    assert "max_prompt_length" in caplog.text
