@@ -447,6 +447,7 @@ class ReplayBuffer:
                 else t
                 for t in g.tags
             ]
+        held = set(self.store.keys()) if payloads is None else set()
         for g in (*groups, *taken):
             for t in g.tags:
                 if t.status is not TrajectoryStatus.FINISHED:
@@ -458,7 +459,7 @@ class ReplayBuffer:
                             f"pass every payload buffer.payloads() returned"
                         )
                     self.store.put(t.key, payloads[t.key])
-                elif t.key not in set(self.store.keys()):
+                elif t.key not in held:
                     raise MissingTrajectoryError(
                         f"load_state_dict: the store lacks finished trajectory {t.key!r}; pass "
                         f"payloads=buffer.payloads() saved with the state"
