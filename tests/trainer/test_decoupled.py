@@ -94,8 +94,9 @@ def test_decoupled_sync_run_matches_vanilla(small_overrides, digits_reward, tmp_
         assert d["actor/decoupled_is_mean"] == pytest.approx(1.0, abs=1e-3)
         assert d["actor/decoupled_is_clipfrac"] == 0.0
         assert abs(d["actor/decoupled_kl_behav"]) < 1e-3
-        assert d["actor/pg_loss"] == pytest.approx(v["actor/pg_loss"], rel=1e-3, abs=1e-5)
-        assert d["actor/grad_norm"] == pytest.approx(v["actor/grad_norm"], rel=1e-2)
+        # measured on AVX2: |diff| ~1e-7 on losses ~1e-3..3e-2 (weights 1 within 1e-7)
+        assert d["actor/pg_loss"] == pytest.approx(v["actor/pg_loss"], rel=1e-3, abs=1e-6)
+        assert d["actor/grad_norm"] == pytest.approx(v["actor/grad_norm"], rel=1e-4)
         assert d["actor/grad_norm"] > 0  # it trains
     # every rollout batch of the sync run: one constant version = the fleet's at generation
     # (validation rollouts included: they are assembled the same way)
