@@ -70,11 +70,12 @@ class RolloutReplica:
                 )
             await asyncio.sleep(0.005)
         self._inflight.add(request_id)
-        try:
+        version = self.policy_version  # the weights these tokens are sampled with: an update
+        try:  # only happens while paused, after ``pause`` aborted this call
             out = await self.backend.generate(prompt_ids, sampling, request_id)
         finally:
             self._inflight.discard(request_id)
-        out.versions = [(len(out.token_ids), self.policy_version)]
+        out.versions = [(len(out.token_ids), version)]
         return out
 
     def abort(self, request_id: str) -> None:

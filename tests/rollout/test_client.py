@@ -42,6 +42,32 @@ def test_client_resumes_across_weight_update(tiny_model_factory):
     assert out.versions[0][0] >= 5
 
 
+def test_versions_stay_exact_when_the_update_follows_pause_at_once(tiny_model_factory):
+    """Tokens sampled before a pause keep the version they were sampled with even when the
+    weight update runs right after ``pause()``, before the aborted call has returned."""
+    from safetensors.torch import load_file
+
+    d = tiny_model_factory("qwen2")
+    be = create_rollout_backend("native", d, max_num_seqs=4, max_model_len=512)
+    replica = RolloutReplica(be)
+    client = RolloutClient(replica)
+    sp = SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True)
+    weights = load_file(str(d / "model.safetensors"))
+
+    async def run():
+        task = asyncio.create_task(client.generate([3, 1, 4, 1, 5], sp, "r1"))
+        while be.num_running == 0 or int(be.s_ngen[0]) < 5:
+            await asyncio.sleep(0.002)
+        replica.pause()
+        replica.update_weights(weights.items())  # no yield between pause and update
+        replica.resume()
+        return await asyncio.wait_for(task, 300)
+
+    out = asyncio.run(run())
+    assert [v for _, v in out.versions] == [0, 1] and out.versions[0][0] >= 5
+    assert sum(n for n, _ in out.versions) == 60
+
+
 def test_client_abort_is_final(tiny_model_dir):
     be = create_rollout_backend("native", tiny_model_dir, max_num_seqs=4, max_model_len=1024)
     client = RolloutClient(be)
