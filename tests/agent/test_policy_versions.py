@@ -166,7 +166,10 @@ def test_weight_update_mid_trajectory_shows_both_versions(tiny_model_factory, to
         while be.num_running == 0 or int(be.s_ngen[0]) < 5:
             await asyncio.sleep(0.002)
         replica.pause()  # aborts the in-flight requests; the client re-sends after resume
-        await asyncio.sleep(0.05)
+        deadline = asyncio.get_running_loop().time() + 60
+        while replica.load:  # the aborted segments are labelled (version 0) when they return
+            assert asyncio.get_running_loop().time() < deadline, "aborted requests never returned"
+            await asyncio.sleep(0.002)
         replica.update_weights(weights.items())  # version 0 -> 1
         replica.resume()
         return await asyncio.wait_for(task, 300)
