@@ -40,6 +40,7 @@ from postrl.protocol import DataProto
 from postrl.trainer import needs, stages
 from postrl.trainer.checkpoint import find_latest_checkpoint, load_trainer_state, save_checkpoint
 from postrl.trainer.context import build_context
+from postrl.trainer.determinism import determinism_info
 from postrl.trainer.hooks import fire
 from postrl.trainer.metrics import reduce_metrics, timer
 from postrl.trainer.modes import TRAINER_MODES
@@ -75,7 +76,7 @@ class RLTrainer:
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, self.run_dir / "config.yaml")
-        _write_run_info(self.run_dir)
+        _write_run_info(self.run_dir, cfg)
 
         self.tokenizer = load_tokenizer(cfg.model.path)
         d = cfg.data
@@ -269,7 +270,7 @@ class RLTrainer:
         self.roles.close()
 
 
-def _write_run_info(run_dir: Path) -> None:
+def _write_run_info(run_dir: Path, cfg: PostRLConfig) -> None:
     import json
     import platform
     import subprocess
@@ -298,5 +299,6 @@ def _write_run_info(run_dir: Path) -> None:
         "python": platform.python_version(),
         "versions": versions,
         "pid": os.getpid(),
+        "determinism": determinism_info(cfg),  # the reproducibility promise and its caveats
     }
     (run_dir / "run_info.json").write_text(json.dumps(info, indent=1))

@@ -85,6 +85,8 @@ def test_grpo_local_runs_updates_and_reports(small_overrides, digits_reward, min
         2,
     ]  # validation before training, then one row per step
     assert (run / "config.yaml").exists() and (run / "summary.txt").exists()
+    info = json.loads((run / "run_info.json").read_text())
+    assert "bitwise_reproducible" in info["determinism"]  # the promise, stated per run
     assert list((run / "plots").glob("*.png"))
 
 
