@@ -137,7 +137,8 @@ class AgentLoopManager:
                 o.response_ids
             ):
                 raise ValueError(
-                    f"trajectory {rows[i].get('request_id')}: response_ids ({len(o.response_ids)}), "
+                    f"trajectory {rows[i].get('request_id')}: "
+                    f"response_ids ({len(o.response_ids)}), "
                     f"response_mask ({len(o.response_mask)}) and response_logprobs "
                     f"({len(o.response_logprobs)}) must have the same length"
                 )

@@ -4,7 +4,7 @@ State machine (one trajectory)::
 
     PENDING ──► GENERATING ──(no tool call / EOS-less stop / turn or token budget)──► TERMINATED
                    ▲   │
-                   │   └─(tool calls parsed)─► PROCESSING_TOOLS ──(max_user_turns / budget)──► TERMINATED
+                   │   └─(tool calls parsed)─► PROCESSING_TOOLS ─(user turns, budget)─► TERMINATED
                    └───────────(observation tokens appended)─────┘
 
 Token-in/token-out, no re-tokenisation: the prompt of generation *k* is ``prompt_ids`` followed by
@@ -108,7 +108,8 @@ class ChatDelta:
         full = self.render(self._base + tool_messages, add_generation_prompt=True)
         if not full.startswith(self._head):
             raise ValueError(
-                "chat template rendering of earlier messages changes when tool messages are added; delta invalid"
+                "chat template rendering of earlier messages changes when tool messages are "
+                "added; delta invalid"
             )
         ids = self.encode(full[len(self._head) :])
         k = min(len(self.turn_suffix_ids), len(ids))
@@ -219,7 +220,8 @@ class ToolAgentLoop(AgentLoopBase):
         self.tools: dict[str, Any] = dict(tools)
         if not self.tools:
             logger.warning(
-                "tool_agent loop has no tools (rollout.agent.tool_config_path is empty); every call will be an error"
+                "tool_agent loop has no tools (rollout.agent.tool_config_path is empty); "
+                "every call will be an error"
             )
         self.parser = get_tool_parser(config.tool_parser)
         self.executor = ToolExecutor(
@@ -235,7 +237,8 @@ class ToolAgentLoop(AgentLoopBase):
     # ------------------------------------------------------------------ public
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
-        """OpenAI function schemas of the configured tools (for prompts: ``tools=`` of the template)."""
+        """OpenAI function schemas of the configured tools (for prompts: ``tools=`` of the
+        template)."""
         return self.executor.schemas()
 
     async def run(self, sampling: Any, **row: Any) -> AgentLoopOutput:
@@ -454,7 +457,8 @@ class ToolAgentLoop(AgentLoopBase):
                 self._drift_logged = True
                 lo = max(0, first - 16)
                 logger.warning(
-                    "token drift in %s at position %d (prompt %d tokens): trained ids decode to %r, chat template gives %r",
+                    "token drift in %s at position %d (prompt %d tokens): trained ids decode to "
+                    "%r, chat template gives %r",
                     traj.request_id,
                     first,
                     len(traj.prompt_ids),

@@ -106,7 +106,8 @@ def test_manager_with_native_backend(backend, tokenizer, agent_config):
 
 
 def test_real_backend_continues_after_observation(backend, tokenizer, agent_config):
-    """A forced tool call, a real calculator observation, then real generations on the spliced ids."""
+    """A forced tool call, a real calculator observation, then real generations on the spliced
+    ids."""
     from postrl.tools import create_tools
 
     turn = (
