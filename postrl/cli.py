@@ -1,4 +1,5 @@
-"""The ``postrl`` command line: make-model | data | sft | rm | train | verl | eval | serve | bench | export.
+"""The ``postrl`` command line:
+make-model | data | sft | rm | train | verl | eval | serve | bench | export.
 
 Every subcommand imports its heavy dependencies lazily so ``postrl --help`` is instant.
 """
@@ -184,12 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--pairs",
         action="store_true",
-        help="write preference pairs (prompt, chosen = the correct answer, rejected = a wrong one) for `postrl rm`",
+        help="write preference pairs (prompt, chosen = the correct answer, rejected = a wrong one) "
+        "for `postrl rm`",
     )
     d.add_argument(
         "--sft",
         action="store_true",
-        help="write SFT rows (messages with reference answers; tool-arith: multi-turn tool-use demonstrations)",
+        help="write SFT rows (messages with reference answers; tool-arith: multi-turn tool-use "
+        "demonstrations)",
     )
     d.add_argument(
         "--min-digits", type=int, default=6, help="tool-arith: fewest digits per operand"
@@ -198,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-digits",
         type=int,
         default=None,
-        help="most digits per operand (tool-arith: default 9; addition: default 2, the quickstart uses 1)",
+        help="most digits per operand (tool-arith: default 9; addition: default 2, the quickstart "
+        "uses 1)",
     )
     d.add_argument(
         "--kinds", default="mul,sum3,mulsub", help="tool-arith: comma-separated problem kinds"
@@ -207,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-style",
         default="full",
         choices=["full", "short", "bound"],
-        help="tool-arith: full (system message), short (question only) or bound (argument-free calls, bare answers)",
+        help="tool-arith: full (system message), short (question only) or bound (argument-free "
+        "calls, bare answers)",
     )
     d.add_argument(
         "--result-digits",
@@ -225,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-fraction",
         type=float,
         default=1.0,
-        help="tool-arith --sft: fraction of demonstrations that call the tool (others answer directly)",
+        help="tool-arith --sft: fraction of demonstrations that call the tool (others answer "
+        "directly)",
     )
     d.set_defaults(fn=_cmd_data)
 
