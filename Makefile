@@ -37,7 +37,7 @@ test-sanitize: $(STAMP)
 	tests/rollout/test_native.py -k "not sanitizers" $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check postrl tests benchmarks
+	$(BIN)/ruff check postrl tests benchmarks examples && $(BIN)/ruff format --check postrl tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

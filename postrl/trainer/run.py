@@ -13,9 +13,8 @@ __all__ = ["train_main", "eval_main"]
 
 def train_main(config_path: str | None, overrides: list[str]) -> int:
     """Load the config, validate it, train; returns a process exit code."""
-    from postrl.trainer.trainer import RLTrainer
-
     from postrl.data.dataset import DatasetError
+    from postrl.trainer.trainer import RLTrainer
 
     try:
         cfg = load_config(config_path, overrides)

@@ -198,7 +198,8 @@ class NativeBackend:
             )
         if len(prompt) >= self.max_model_len:
             raise RolloutError(
-                f"request {request_id!r}: prompt has {len(prompt)} tokens but max_model_len={self.max_model_len}; "
+                f"request {request_id!r}: prompt has {len(prompt)} tokens but "
+                f"max_model_len={self.max_model_len}; "
                 f"shorten the prompt or raise max_model_len"
             )
         if max(prompt) >= self.cfg.vocab_size or min(prompt) < 0:

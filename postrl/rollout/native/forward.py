@@ -70,7 +70,8 @@ def prefill(
     v_cache: torch.Tensor,
     rows: torch.Tensor,
 ) -> torch.Tensor:
-    """Prefill ``U`` distinct prompts into prefix rows ``rows`` (U,); return last-position logits (U, V).
+    """Prefill ``U`` distinct prompts into prefix rows ``rows`` (U,); return last-position
+    logits (U, V).
 
     Args:
         tokens: (U, P) right-padded prompt ids; lens: (U,) true lengths.

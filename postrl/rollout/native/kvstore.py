@@ -94,7 +94,8 @@ class KVStore:
         return len(self.keys)
 
     def lookup(self, prompts: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
-        """Rows for ``prompts`` (refcounts taken) and the list of rows that are new (need prefill)."""
+        """Rows for ``prompts`` (refcounts taken) and the list of rows that are new (need
+        prefill)."""
         rows, new = [], []
         for p in prompts:
             r = self.index.get(p)
