@@ -122,14 +122,10 @@ def _run(t: Translation, argv: list[str]) -> int:
     path.write_text(minimal_yaml(t))
     (run_dir / "verl_args.txt").write_text("\n".join(argv) + "\n")
     logger.info("verl arguments translated to %s", path)
-    from postrl.data import DatasetError
-
     entry = eval_main if t.val_only else train_main
-    try:
-        return entry(str(path), [])
-    except DatasetError as e:  # a row verl would also refuse (e.g. a prompt over the limit)
-        logger.error("%s (the data.* keys set these limits)", e)
-        return 2
+    # a row verl would also refuse (e.g. a prompt over the limit) exits 2 with the message,
+    # which names the data.* key to change (train_main / eval_main catch DatasetError)
+    return entry(str(path), [])
 
 
 def main(argv: list[str] | None = None) -> int:

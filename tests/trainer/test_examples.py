@@ -312,7 +312,7 @@ def test_example_data_paths_are_what_quickstart_writes():
     import re
 
     source = (
-        Path(__file__).resolve().parents[2] / "postrl" / "trainer" / "quickstart.py"
+        Path(__file__).resolve().parents[2] / "postrl" / "recipes" / "quickstart.py"
     ).read_text()
     for p in EXAMPLE_FILES:
         text = p.read_text()
