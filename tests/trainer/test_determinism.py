@@ -13,15 +13,12 @@ SFT model of the report (a constant reward gives zero advantages, so no gradient
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
+from trainer_helpers import checkpoint_weights, metric_rows, train_subprocess
 
 from postrl.config import load_config
 from postrl.data import generate_addition, write_parquet
@@ -49,7 +46,6 @@ class _RacyAccumulates(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-WALL_CLOCK = ("timing_s/", "perf/")
 THREADS = 2
 
 
@@ -143,29 +139,12 @@ def test_determinism_info_states_the_promise_and_its_caveats(tiny_model_dir):
 
 
 def _train(overrides: list[str], kill_at: str | None = None) -> int:
-    """``postrl train`` at 2 threads in a subprocess; ``kill_at``: SIGKILLed at that fault point
-    (``postrl.testing.faults_run``, the test-installed hook)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
-    launcher = ["postrl.testing.faults_run", "--kill-at", kill_at] if kill_at else ["postrl.cli"]
-    cmd = [sys.executable, "-m", *launcher, "train", str(ROOT / "examples" / "grpo_addition.yaml")]
-    cmd += [*overrides, f"trainer.num_threads={THREADS}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode not in (0, -9):
-        print(proc.stderr[-4000:])
-    return proc.returncode
+    """``postrl train`` of the GRPO addition recipe at 2 threads in a subprocess."""
+    recipe = str(ROOT / "examples" / "grpo_addition.yaml")
+    return train_subprocess([recipe, *overrides], threads=THREADS, kill_at=kill_at, timeout=900)
 
 
-def _rows(run: Path) -> list[dict]:
-    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in rows]
-
-
-def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted((run / "checkpoints" / f"step_{step:06d}" / "actor").rglob("*.safetensors")):
-        out.update({f"{f.name}:{k}": v for k, v in load_file(str(f)).items()})
-    assert out, "no actor tensors in the checkpoint"
-    return out
+_rows, _weights = metric_rows, checkpoint_weights
 
 
 def _assert_same_run(a: Path, b: Path, steps: int) -> None:

@@ -6,10 +6,10 @@ resume — with no edit to ``postrl/``. Also: registry metadata ``on_policy`` dr
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
+from trainer_helpers import metric_rows
 
 from postrl.config import ConfigError, load_config
 from postrl.protocol import DataProto
@@ -63,11 +63,6 @@ class OffPolicyMode(ReverseMode):
     """Same batches, declared off-policy."""
 
 
-def _metrics(run: Path) -> list[dict[str, float]]:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
-
-
 def _run(overrides: list[str]) -> tuple[list[list[int]], int]:
     trainer = RLTrainer(load_config(None, overrides))
     try:
@@ -103,7 +98,7 @@ def test_external_mode_trains_saves_and_resumes_exactly(small_overrides, tmp_pat
     assert state["mode"] == {"cursor": 0}  # the mode's own state is in the checkpoint
     resumed, _ = _run([*common, "trainer.total_steps=4", f"trainer.run_dir={cut_dir}"])
     assert resumed == [[7, 6, 5, 4], [3, 2, 1, 0]]  # steps 3 and 4 only, from the cursor
-    full, cut = _metrics(full_dir), _metrics(cut_dir)
+    full, cut = metric_rows(full_dir), metric_rows(cut_dir)
     assert [r["step"] for r in cut] == [1, 2, 3, 4]
     diff = {
         (r["step"], k): (r.get(k), c.get(k))

@@ -3,45 +3,20 @@ reproduces the uninterrupted run's metrics rows and final parameters."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file
+from trainer_helpers import checkpoint_weights, metric_rows, train_subprocess
 
 from postrl.data import generate_addition, write_parquet
 
 pytestmark = pytest.mark.slow
 
-WALL_CLOCK = ("timing_s/", "perf/")
-
 
 def _train(overrides: list[str], kill_at: str | None = None) -> int:
-    """``postrl train`` in a subprocess; with ``kill_at`` a test-side hook SIGKILLs it there."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    launcher = ["postrl.testing.faults_run", "--kill-at", kill_at] if kill_at else ["postrl.cli"]
-    cmd = [sys.executable, "-m", *launcher, "train", *overrides, "trainer.num_threads=1"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode not in (0, -9):
-        print(proc.stderr[-4000:])
-    return proc.returncode
+    return train_subprocess(overrides, threads=1, kill_at=kill_at, timeout=600)
 
 
-def _rows(run: Path) -> list[dict]:
-    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in rows]
-
-
-def _final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted((run / "checkpoints" / f"step_{step:06d}" / "actor").rglob("*.safetensors")):
-        out.update({f"{f.name}:{k}": v for k, v in load_file(str(f)).items()})
-    assert out, "no actor tensors in the checkpoint"
-    return out
+_rows, _final_weights = metric_rows, checkpoint_weights
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,49 @@ Imported by module name: pytest puts this folder on sys.path.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
+
+WALL_CLOCK = ("timing_s/", "perf/")
+"""Metric prefixes that differ between two runs with the same seed (wall-clock)."""
+
+
+def train_subprocess(
+    args: list[str], threads: int, kill_at: str | None = None, timeout: float = 600
+) -> int:
+    """``postrl train ARGS`` in a subprocess at ``threads`` threads; with ``kill_at`` the
+    test-side hook (``postrl.testing.faults_run``) SIGKILLs it at that fault point. Returns the
+    exit code (-9 when killed); prints the tail of stderr on any other failure."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env.pop("POSTRL_KILL_AT", None)
+    launcher = ["postrl.testing.faults_run", "--kill-at", kill_at] if kill_at else ["postrl.cli"]
+    cmd = [sys.executable, "-m", *launcher, "train", *args, f"trainer.num_threads={threads}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode not in (0, -9):
+        print(proc.stderr[-4000:])
+    return proc.returncode
+
+
+def metric_rows(run: Path) -> list[dict]:
+    """``run/metrics.jsonl`` rows without the wall-clock keys."""
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in rows]
+
+
+def checkpoint_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    """Every actor tensor of checkpoint ``step`` of ``run``, keyed ``file:name``."""
+    out = {}
+    for f in sorted((run / "checkpoints" / f"step_{step:06d}" / "actor").rglob("*.safetensors")):
+        out.update({f"{f.name}:{k}": v for k, v in load_file(str(f)).items()})
+    assert out, "no actor tensors in the checkpoint"
+    return out
 
 
 def actor_params(trainer: Any) -> dict[str, torch.Tensor]:
