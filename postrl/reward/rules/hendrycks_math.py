@@ -39,17 +39,25 @@ def last_boxed_answer(text: str) -> str | None:
         idx = text.rfind("\\fbox")
         if idx < 0:
             return None
+    j = closing_brace(text, idx)
+    if j is None:
+        return None
+    whole = text[idx : j + 1]
+    if is_fbox or not whole.startswith("\\boxed{"):
+        return None  # verl's remove_boxed rejects these
+    return whole[len("\\boxed{") : -1]
+
+
+def closing_brace(text: str, start: int) -> int | None:
+    """Index of the ``}`` closing the first ``{`` at or after ``start`` (None: unbalanced)."""
     depth = 0
-    for j in range(idx, len(text)):
+    for j in range(start, len(text)):
         if text[j] == "{":
             depth += 1
         elif text[j] == "}":
             depth -= 1
             if depth == 0:
-                whole = text[idx : j + 1]
-                if is_fbox or not whole.startswith("\\boxed{"):
-                    return None  # verl's remove_boxed rejects these
-                return whole[len("\\boxed{") : -1]
+                return j
     return None
 
 

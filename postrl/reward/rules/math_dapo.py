@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from postrl.reward.rules.hendrycks_math import closing_brace
+
 __all__ = ["compute_score", "normalize_final_answer"]
 
 _ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
@@ -57,15 +59,8 @@ def _last_boxed(text: str) -> str | None:
     idx = text.rfind("\\boxed{")
     if idx < 0:
         return None
-    depth = 0
-    for j in range(idx, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[idx + len("\\boxed{") : j]
-    return None
+    j = closing_brace(text, idx)
+    return None if j is None else text[idx + len("\\boxed{") : j]
 
 
 def compute_score(
