@@ -97,6 +97,25 @@ class AgentLoopManager:
         ``on_sample_end(i, output, row)`` is called as each trajectory finishes (the trainer uses
         it to start reward scoring while the rollout tail runs).
         """
+        rows = self.rows(prompts, n, seed=seed, step=step)
+        t0 = time.perf_counter()
+
+        async def one(i: int, row: dict[str, Any]) -> AgentLoopOutput:
+            out = await self.run(row, sampling)
+            if on_sample_end is not None:
+                on_sample_end(i, out, row)
+            return out
+
+        outputs = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
+        batch = self.assemble(outputs, rows)
+        batch.meta_info["timing_s/agent_loop"] = time.perf_counter() - t0
+        return batch
+
+    @staticmethod
+    def rows(prompts: DataProto, n: int, *, seed: int, step: int) -> list[dict[str, Any]]:
+        """The ``n`` trajectory rows of every prompt row (dataset columns plus ``sample_index``,
+        ``uid`` = ``"{step}-{index}"``, ``request_id`` and the sampling ``seed``
+        derived from ``(seed, step, index, k)``), prompt by prompt."""
         nt = prompts.non_tensor_batch
         rows: list[dict[str, Any]] = []
         for p in range(len(prompts)):
@@ -108,24 +127,16 @@ class AgentLoopManager:
                 row["request_id"] = f"s{step}-p{index}-k{k}"
                 row["seed"] = derive_seed(seed, step, index, k)
                 rows.append(row)
+        return rows
 
-        t0 = time.perf_counter()
-
-        async def one(i: int, row: dict[str, Any]) -> AgentLoopOutput:
-            sp = (
-                replace(sampling, seed=row["seed"])
-                if getattr(sampling, "temperature", 0) > 0
-                else sampling
-            )
-            out = await self._loop(row.get("agent_name")).run(sp, **row)
-            if on_sample_end is not None:
-                on_sample_end(i, out, row)
-            return out
-
-        outputs = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
-        batch = self.assemble(outputs, rows)
-        batch.meta_info["timing_s/agent_loop"] = time.perf_counter() - t0
-        return batch
+    async def run(self, row: dict[str, Any], sampling: Any) -> AgentLoopOutput:
+        """Run one trajectory row (from :meth:`rows`) through its agent loop."""
+        sp = (
+            replace(sampling, seed=row["seed"])
+            if getattr(sampling, "temperature", 0) > 0
+            else sampling
+        )
+        return await self._loop(row.get("agent_name")).run(sp, **row)
 
     def assemble(self, outputs: list[AgentLoopOutput], rows: list[dict[str, Any]]) -> DataProto:
         """Pad trajectories into the batch layout described in the module docstring."""

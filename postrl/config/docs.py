@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from postrl.config.schema import PostRLConfig
+from postrl.config.schema import PostRLConfig, config_key
 from postrl.config.supervised import RMConfig, SFTConfig
 
 __all__ = ["field_docs", "render_markdown"]
@@ -45,7 +45,7 @@ def _walk(cls: type, prefix: str, instance: Any) -> list[tuple[str, Any, str, st
     hints = {f.name: f.type for f in dataclasses.fields(cls)}
     for f in dataclasses.fields(cls):
         value = getattr(instance, f.name)
-        key = f"{prefix}{f.name}"
+        key = f"{prefix}{config_key(f)}"
         if dataclasses.is_dataclass(value):
             rows.extend(_walk(type(value), key + ".", value))
         else:

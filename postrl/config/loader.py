@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from postrl.config.schema import PostRLConfig
+from postrl.config.schema import PostRLConfig, config_key
 
 T = TypeVar("T")
 
@@ -103,17 +103,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 def _from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    by_key = {config_key(f): f.name for f in dataclasses.fields(cls)}
+    names = list(by_key)
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
-        if key not in names:
+        if key not in by_key:
             close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
             hint = f"; did you mean {(where + '.' if where else '') + close[0]!r}?" if close else ""
             raise ConfigError(
                 f"unknown config key {path!r}{hint} Valid keys here: {', '.join(names)}"
             )
-        kwargs[key] = _coerce(value, hints[key], path)
+        kwargs[by_key[key]] = _coerce(value, hints[by_key[key]], path)
     return cls(**kwargs)
 
 
@@ -123,8 +124,14 @@ def from_dict(data: dict[str, Any]) -> PostRLConfig:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """Nested plain-dict form of a config dataclass."""
-    return dataclasses.asdict(cfg)
+    """Nested plain-dict form of a config dataclass, keyed as in YAML (``trainer.async``)."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {config_key(f): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, list):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:

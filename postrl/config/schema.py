@@ -10,8 +10,15 @@ count *prompts*; each prompt yields ``rollout.n`` responses.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def config_key(f: dataclasses.Field) -> str:
+    """The YAML / override key of a config field: its name, or ``metadata["key"]`` where the
+    name is a Python keyword (``trainer.async_`` is ``trainer.async``)."""
+    return str(f.metadata.get("key", f.name))
 
 
 @dataclass
@@ -365,11 +372,55 @@ class RewardConfig:
 
 
 @dataclass
+class AsyncConfig:
+    """``trainer.async.*`` (the YAML key is ``async``; in Python the field is ``async_``): how an
+    off-policy mode (``one_step_off``) keeps its batches within a staleness bound."""
+
+    max_staleness: int = 1
+    """The most policy versions a trained group may lag: its age is the current version minus
+    the oldest version among its tokens (not the step it was dispatched at). 0 = on-policy
+    (``sync``); ``one_step_off`` needs at least 1."""
+    staleness_strategy: str = "drop"
+    """``drop``: evict complete groups older than the bound (whole groups, one refill prompt
+    each); ``wait``: never drop — the update waits for groups it can train within the bound."""
+    num_warmup_batches: int = 0
+    """Extra batches kept in flight beyond the next one (``1 + num_warmup_batches`` batches are
+    generated ahead of training; needs ``max_staleness >= 1 + num_warmup_batches``)."""
+    timeout_s: float = 600.0
+    """Deadline of one wait for a training batch (typed error naming what it waited for)."""
+
+
+@dataclass
+class HealthConfig:
+    """``trainer.health.*``: alerts on off-policy health (one warning line each, plus
+    ``health/alerts/*`` metrics)."""
+
+    min_ess_ratio: float = 0.0
+    """Alert when the effective sample size of the importance weights over N
+    (``rollout_corr/ess_ratio``) falls below this (0 = off)."""
+    staleness_alert_steps: int = 3
+    """Alert when the mean staleness sits at ``trainer.async.max_staleness`` for this many
+    steps in a row (0 = off)."""
+
+
+@dataclass
 class TrainerConfig:
     backend: str = "local"
     """``local`` (in-process workers) or ``ray``."""
     mode: str = "sync"
-    """Registered trainer mode."""
+    """Registered trainer mode: ``sync`` (generate, then train, every step) or ``one_step_off``
+    (the next batches generate while the current one trains; see ``docs/async.md``)."""
+    async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
+    """Off-policy modes (YAML key ``async``)."""
+    sampler: str = "oldest_first"
+    """Which complete groups an update takes (a ``postrl.trainer.replay.SAMPLERS`` name or
+    ``module:Class``)."""
+    deterministic: bool = False
+    """``one_step_off`` follows a fixed interleaving (groups are scored inline, in-flight
+    trajectories restart at a checkpoint), so a resumed run reproduces the uninterrupted one bit
+    for bit on CPU. ``sync`` is deterministic on CPU either way."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """Off-policy health alerts."""
     num_workers: int = 1
     """Data-parallel training workers (ray backend)."""
     device: str = "cpu"

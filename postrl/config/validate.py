@@ -220,12 +220,56 @@ def validate_config(
             f"trainer.total_epochs={t.total_epochs} >= 1"
         )
 
+    e.extend(async_errors(cfg))
     if check_registries:
         e.extend(_registry_checks(cfg))
         e.extend(_algorithm_checks(cfg))
 
     if e:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
+
+
+def async_errors(cfg: PostRLConfig) -> list[str]:
+    """Problems with ``trainer.async.*``, ``trainer.health.*`` and ``trainer.sampler`` (each
+    names the key, the value and the fix)."""
+    t, ac, h = cfg.trainer, cfg.trainer.async_, cfg.trainer.health
+    e = []
+    if ac.staleness_strategy not in ("drop", "wait"):
+        e.append(
+            f"trainer.async.staleness_strategy={ac.staleness_strategy!r} must be 'drop' (evict "
+            f"groups older than the bound, refill them) or 'wait' (never drop)"
+        )
+    if ac.num_warmup_batches < 0:
+        e.append(f"trainer.async.num_warmup_batches={ac.num_warmup_batches} must be >= 0")
+    if ac.timeout_s <= 0:
+        e.append(f"trainer.async.timeout_s={ac.timeout_s} must be > 0 (seconds)")
+    if not 0 <= h.min_ess_ratio <= 1:
+        e.append(f"trainer.health.min_ess_ratio={h.min_ess_ratio} must be in [0, 1] (0 = off)")
+    if h.staleness_alert_steps < 0:
+        e.append(f"trainer.health.staleness_alert_steps={h.staleness_alert_steps} must be >= 0")
+    if t.mode == "one_step_off":
+        if ac.max_staleness < 1 + max(ac.num_warmup_batches, 0):
+            e.append(
+                f"trainer.async.max_staleness={ac.max_staleness} with trainer.mode=one_step_off "
+                f"and trainer.async.num_warmup_batches={ac.num_warmup_batches}: batches generated "
+                f"ahead of training are {1 + ac.num_warmup_batches} version(s) old when trained; "
+                f"set trainer.async.max_staleness >= {1 + max(ac.num_warmup_batches, 0)} (or use "
+                f"trainer.mode=sync for on-policy training)"
+            )
+        if t.backend != "local":
+            e.append(
+                "trainer.mode=one_step_off runs with trainer.backend=local (rollout and training "
+                "share this process's devices); use trainer.backend=local"
+            )
+    elif ac.max_staleness < 0:
+        e.append(f"trainer.async.max_staleness={ac.max_staleness} must be >= 0")
+    try:
+        from postrl.trainer.replay.samplers import SAMPLERS
+    except ImportError:
+        return e
+    if ":" not in t.sampler and SAMPLERS.check(t.sampler):
+        e.append(f"trainer.sampler={t.sampler!r}: {SAMPLERS.check(t.sampler)}")
+    return e
 
 
 def old_log_prob_fusion_blockers(cfg: PostRLConfig) -> list[str]:

@@ -137,11 +137,20 @@ class RewardStage:
         self._pending[(row["uid"], int(row["sample_index"]))] = self.loop.submit(request)
 
     # ------------------------------------------------------------------ batch
-    def finish(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+    def streamed(self, keys: list[tuple[Any, int]]) -> list[Future[SampleScore]]:
+        """The pending streamed futures of ``(uid, sample_index)`` keys (those submitted by
+        :meth:`on_trajectory` and not yet collected), e.g. to await them before :meth:`finish`."""
+        return [self._pending[k] for k in keys if k in self._pending]
+
+    def finish(
+        self, batch: DataProto, *, check_failures: bool = True
+    ) -> tuple[DataProto, dict[str, float]]:
         """Score every row of ``batch`` and write ``token_level_scores`` / ``sample_valid``.
 
         A batch that is already scored (``token_level_scores`` present: the mode scored it to
-        filter groups) passes through unchanged, with no metrics (the mode reported them)."""
+        filter groups) passes through unchanged, with no metrics (the mode reported them).
+        ``check_failures=False``: do not enforce ``reward.max_failure_ratio`` here (a replay
+        buffer evicts and refills the groups past it instead)."""
         if "token_level_scores" in batch.batch:
             return batch, {}
         metrics: dict[str, float] = {}
@@ -155,7 +164,8 @@ class RewardStage:
         result = combine_scores(rule, rm, list(batch.non_tensor_batch["uid"]))
         result, tm = self._add_tool_rewards(batch, result)
         metrics.update(tm)
-        self.loop.check_failures(result)
+        if check_failures:
+            self.loop.check_failures(result)
         batch, am = apply_reward_result(
             batch, result, self.overlong, max_response_length=self.max_response_length
         )

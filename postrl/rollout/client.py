@@ -240,6 +240,9 @@ class RolloutClient:
                 lb.acquire(idx)
                 try:
                     out = await replica.generate(prompt + tokens, sp, seg_id)
+                except asyncio.CancelledError:  # the caller dropped it: free the engine's slot
+                    replica.abort(seg_id)
+                    raise
                 finally:
                     lb.release(idx)
                 tokens += out.token_ids

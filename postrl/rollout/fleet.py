@@ -38,6 +38,17 @@ class RolloutFleet:
         for r in self.replicas:
             r.sleep()
 
+    def pause(self) -> None:
+        """Abort every in-flight request and hold new ones (clients resume the interrupted
+        requests on the weights loaded before :meth:`resume`: partial rollout)."""
+        for r in self.replicas:
+            r.pause()
+
+    def resume(self) -> None:
+        """Serve again after :meth:`pause`."""
+        for r in self.replicas:
+            r.resume()
+
     def sync_weights(self, open_source: Callable[[int], Any]) -> dict[str, float]:
         """Deliver the actor's weights to every replica as the next policy version.
 

@@ -33,6 +33,8 @@ class TrainerContext:
         reward: the ``RewardStage`` (streaming hook + ``finish``).
         actor: the actor worker group, the source of weights.
         remote_actor: the actor lives in other processes (Ray): weights arrive as frames.
+        total_steps: the run's RL steps (0 = unknown); async modes admit no more prompts than
+            the run will train.
     """
 
     cfg: PostRLConfig
@@ -43,6 +45,7 @@ class TrainerContext:
     reward: Any
     actor: Any
     remote_actor: bool = False
+    total_steps: int = 0
     _loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop, repr=False)
 
     def sampling_params(self, validation: bool = False) -> Any:

@@ -87,81 +87,61 @@ class TrainerMode(Protocol):
 @register_trainer("sync", on_policy=True)
 class SyncMode:
     """Rollout and training alternate on the same devices (verl's hybrid engine): each step
-    generates the loader's next prompts with the current weights, and the weights are pushed
-    after every update. The rollout sleeps (KV cache released) while the actor trains."""
+    generates the loader's next prompts with the current weights, through the replay buffer
+    (staleness 0), and the weights are pushed after every update. The rollout sleeps (KV cache
+    released) while the actor trains.
+
+    With ``algorithm.filter_groups.enable`` (DAPO dynamic sampling) each group is scored as it
+    completes; a group whose valid rewards are all equal is evicted and one more prompt is
+    drawn for it at once, until ``data.train_batch_size`` informative groups are kept (or
+    ``max_num_gen_batches − 1`` batches' worth of refills ran: the step trains on the groups it
+    kept). Without filtering the batch is returned unscored and the trainer's reward stage
+    scores it whole."""
 
     def __init__(self, ctx: Any) -> None:
+        from postrl.trainer.replay import ReplayBuffer
+        from postrl.trainer.stream import GroupStream
+
         self.ctx = ctx
+        cfg = ctx.cfg
+        fg = cfg.algorithm.filter_groups
+        k = cfg.data.train_batch_size
+        buffer = ReplayBuffer(
+            cfg.rollout.n,
+            k,
+            max_staleness=0,
+            strategy="wait",
+            sampler=cfg.trainer.sampler,
+            filter_groups=fg.enable,
+            max_failure_ratio=cfg.reward.max_failure_ratio,
+            timeout_s=cfg.trainer.async_.timeout_s,
+        )
+        self.stream = GroupStream(
+            ctx,
+            buffer,
+            score_on_completion=fg.enable,
+            inline_scoring=True,  # refills in a fixed order: a filtered run stays reproducible
+            max_refills=refill_limit(cfg),
+        )
 
     def next_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
-        """The loader's next prompts, ``rollout.n`` trajectories each, generated now; with
-        ``algorithm.filter_groups.enable`` scored here and refilled to a full batch of
-        informative groups (:meth:`_informative`)."""
+        """The loader's next prompts, ``rollout.n`` trajectories each, generated now (with
+        ``algorithm.filter_groups.enable``: scored, filtered and refilled to a full batch)."""
         ctx = self.ctx
-        prompts = ctx.loader.next_batch()
-        batch = self._generate(prompts, step)
+        ctx.fleet.wake_up()
+        try:
+            self.stream.admit(ctx.loader.next_batch(), step)
+            t0 = time.perf_counter()
+            batch, metrics = self.stream.take(
+                ctx.cfg.data.train_batch_size, step, ctx.loader.next_prompts
+            )
+        finally:
+            if ctx.cfg.rollout.free_cache_engine:
+                ctx.fleet.sleep()
         if not ctx.cfg.algorithm.filter_groups.enable:
-            return batch, {}
-        t0 = time.perf_counter()
-        batch, metrics = self._informative(batch, step)
+            return batch, {}  # nothing filtered, nothing stale: no replay metrics to report
         metrics["timing_s/dynamic_sampling"] = time.perf_counter() - t0
         return batch, metrics
-
-    def _generate(self, prompts: DataProto, step: int) -> DataProto:
-        ctx = self.ctx
-        batch = ctx.generate(
-            prompts, ctx.sampling_params(), ctx.cfg.rollout.n, step, self.on_trajectory
-        )
-        batch.meta_info["epoch"] = prompts.meta_info.get("epoch", 0)
-        return batch
-
-    def _informative(self, batch: DataProto, step: int) -> tuple[DataProto, dict[str, float]]:
-        """DAPO dynamic sampling with exact refill: score, drop groups whose valid rewards are
-        all equal, and for every dropped group draw one more prompt, until
-        ``data.train_batch_size`` groups are kept (or ``max_num_gen_batches`` rounds ran).
-
-        Reward counts (``reward/generated``, ``scored``, ``failed/*``) and DAPO counts are summed
-        over the rounds; the other reward metrics are row-weighted means over them.
-        """
-        from postrl.trainer.stages import concat_rollouts, dynamic_sampling_stage
-
-        ctx, fg = self.ctx, self.ctx.cfg.algorithm.filter_groups
-        want, kept, kept_groups, rounds = ctx.cfg.data.train_batch_size, [], 0, 0
-        reward_parts: list[tuple[int, dict[str, float]]] = []
-        counts = {"num_groups": 0.0, "num_dropped_groups": 0.0}
-        exhausted = 0.0
-        while True:
-            rounds += 1
-            scored, rm = ctx.reward.finish(batch)
-            reward_parts.append((len(scored), rm))
-            filtered, dm = dynamic_sampling_stage(scored)
-            for k in counts:
-                counts[k] += dm.get(f"dynamic_sampling/{k}", 0.0)
-            if dm["dynamic_sampling/skipped_update"] == 0.0:
-                kept.append(filtered)
-                kept_groups += int(dm["dynamic_sampling/num_kept_groups"])
-            missing = want - kept_groups
-            if missing <= 0 or not fg.refill:
-                break
-            if fg.max_num_gen_batches and rounds >= fg.max_num_gen_batches:
-                exhausted = 1.0
-                logger.warning(
-                    "dynamic sampling: %d of %d informative groups after %d generation rounds "
-                    "(algorithm.filter_groups.max_num_gen_batches); training on those",
-                    kept_groups,
-                    want,
-                    rounds,
-                )
-                break
-            batch = self._generate(ctx.loader.next_prompts(missing), step)
-        out = concat_rollouts(kept) if kept else filtered  # nothing kept: all-masked, no update
-        metrics = _merge_reward_metrics(reward_parts)
-        metrics.update({f"dynamic_sampling/{k}": v for k, v in counts.items()})
-        metrics["dynamic_sampling/num_kept_groups"] = float(kept_groups)
-        metrics["dynamic_sampling/skipped_update"] = 0.0 if kept else 1.0
-        metrics["dynamic_sampling/gen_rounds"] = float(rounds)
-        metrics["dynamic_sampling/refill_exhausted"] = exhausted
-        return out, metrics
 
     def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:
         """Start scoring the trajectory while the rollout tail runs."""
@@ -169,10 +149,13 @@ class SyncMode:
 
     def sync_weights(self) -> dict[str, float]:
         """Push the updated weights to every replica."""
-        return self.ctx.sync_weights()
+        metrics = self.ctx.sync_weights()
+        self.stream.buffer.set_version(self.ctx.fleet.version)
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """The loader position (epoch, offset): the next step draws the same prompts."""
+        """The loader position (epoch, offset): the next step draws the same prompts (every
+        group of a step is trained in it, so nothing else is in flight between steps)."""
         return {"loader": self.ctx.loader.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -180,23 +163,16 @@ class SyncMode:
         self.ctx.loader.load_state_dict(state["loader"])
 
     def close(self) -> None:
-        """Nothing of its own to release (the context owns the fleet)."""
+        """Cancel what the stream still runs (the context owns the fleet)."""
+        self.stream.close()
 
 
-def _merge_reward_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """Reward metrics of several scored rounds: counts summed, the rest row-weighted means."""
-    if len(parts) == 1:
-        return dict(parts[0][1])
-    out: dict[str, float] = {}
-    rows = sum(n for n, _ in parts)
-    for key in {k for _, m in parts for k in m}:
-        vals = [(n, m[key]) for n, m in parts if key in m]
-        if key.startswith(("reward/generated", "reward/scored", "reward/failed/")) or key.endswith(
-            "truncated"
-        ):
-            out[key] = float(sum(v for _, v in vals))
-        elif key.startswith("timing_s/"):
-            out[key] = float(sum(v for _, v in vals))
-        else:
-            out[key] = float(sum(n * v for n, v in vals) / max(rows, 1))
-    return out
+def refill_limit(cfg: Any) -> int | None:
+    """Refill prompts allowed per step: 0 without ``filter_groups.refill``, ``(max_num_gen_batches
+    − 1) × train_batch_size`` (DAPO's generation-round budget), None when unlimited."""
+    fg = cfg.algorithm.filter_groups
+    if not fg.refill:
+        return 0
+    if not fg.max_num_gen_batches:
+        return None
+    return (fg.max_num_gen_batches - 1) * cfg.data.train_batch_size

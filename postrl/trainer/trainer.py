@@ -138,6 +138,7 @@ class RLTrainer:
             self.roles.reward_model,
             multi_turn=loops != {"single_turn"},
         )
+        self.ctx.total_steps = self.total_steps
         self.mode = TRAINER_MODES.get(cfg.trainer.mode)(self.ctx)
         self.tracker: Any = None
 

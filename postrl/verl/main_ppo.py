@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from postrl.config import PostRLConfig, to_dict
+from postrl.config.schema import config_key
 from postrl.verl.translate import Translation, VerlConfigError, translate
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def _diff(value: Any, default: Any) -> Any:
             continue
         if dataclasses.is_dataclass(v) and d != type(d)():
             sub = to_dict(v)
-        out[f.name] = sub
+        out[config_key(f)] = sub
     return out or None
 
 

@@ -39,7 +39,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +126,8 @@ class ReplayBuffer:
         max_failure_ratio: a complete group with more than this fraction of failed
             trajectories is evicted as ``failed``.
         timeout_s: default deadline of :meth:`sample` and :meth:`wait_admit`.
+        on_evict: called with each :class:`Eviction` as it happens (e.g. to admit the refill
+            prompt at once; :meth:`pop_refills` still lists it).
     """
 
     def __init__(
@@ -140,6 +142,7 @@ class ReplayBuffer:
         filter_groups: bool = False,
         max_failure_ratio: float = 0.0,
         timeout_s: float = 600.0,
+        on_evict: Callable[[Eviction], None] | None = None,
     ) -> None:
         errors = []
         if group_size < 1:
@@ -169,6 +172,7 @@ class ReplayBuffer:
         self.filter_groups = bool(filter_groups)
         self.max_failure_ratio = float(max_failure_ratio)
         self.timeout_s = float(timeout_s)
+        self.on_evict = on_evict
         self._groups: dict[str, _Group] = {}  # admitted, not yet taken (in flight or ready)
         self._taken: dict[str, _Group] = {}  # sampled, payloads not yet assembled
         self._evicted: set[str] = set()
@@ -312,6 +316,13 @@ class ReplayBuffer:
         )
         self._set(g, new)
         return True
+
+    def restart(self, key: TrajectoryKey) -> None:
+        """A running trajectory's request was dropped (its progress discarded, e.g. at a
+        checkpoint): back to ``pending``, to dispatch again. Finished ones stay finished."""
+        g, tag = self._tag(key)
+        if g is not None and tag.status is TrajectoryStatus.RUNNING:
+            self._set(g, tag.replace(status=TrajectoryStatus.PENDING))
 
     def fail(self, key: TrajectoryKey, reason: str) -> None:
         """A trajectory failed (rollout or reward error); nothing is stored for it."""
@@ -541,6 +552,8 @@ class ReplayBuffer:
         self._stats.evicted[reason] += 1
         self._stats.dropped_lens += snap.response_lens
         self._notify()
+        if self.on_evict is not None:
+            self.on_evict(e)
         return e
 
     def _try_select(self, k: int, v: int) -> list[str]:

@@ -1,0 +1,478 @@
+"""``GroupStream``: prompts in, complete groups out, through the replay buffer.
+
+Every trainer mode draws its batches from one of these. A prompt admitted into the
+:class:`~postrl.trainer.replay.ReplayBuffer` becomes ``rollout.n`` agent-loop tasks on the
+context's event loop; each trajectory reports to the buffer as it starts and finishes, and a
+complete group is either
+
+* **scored at completion** (``score_on_completion``: DAPO filtering and the async modes) — the
+  reward stage scores the group's n rows as one batch (streamed rule scores, reward model, tool
+  rewards, shaping: the same code as a whole batch), and the buffer decides from the scores:
+  ``filtered`` (no signal) or ``failed`` (failures past ``reward.max_failure_ratio``) groups are
+  evicted and one refill prompt is admitted for each, at once; or
+* **kept unscored** — the trainer's reward stage scores the taken batch (``sync`` without
+  filtering: the same batch, scored the same way, as before the buffer existed).
+
+:meth:`take` runs the loop until the buffer's sampler hands out ``k`` complete groups within the
+staleness bound (event-driven: a group's completion wakes it) and returns them as one batch in
+the rollout layout. Trajectories still in flight stay in flight: an async mode pauses the
+fleet (their requests are aborted and later resumed on the new weights by the rollout client)
+and lets them finish during the next :meth:`take`.
+
+**Nothing is lost**: a group leaves the stream only by being taken (trained) or evicted (and
+then refilled). :meth:`state_dict` holds the buffer's tags, every finished trajectory, the
+prompts in flight and the refills owed; a run resumed from it dispatches the in-flight prompts
+again, so each prompt of an epoch is trained exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from postrl.protocol import DataProto
+from postrl.reward import RewardFailureError
+from postrl.trainer.replay import ReplayBuffer
+from postrl.trainer.replay.tags import Eviction
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GroupStream"]
+
+
+@dataclass
+class _Group:
+    uid: str
+    index: int  # dataset row
+    step: int  # dispatch step (uids, seeds)
+    epoch: int
+    rows: list[dict[str, Any]]
+    outputs: dict[int, Any] = field(default_factory=dict)
+    batch: DataProto | None = None  # the scored group (score_on_completion)
+
+
+class GroupStream:
+    """Admit prompts, generate and score their groups, take complete ones (module docstring).
+
+    Args:
+        ctx: the :class:`~postrl.trainer.context.TrainerContext`.
+        buffer: the replay buffer deciding admission, eviction and sampling (its ``on_evict``
+            is set here).
+        score_on_completion: score each group as it completes (needed to filter or evict by
+            score); else the taken batch is returned unscored.
+        inline_scoring: score a completed group before the loop runs on (deterministic
+            interleaving); else the group's streamed reward futures are awaited as a task, so
+            generation continues meanwhile.
+        max_refills: most refill prompts per :meth:`take` (None: no limit); past it the batch
+            is made of the groups kept.
+    """
+
+    def __init__(
+        self,
+        ctx: Any,
+        buffer: ReplayBuffer,
+        *,
+        score_on_completion: bool,
+        inline_scoring: bool = True,
+        max_refills: int | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.buffer = buffer
+        buffer.on_evict = self._on_evict
+        self.n = buffer.group_size
+        self.score_on_completion = score_on_completion
+        self.inline_scoring = inline_scoring
+        self.max_refills = max_refills
+        self.on_ready: Callable[[int], None] | None = None  # called with the ready-group count
+        self._groups: dict[str, _Group] = {}
+        self._tasks: dict[tuple[str, int], asyncio.Task[Any]] = {}
+        self._owed = 0  # refill prompts owed (evictions not yet refilled)
+        self._refills = 0  # refill prompts admitted during the current take
+        self._dropped_batch: DataProto | None = None  # a filtered group (all-masked fallback)
+        self._error: BaseException | None = None
+        self._last_failure = ""
+        self._parts: list[tuple[int, dict[str, float]]] = []  # reward metrics per scored group
+        self._wake: asyncio.Future[None] | None = None
+        self._counts = dict.fromkeys(("groups", "filtered", "failed", "stale"), 0)
+        self._sampling = ctx.sampling_params()
+
+    # ------------------------------------------------------------------ admission
+    @property
+    def in_flight(self) -> int:
+        """Trajectories generating or waiting to generate."""
+        return len(self._tasks)
+
+    def admit(self, prompts: DataProto, step: int) -> list[str]:
+        """Admit one group per prompt row (``dispatch_step = step``) and start its ``n``
+        trajectories; returns the group uids."""
+        cfg = self.ctx.cfg
+        epoch = int(prompts.meta_info.get("epoch", 0))
+        rows = self.ctx.agents.rows(prompts, self.n, seed=cfg.trainer.seed, step=step)
+        uids = []
+        for p in range(len(prompts)):
+            grows = rows[p * self.n : (p + 1) * self.n]
+            uid = str(grows[0]["uid"])
+            if uid in self._groups or uid in self.buffer._evicted:  # same row twice in a step
+                uid = f"{uid}-r{self.buffer._seq}"
+                for r in grows:
+                    r["uid"] = uid
+            uids.append(uid)
+            index = int(grows[0].get("index", p))
+            self._groups[uid] = _Group(uid, index, step, epoch, grows)
+        self.buffer.admit(uids, dispatch_step=step)
+        for uid in uids:
+            for k in range(self.n):
+                self._spawn(uid, k)
+        return uids
+
+    def _spawn(self, uid: str, k: int) -> None:
+        task = self.ctx._loop.create_task(self._run(uid, k))
+        self._tasks[(uid, k)] = task
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        if self._error is None:
+            self._error = task.exception()
+        self._poke()
+
+    async def _run(self, uid: str, k: int) -> None:
+        g = self._groups[uid]
+        self.buffer.start((uid, k))
+        try:
+            out = await self.ctx.agents.run(g.rows[k], self._sampling)
+        finally:
+            self._tasks.pop((uid, k), None)
+        if uid not in self._groups:  # evicted while generating (e.g. stale)
+            return
+        self.ctx.reward.on_trajectory(k, out, g.rows[k])
+        g.outputs[k] = out
+        if not self.score_on_completion:
+            self._report(uid, k, None)
+            self._ready_check()
+            return
+        if len(g.outputs) < self.n:
+            return  # its tag stays running until the group is scored
+        if not self.inline_scoring:
+            futures = self.ctx.reward.streamed([(uid, j) for j in range(self.n)])
+            if futures:
+                await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        self._score(uid)
+
+    def _report(self, uid: str, k: int, score: float | None) -> None:
+        out = self._groups[uid].outputs[k]
+        self.buffer.finish(
+            (uid, k),
+            out,
+            prompt_len=len(out.prompt_ids),
+            response_len=len(out.response_ids),
+            versions=_segments(out),
+            score=score,
+        )
+
+    def _score(self, uid: str) -> None:
+        """Score a complete group and report its trajectories to the buffer (which evicts it
+        when filtered or failed)."""
+        g = self._groups.get(uid)
+        if g is None:
+            return
+        batch = self._assemble([g])
+        scored, metrics = self.ctx.reward.finish(batch, check_failures=False)
+        g.batch = scored
+        self._parts.append((self.n, metrics))
+        self._counts["groups"] += 1
+        scores = scored.batch["token_level_scores"].sum(-1).tolist()
+        valid = scored.batch["sample_valid"].tolist()
+        for k in range(self.n):
+            if uid not in self._groups:
+                break  # evicted by an earlier trajectory's report
+            if valid[k]:
+                self._report(uid, k, float(scores[k]))
+            else:
+                self._last_failure = f"group {uid}: " + ", ".join(
+                    f"{m}={int(v)}" for m, v in metrics.items() if m.startswith("reward/failed/")
+                )
+                self.buffer.fail((uid, k), "reward")
+        if uid in self._groups:
+            self._ready_check()
+
+    def _ready_check(self) -> None:
+        if self.on_ready is not None:
+            self.on_ready(sum(1 for s in self.buffer.groups() if s.complete))
+
+    def _on_evict(self, e: Eviction) -> None:
+        g = self._groups.pop(e.uid, None)
+        for k in range(self.n):
+            task = self._tasks.pop((e.uid, k), None)
+            if task is not None:
+                task.cancel()
+        if e.reason == "filtered" and g is not None and g.batch is not None:
+            self._dropped_batch = g.batch
+        self._counts[e.reason] += 1
+        self._owed += 1
+        self._poke()
+
+    def refill(self, step: int, draw: Callable[[int], DataProto]) -> int:
+        """Admit one prompt (``draw(1)``) per eviction not yet refilled, within
+        ``max_refills``; returns how many were admitted."""
+        n = 0
+        while self._owed and (self.max_refills is None or self._refills < self.max_refills):
+            self._owed -= 1
+            self._refills += 1
+            self.admit(draw(1), step)
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------ taking
+    def take(
+        self, k: int, step: int, draw: Callable[[int], DataProto]
+    ) -> tuple[DataProto, dict[str, float]]:
+        """Run the loop until ``k`` complete groups can be taken (refilling evictions from
+        ``draw`` meanwhile); returns them as one batch and the ``dynamic_sampling/*`` /
+        reward metrics. With refills exhausted and nothing in flight, the groups kept so far
+        form the batch (none: a filtered group with every token masked, no update)."""
+        t0 = time.perf_counter()
+        uids = self.ctx.run_async(self._take(k, step, draw))
+        taken = [self._groups.pop(u) for u in uids]
+        self.buffer.assemble(uids)  # releases the payloads (the groups hold the outputs)
+        metrics: dict[str, float] = {}
+        if not taken:
+            batch = self._dropped_batch
+            if batch is None:
+                raise RuntimeError(
+                    f"no group to train on at step {step}: the loader ran dry or every refill "
+                    f"was evicted; check algorithm.filter_groups and the data"
+                )
+            b = dict(batch.batch)
+            b["response_mask"] = b["response_mask"] * 0
+            batch = DataProto(b, batch.non_tensor_batch, dict(batch.meta_info))
+        elif self.score_on_completion:
+            from postrl.trainer.stages import concat_rollouts
+
+            assert all(g.batch is not None for g in taken)
+            batch = concat_rollouts([g.batch for g in taken])  # type: ignore[misc]
+
+        else:
+            batch = self._assemble(taken)
+        batch.meta_info["epoch"] = min((g.epoch for g in taken), default=0)
+        batch.meta_info["timing_s/agent_loop"] = time.perf_counter() - t0
+        if self._parts:  # every group scored since the last take, kept or evicted
+            parts, self._parts = self._parts, []
+            metrics.update(_merge_reward_metrics(parts))
+        metrics.update(self._take_metrics(len(taken)))
+        return batch, metrics
+
+    async def _take(self, k: int, step: int, draw: Callable[[int], DataProto]) -> list[str]:
+        self._refills = 0
+        loop = asyncio.get_running_loop()
+        sample = loop.create_task(self.buffer.sample(k))
+        try:
+            while True:
+                self._raise_error()
+                if self._counts["failed"] > k:
+                    raise RewardFailureError(
+                        f"{self._counts['failed']} groups were evicted for reward failures while "
+                        f"gathering one batch of {k} (more than reward.max_failure_ratio="
+                        f"{self.buffer.max_failure_ratio} of their samples failed); the last: "
+                        f"{self._last_failure}. Fix the reward function or raise "
+                        f"reward.max_failure_ratio"
+                    )
+                self.refill(step, draw)
+                if sample.done():
+                    return sample.result()
+                ready = [s for s in self.buffer.groups() if s.complete]
+                starved = (
+                    not self._tasks
+                    and not self._scoring()
+                    and (
+                        self._owed == 0
+                        or self.max_refills is not None
+                        and self._refills >= self.max_refills
+                    )
+                )
+                if starved and len(ready) < k:
+                    sample.cancel()
+                    return await self._take_short(len(ready))
+                self._wake = loop.create_future()
+                await asyncio.wait({sample, self._wake}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._wake = None
+            if not sample.done():
+                sample.cancel()
+
+    async def _take_short(self, n: int) -> list[str]:
+        if n:
+            logger.warning(
+                "dynamic sampling: %d informative groups of the %d wanted after %d refills "
+                "(algorithm.filter_groups.max_num_gen_batches); training on those",
+                n,
+                self.buffer.batch_groups,
+                self._refills,
+            )
+            return await self.buffer.sample(n)
+        return []
+
+    def _scoring(self) -> bool:
+        return any(
+            len(g.outputs) == self.n and g.batch is None
+            for g in self._groups.values()
+            if self.score_on_completion
+        )
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _take_metrics(self, kept: int) -> dict[str, float]:
+        c, self._counts = self._counts, dict.fromkeys(self._counts, 0)
+        m = {
+            "dynamic_sampling/num_groups": float(c["groups"]),
+            "dynamic_sampling/num_kept_groups": float(kept),
+            "dynamic_sampling/num_dropped_groups": float(c["filtered"]),
+            "dynamic_sampling/skipped_update": 0.0 if kept else 1.0,
+            "dynamic_sampling/gen_rounds": 1.0
+            + float(np.ceil(self._refills / max(self.buffer.batch_groups, 1))),
+            "dynamic_sampling/refill_exhausted": float(kept < self.buffer.batch_groups),
+            "replay/refills": float(self._refills),
+        }
+        m.update(self.buffer.metrics())
+        return m
+
+    def _assemble(self, groups: list[_Group]) -> DataProto:
+        outputs = [g.outputs[k] for g in groups for k in range(self.n)]
+        rows = [g.rows[k] for g in groups for k in range(self.n)]
+        return self.ctx.agents.assemble(outputs, rows)
+
+    # ------------------------------------------------------------------ checkpoints
+    def drop_in_flight(self) -> int:
+        """Cancel every running trajectory and mark it pending (its progress is discarded; it
+        is dispatched again by :meth:`resume_pending`). Returns how many were dropped."""
+        tasks, self._tasks = self._tasks, {}
+        for (uid, k), task in tasks.items():
+            task.cancel()
+            self.buffer.restart((uid, k))
+        if tasks:  # let the cancellations run (they release the requests' replica slots)
+            self.ctx.run_async(asyncio.gather(*tasks.values(), return_exceptions=True))
+        return len(tasks)
+
+    def resume_pending(self) -> None:
+        """Start every pending trajectory of the buffer (after :meth:`drop_in_flight` or a load)."""
+        for uid, k in self.buffer.pending_keys():
+            if (uid, k) not in self._tasks and k not in self._groups[uid].outputs:
+                self._spawn(uid, k)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe: the buffer's control plane, each untrained group's prompt (dataset index,
+        dispatch step, epoch) and finished trajectories, the refills owed. Call after
+        :meth:`drop_in_flight` (running trajectories are saved as prompts)."""
+        return {
+            "buffer": self.buffer.state_dict(),
+            "owed": self._owed,
+            "parts": [[n, m] for n, m in self._parts],
+            "groups": [
+                {
+                    "uid": g.uid,
+                    "index": g.index,
+                    "step": g.step,
+                    "epoch": g.epoch,
+                    "outputs": {str(k): _output_to_json(o) for k, o in g.outputs.items()},
+                }
+                for g in self._groups.values()
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: groups rebuilt from their prompts, complete groups
+        scored again (deterministic rewards give the same scores), pending trajectories
+        started when the loop next runs."""
+        from postrl.agent.base import AgentLoopOutput
+
+        ds, cfg = self.ctx.loader.dataset, self.ctx.cfg
+        self._groups = {}
+        payloads = {}
+        for d in state["groups"]:
+            prompts = ds.batch([int(d["index"])])
+            rows = self.ctx.agents.rows(prompts, self.n, seed=cfg.trainer.seed, step=d["step"])
+            for r in rows:
+                r["uid"] = d["uid"]
+            g = _Group(d["uid"], int(d["index"]), int(d["step"]), int(d["epoch"]), rows)
+            g.outputs = {
+                int(k): _output_from_json(o, AgentLoopOutput) for k, o in d["outputs"].items()
+            }
+            self._groups[g.uid] = g
+        for t in (t for gs in state["buffer"]["groups"] for t in gs["tags"]):
+            if t["status"] == "finished":
+                payloads[(t["uid"], int(t["sample_index"]))] = self._groups[t["uid"]].outputs[
+                    int(t["sample_index"])
+                ]
+        on_evict, self.buffer.on_evict = self.buffer.on_evict, None
+        self.buffer.load_state_dict(state["buffer"], payloads)
+        self.buffer.on_evict = on_evict
+        self._owed = int(state["owed"])
+        self._parts = [(int(n), dict(m)) for n, m in state.get("parts", [])]
+        for g in self._groups.values():
+            if len(g.outputs) == self.n and self.score_on_completion:
+                g.batch, _ = self.ctx.reward.finish(self._assemble([g]), check_failures=False)
+        self.resume_pending()
+
+    def close(self) -> None:
+        """Cancel every task still running."""
+        for task in self._tasks.values():
+            task.cancel()
+        self._tasks = {}
+
+
+def _segments(out: Any) -> list[tuple[int, int]]:
+    """The policy-version segments of a trajectory's sampled tokens ([] when unknown)."""
+    return [(int(n), int(v)) for n, v in (out.response_versions or []) if v is not None and v >= 0]
+
+
+def _output_to_json(out: Any) -> dict[str, Any]:
+    d = dataclasses.asdict(out)
+    try:
+        import json
+
+        json.dumps(d)
+    except TypeError as e:
+        raise TypeError(
+            f"a finished trajectory cannot be checkpointed: its AgentLoopOutput holds a value "
+            f"JSON cannot represent ({e}); keep agent-loop metrics/extra to plain JSON values"
+        ) from e
+    return d
+
+
+def _output_from_json(d: dict[str, Any], cls: type) -> Any:
+    d = dict(d)
+    if d.get("response_versions") is not None:
+        d["response_versions"] = [tuple(s) for s in d["response_versions"]]
+    return cls(**d)
+
+
+def _merge_reward_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """Reward metrics of several scored parts: counts and timings summed, the rest
+    row-weighted means."""
+    if len(parts) == 1:
+        return dict(parts[0][1])
+    out: dict[str, float] = {}
+    rows = sum(n for n, _ in parts)
+    summed = ("reward/generated", "reward/scored", "reward/failed/", "timing_s/")
+    for key in {k for _, m in parts for k in m}:
+        vals = [(n, m[key]) for n, m in parts if key in m]
+        if key.startswith(summed) or key.endswith("truncated"):
+            out[key] = float(sum(v for _, v in vals))
+        else:
+            out[key] = float(sum(n * v for n, v in vals) / max(rows, 1))
+    return out
