@@ -5,8 +5,16 @@ Heavy modules are imported lazily: ``from postrl.trainer import RLTrainer`` work
 """
 
 from postrl.trainer.modes import TRAINER_MODES, SyncMode, TrainerMode, register_trainer
+from postrl.trainer.one_step_off import OneStepOffMode  # registers trainer.mode=one_step_off
 
-__all__ = ["TRAINER_MODES", "RLTrainer", "SyncMode", "TrainerMode", "register_trainer"]
+__all__ = [
+    "TRAINER_MODES",
+    "RLTrainer",
+    "SyncMode",
+    "OneStepOffMode",
+    "TrainerMode",
+    "register_trainer",
+]
 
 
 def __getattr__(name: str):

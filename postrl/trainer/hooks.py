@@ -4,6 +4,8 @@ The trainer calls :func:`fire` with a point name at the places where a crash is 
 interesting for crash-consistency (exact-resume) tests:
 
 - ``step{N}:after_gen``: step ``N``'s rollout has finished, nothing of the step is trained yet;
+- ``step{N}:after_update``: step ``N``'s update ran, its weights are neither pushed to the
+  rollout nor saved (an async mode has the next batch in flight);
 - ``step{N}:ckpt_components``: inside step ``N``'s checkpoint write, the components are on
   disk in the temporary directory but the manifest is not (an unfinished checkpoint);
 - ``step{N}:end``: step ``N`` is logged (and saved when ``save_freq`` says so).

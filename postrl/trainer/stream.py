@@ -415,9 +415,9 @@ class GroupStream:
             self._groups[g.uid] = g
         for t in (t for gs in state["buffer"]["groups"] for t in gs["tags"]):
             if t["status"] == "finished":
-                payloads[(t["uid"], int(t["sample_index"]))] = self._groups[t["uid"]].outputs[
-                    int(t["sample_index"])
-                ]
+                payloads[(t["group_uid"], int(t["sample_index"]))] = self._groups[
+                    t["group_uid"]
+                ].outputs[int(t["sample_index"])]
         on_evict, self.buffer.on_evict = self.buffer.on_evict, None
         self.buffer.load_state_dict(state["buffer"], payloads)
         self.buffer.on_evict = on_evict

@@ -42,6 +42,7 @@ from postrl.trainer.checkpoint import find_latest_checkpoint, load_trainer_state
 from postrl.trainer.context import build_context
 from postrl.trainer.determinism import determinism_info
 from postrl.trainer.hooks import fire
+from postrl.trainer.ledger import TrainedLedger, trained_groups
 from postrl.trainer.metrics import reduce_metrics, timer
 from postrl.trainer.modes import TRAINER_MODES
 from postrl.trainer.roles import build_roles
@@ -102,6 +103,7 @@ class RLTrainer:
             cfg.trainer.total_steps or self.loader.steps_per_epoch * cfg.trainer.total_epochs
         )
         self.global_step = 0
+        self.trained: list[tuple[str, int]] = []  # (uid, dataset index) of the last step's groups
 
         roles_needed = needs.roles_needed(cfg)  # from the declared needs, never by name
         self.use_critic = "critic" in roles_needed
@@ -169,12 +171,14 @@ class RLTrainer:
         batch = run("adv", stages.advantage_stage, batch, ctx, self.kl_ctrl)  # 6. advantage
         batch = run("update_critic", roles.update_critic, batch)  # 7. update
         batch = run("update_actor", roles.update_actor, batch)
+        fire(f"step{step}:after_update")
         with timer("sync_weights", t):  # 8. weight sync
             m.update(self.mode.sync_weights())
         t["timing_s/step"] = time.perf_counter() - t_step  # 9. bookkeeping
         m.update(t)
         m.update(stages.step_metrics(batch, cfg, t["timing_s/step"], roles.dp_size))
         m["training/epoch"] = float(batch.meta_info.get("epoch", 0))
+        self.trained = [] if m.get("dynamic_sampling/skipped_update") else trained_groups(batch)
         return reduce_metrics(m)
 
     # ------------------------------------------------------------------ the loop
@@ -188,6 +192,7 @@ class RLTrainer:
         self.tracker = Tracker(
             self.run_dir, tc.loggers, self.total_steps, self.cfg, start_step=start + 1
         )
+        ledger = TrainedLedger(self.run_dir, start_step=start + 1)
         last: dict[str, float] = {}
         try:
             if start == 0 and tc.val_before_train and self.val_set is not None:
@@ -202,12 +207,14 @@ class RLTrainer:
                     with timer("testing", metrics):
                         metrics.update(self.validate())
                 self.tracker.log(metrics, step)
+                ledger.log(step, int(metrics["training/epoch"]), self.trained)
                 if tc.save_freq and (step % tc.save_freq == 0 or is_last):
                     self.save(step)
                 fire(f"step{step}:end")
                 last = metrics
         finally:
             self.tracker.close()
+            ledger.close()
         plots = make_plots(self.run_dir)
         summary = summarize(self.run_dir)
         (self.run_dir / "summary.txt").write_text(summary + "\n")

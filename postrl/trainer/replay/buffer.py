@@ -406,7 +406,7 @@ class ReplayBuffer:
         m["replay/staleness/max"] = float(max(s.ages)) if s.ages else 0.0
         m["replay/occupancy"] = (len(self._groups) + self._consumed_at_version) / self.capacity
         m["replay/ready_groups"] = float(sum(1 for g in self.groups() if g.complete))
-        m["replay/sampler_wait_s"] = s.wait_s
+        m["timing_s/replay_wait"] = s.wait_s
         m["replay/dropped_len_mean"] = _mean(s.dropped_lens)
         m["replay/kept_len_mean"] = _mean(s.kept_lens)
         return m

@@ -1,0 +1,64 @@
+"""``RUN_DIR/trained_prompts.jsonl``: which prompts every step trained on.
+
+One line per completed step, ``{"step": s, "epoch": e, "uid": [...], "index": [...]}`` — the
+group uids of the step's batch and their dataset row indices, in batch order. A resumed run
+truncates the file to the steps before it (as ``metrics.jsonl``), so the file always says what
+the run as a whole trained: counting the indices of an epoch shows every prompt trained exactly
+once, in every mode, across kills and resumes (the tests do exactly that).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from postrl.protocol import DataProto
+
+__all__ = ["TrainedLedger", "trained_groups", "read_ledger"]
+
+LEDGER = "trained_prompts.jsonl"
+
+
+def trained_groups(batch: DataProto) -> list[tuple[str, int]]:
+    """``(uid, dataset index)`` of every group in ``batch``, first-seen order (index -1 when
+    the dataset has no ``index`` column)."""
+    nt = batch.non_tensor_batch
+    index = nt.get("index")
+    seen: dict[str, int] = {}
+    for i, uid in enumerate(nt["uid"]):
+        seen.setdefault(str(uid), int(index[i]) if index is not None else -1)
+    return list(seen.items())
+
+
+class TrainedLedger:
+    """Appends one line per step to ``RUN_DIR/trained_prompts.jsonl`` (see the module
+    docstring); ``start_step``: rows from it on are dropped first (a resumed run)."""
+
+    def __init__(self, run_dir: Path, start_step: int = 1) -> None:
+        self.path = Path(run_dir) / LEDGER
+        if self.path.exists():
+            keep = [
+                ln
+                for ln in self.path.read_text().splitlines()
+                if ln.strip() and json.loads(ln)["step"] < start_step
+            ]
+            self.path.write_text("".join(ln + "\n" for ln in keep))
+        self._fh = self.path.open("a")
+
+    def log(self, step: int, epoch: int, groups: list[tuple[str, int]]) -> None:
+        """Record step ``step``'s groups."""
+        row = {"step": step, "epoch": epoch, "uid": [u for u, _ in groups]}
+        row["index"] = [i for _, i in groups]
+        self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._fh.close()
+
+
+def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of ``RUN_DIR/trained_prompts.jsonl``."""
+    p = Path(run_dir) / LEDGER
+    return [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()]

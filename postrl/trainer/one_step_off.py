@@ -1,0 +1,160 @@
+"""``one_step_off``: the next batches generate while the current one is taken and trained.
+
+verl's ``colocate_async``: rollout and training share the devices. Generation runs ahead of
+training through the replay buffer: at a step's start the mode tops the buffer up to
+``(2 + trainer.async.num_warmup_batches) × train_batch_size`` untrained groups (within the
+buffer's pacing cap ``(max_staleness + 1) × train_batch_size`` and the run's remaining budget),
+runs the rollout until ``train_batch_size`` groups are complete and scored, and takes them
+(oldest first). The groups still generating are **interrupted**: the fleet pauses (their
+requests are aborted), the actor trains, the weights are pushed, the fleet resumes — and the
+rollout client continues each interrupted request on the new weights (partial rollout). Every
+token keeps the version that sampled it (``rollout_policy_version``), so staleness — the
+current version minus a group's oldest token version — and the off-policy correction see the
+truth.
+
+Why it pays: a sync step waits for its slowest trajectory while the batch's other slots idle;
+here the long tail of one batch overlaps the start of the next, and a trajectory waiting on a
+tool keeps waiting (the tool still runs) while the actor trains.
+
+Groups are scored as they complete (reward overlaps generation); ``filtered`` (DAPO) and
+``failed`` (``reward.max_failure_ratio``) groups are evicted and refilled at once, stale ones
+(``staleness_strategy=drop``) when an update would take them. Old log-probs come from a forward
+before the update (an off-policy mode can never fuse them), so decoupled PPO
+(``actor.policy_loss=decoupled``) or rollout correction weigh the samples by π_prox/μ.
+
+``trainer.deterministic=true`` fixes the interleaving: groups are scored inline, the fleet
+pauses the moment the batch is complete, and a checkpoint restarts in-flight trajectories from
+their prompts (in this run too), so a resumed run reproduces the uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from postrl.protocol import DataProto
+from postrl.trainer.modes import refill_limit, register_trainer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OneStepOffMode"]
+
+
+@register_trainer("one_step_off", on_policy=False)
+class OneStepOffMode:
+    """Generation runs one (or ``1 + num_warmup_batches``) batch ahead of training (module
+    docstring). Built from a :class:`~postrl.trainer.context.TrainerContext`."""
+
+    def __init__(self, ctx: Any) -> None:
+        from postrl.trainer.replay import ReplayBuffer
+        from postrl.trainer.stream import GroupStream
+
+        self.ctx = ctx
+        cfg = ctx.cfg
+        ac = cfg.trainer.async_
+        self.k = cfg.data.train_batch_size
+        self.deterministic = cfg.trainer.deterministic
+        self.buffer = ReplayBuffer(
+            cfg.rollout.n,
+            self.k,
+            max_staleness=ac.max_staleness,
+            strategy=ac.staleness_strategy,
+            sampler=cfg.trainer.sampler,
+            filter_groups=cfg.algorithm.filter_groups.enable,
+            max_failure_ratio=cfg.reward.max_failure_ratio,
+            timeout_s=ac.timeout_s,
+        )
+        self.stream = GroupStream(
+            ctx,
+            self.buffer,
+            score_on_completion=True,
+            inline_scoring=self.deterministic,
+            max_refills=refill_limit(cfg) if cfg.algorithm.filter_groups.enable else None,
+        )
+        if self.deterministic:
+            self.stream.on_ready = self._pause_when_ready
+        self.ahead = (2 + ac.num_warmup_batches) * self.k  # untrained groups at a step's start
+        self.trained = 0  # groups taken so far (the admission budget)
+        self._taking = False  # inside take (validation also runs the loop)
+
+    # ------------------------------------------------------------------ the step
+    def next_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
+        """Top up the buffer, generate until a batch is complete, take it, pause the rest."""
+        ctx = self.ctx
+        ctx.fleet.wake_up()
+        admitted = self._fill(step)
+        self._taking = True
+        try:
+            batch, metrics = self.stream.take(self.k, step, ctx.loader.next_prompts)
+        finally:
+            self._taking = False
+        ctx.fleet.pause()  # in-flight requests stop here and resume on the new weights
+        if ctx.cfg.rollout.free_cache_engine:
+            ctx.fleet.sleep()
+        kept = int(metrics["dynamic_sampling/num_kept_groups"])
+        self.trained += kept
+        metrics["async/admitted_groups"] = float(admitted)
+        metrics["async/in_flight_groups"] = float(len(self.buffer.groups()))
+        metrics["async/interrupted_trajectories"] = float(self.stream.in_flight)
+        if not ctx.cfg.algorithm.filter_groups.enable:
+            metrics = {k: v for k, v in metrics.items() if not k.startswith("dynamic_sampling/")}
+        return batch, metrics
+
+    def _fill(self, step: int) -> int:
+        """Admit whole batches from the loader while the buffer holds fewer than ``ahead``
+        untrained groups, the pacing cap allows it and the run will still train them."""
+        ctx, n = self.ctx, 0
+        budget = ctx.total_steps * self.k if ctx.total_steps else None
+        while True:
+            untrained = len(self.buffer.groups())
+            room = min(self.buffer.can_admit(), self.ahead - untrained)
+            if budget is not None:
+                room = min(room, budget - self.trained - untrained)
+            if room < self.k:
+                return n
+            self.stream.admit(ctx.loader.next_batch(), step)
+            n += self.k
+
+    def _pause_when_ready(self, ready: int) -> None:
+        if (
+            self._taking and ready >= self.k
+        ):  # deterministic: no token is sampled after the batch completes
+            self.ctx.fleet.pause()
+
+    def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:
+        """Trajectories report to the stream (and the reward stage) on their own."""
+
+    def sync_weights(self) -> dict[str, float]:
+        """Push the updated weights, advance the buffer's version, let the interrupted
+        requests continue on the new weights."""
+        metrics = self.ctx.sync_weights()
+        self.buffer.set_version(self.ctx.fleet.version)
+        self.ctx.fleet.resume()
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The loader position, the buffer (finished trajectories with their data, in-flight
+        prompts as prompts, refills owed) and the groups trained so far. In-flight trajectories
+        restart from their prompts after this call, in this run too (a resumed run then
+        continues exactly as this one does)."""
+        dropped = self.stream.drop_in_flight()
+        if dropped:
+            logger.info("checkpoint: %d in-flight trajectories restart from their prompts", dropped)
+        state = {
+            "loader": self.ctx.loader.state_dict(),
+            "stream": self.stream.state_dict(),
+            "trained": self.trained,
+        }
+        self.stream.resume_pending()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (pending trajectories start when the rollout next runs)."""
+        self.ctx.loader.load_state_dict(state["loader"])
+        self.trained = int(state["trained"])
+        self.stream.load_state_dict(state["stream"])
+
+    def close(self) -> None:
+        """Cancel the trajectories still running."""
+        self.stream.close()

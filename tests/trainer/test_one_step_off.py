@@ -1,0 +1,177 @@
+"""``trainer.mode=one_step_off``: generation one batch ahead of training, partial rollout,
+staleness in policy versions, nothing lost or duplicated across kills, deterministic resume."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from trainer_helpers import checkpoint_weights, metric_rows, train_subprocess
+
+from postrl.config import ConfigError, load_config
+from postrl.data import generate_addition, write_parquet
+from postrl.trainer import RLTrainer
+from postrl.trainer.ledger import read_ledger
+
+
+@pytest.fixture(scope="module")
+def epoch_files(tmp_path_factory):
+    """16 training prompts (4 steps of 4 per epoch) and 4 held-out ones."""
+    d = tmp_path_factory.mktemp("osoff")
+    train = write_parquet(generate_addition(16, seed=5), d / "train.parquet")
+    test = write_parquet(generate_addition(4, seed=5, split="test"), d / "test.parquet")
+    return train, test
+
+
+def _base(tiny_model_dir, epoch_files, digits_reward, run) -> list[str]:
+    train, test = epoch_files
+    return [
+        f"model.path={tiny_model_dir}",
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{test}]",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=48",
+        "actor.ppo_mini_batch_size=2",
+        "actor.optim.lr=1e-4",
+        "actor.policy_loss=decoupled",
+        "rollout.n=4",
+        "rollout.response_length=8",
+        "trainer.mode=one_step_off",
+        "trainer.total_steps=8",  # two epochs
+        "trainer.test_freq=4",
+        "trainer.val_before_train=false",
+        "trainer.loggers=[jsonl]",
+        f"reward.custom_function.path={digits_reward}",
+        f"trainer.run_dir={run}",
+    ]
+
+
+def _each_prompt_once_per_epoch(run, epochs: int = 2, size: int = 16) -> None:
+    rows = read_ledger(run)
+    assert [r["step"] for r in rows] == list(range(1, 4 * epochs + 1))
+    uids = Counter(u for r in rows for u in r["uid"])
+    assert max(uids.values()) == 1, "a group was trained twice"
+    for e in range(epochs):
+        idx = Counter(i for r in rows if r["epoch"] == e for i in r["index"])
+        assert sorted(idx) == list(range(size)), f"epoch {e}: prompts lost {idx}"
+        assert set(idx.values()) == {1}, f"epoch {e}: prompts duplicated {idx}"
+
+
+def test_one_step_off_trains_each_prompt_once_within_the_staleness_bound(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    cfg = load_config(
+        None,
+        [
+            *_base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run"),
+            "trainer.deterministic=true",
+        ],
+    )
+    trainer = RLTrainer(cfg)
+    seen = []
+    update = trainer.roles.update_actor
+
+    def spy(batch):
+        v = batch.batch["rollout_policy_version"]
+        mask = batch.batch["response_mask"].bool()
+        seen.append((trainer.ctx.fleet.version, v[mask].min().item(), v, mask))
+        return update(batch)
+
+    trainer.roles.update_actor = spy
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    _each_prompt_once_per_epoch(tmp_path / "run")
+    rows = metric_rows(tmp_path / "run")
+    assert max(r["replay/staleness/max"] for r in rows) <= 1
+    assert rows[-1]["replay/staleness/mean"] == 1.0  # generated one version ahead
+    mixed = 0
+    for current, oldest, v, mask in seen:
+        assert current - oldest <= 1, "a token older than trainer.async.max_staleness was trained"
+        rows_v = torch.where(mask, v, torch.full_like(v, -1))
+        lo = torch.where(mask, v, torch.full_like(v, 1 << 30)).min(-1).values
+        mixed += int(((rows_v.max(-1).values > lo) & mask.any(-1)).sum())
+    assert mixed > 0, "no trajectory was interrupted and resumed on newer weights"
+    assert sum(r["async/interrupted_trajectories"] for r in rows) > 0
+
+
+def test_one_step_off_config_errors_name_the_field_and_the_fix(small_overrides):
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(
+            load_config(
+                None,
+                [*small_overrides, "trainer.mode=one_step_off", "trainer.async.max_staleness=0"],
+            )
+        )
+    assert "trainer.async.max_staleness=0 with trainer.mode=one_step_off" in str(e.value)
+    assert "set trainer.async.max_staleness >= 1" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*small_overrides, "trainer.async.max_stalenes=2"])
+    assert "trainer.async.max_staleness" in str(e.value)  # did-you-mean, under the YAML key
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(
+            load_config(
+                None,
+                [
+                    *small_overrides,
+                    "trainer.mode=one_step_off",
+                    "trainer.async.num_warmup_batches=1",
+                    "trainer.async.staleness_strategy=keep",
+                    "trainer.sampler=newest",
+                ],
+            )
+        )
+    msg = str(e.value)
+    assert "set trainer.async.max_staleness >= 2" in msg
+    assert "trainer.async.staleness_strategy='keep' must be 'drop'" in msg
+    assert "trainer.sampler='newest'" in msg
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(
+            load_config(
+                None,
+                [*small_overrides, "trainer.mode=one_step_off", "actor.fuse_old_log_prob=true"],
+            )
+        )
+    assert "off-policy" in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kill_at", ["step3:after_gen", "step6:after_update", "step4:ckpt_components"]
+)
+def test_one_step_off_kill_and_resume_loses_and_duplicates_nothing(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path, kill_at
+):
+    """SIGKILL mid-rollout, mid-update (the next batch in flight) and mid-save, then resume:
+    every prompt of both epochs is trained exactly once, counted by uid and index."""
+    run = tmp_path / "run"
+    args = [*_base(tiny_model_dir, epoch_files, digits_reward, run), "trainer.save_freq=2"]
+    assert train_subprocess(args, threads=1, kill_at=kill_at) == -9
+    assert train_subprocess(args, threads=1) == 0
+    _each_prompt_once_per_epoch(run)
+
+
+@pytest.mark.slow
+def test_deterministic_one_step_off_resume_is_bit_exact(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    """With trainer.deterministic=true the resumed run logs the uninterrupted run's metrics
+    and ends with its weights, bit for bit."""
+
+    def args(run):
+        return [
+            *_base(tiny_model_dir, epoch_files, digits_reward, run),
+            "trainer.total_steps=6",
+            "trainer.save_freq=2",
+            "trainer.deterministic=true",
+        ]
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert train_subprocess(args(ref), threads=1) == 0
+    assert train_subprocess(args(run), threads=1, kill_at="step3:after_update") == -9
+    assert train_subprocess(args(run), threads=1) == 0
+    assert metric_rows(run) == metric_rows(ref)
+    a, b = checkpoint_weights(run, 6), checkpoint_weights(ref, 6)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
