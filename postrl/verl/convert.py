@@ -512,6 +512,35 @@ def _trainer_mode(v, view):
     return {"trainer.mode": names[v]}
 
 
+def _async_only(conv):
+    """Apply ``conv`` only when verl's trainer mode is asynchronous (postrl's ``sync`` keeps
+    staleness 0 whatever the sampler settings say)."""
+
+    def wrapped(v, view):
+        if view.get("trainer.v1.trainer_mode") in (None, "sync"):
+            return {}
+        return conv(v, view)
+
+    return wrapped
+
+
+def _warmup_batches(v, view):
+    """verl counts the batch generated next among its warm-up batches; postrl counts the extra
+    ones (``1 + num_warmup_batches`` batches in flight)."""
+    if view.get("trainer.v1.trainer_mode") != "colocate_async":
+        return {}
+    extra = max(int(v or 1) - 1, 0)
+    out = {"trainer.async.num_warmup_batches": extra}
+    threshold = view.get("trainer.v1.sampler.max_off_policy_threshold")
+    if threshold is not None and int(threshold) < 1 + extra:
+        raise Unsupported(
+            f"num_warmup_batches={v} generates batches {1 + extra} versions ahead but "
+            f"trainer.v1.sampler.max_off_policy_threshold={threshold} would drop them",
+            f"trainer.v1.sampler.max_off_policy_threshold={1 + extra}",
+        )
+    return out
+
+
 def _reward_manager(v, view):
     if v in (None, "naive", "prime", "batch", "dapo"):
         if v == "batch":

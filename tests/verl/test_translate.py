@@ -297,3 +297,33 @@ def test_estimator_and_loss_names_checked_against_postrls_registries():
         translate([*MICRO, f"{A}.policy_loss.loss_mode=dppo_tv"])
     with pytest.raises(VerlConfigError, match="no 'tir_optimal_token_baseline' estimator"):
         translate([*MICRO, "algorithm.adv_estimator=tir_optimal_token_baseline"])
+
+
+def test_colocate_async_maps_to_one_step_off_with_its_staleness_keys():
+    t = translate(
+        [
+            *MICRO,
+            "trainer.v1.trainer_mode=colocate_async",
+            "trainer.v1.colocate_async.num_warmup_batches=2",
+            "trainer.v1.sampler.max_off_policy_threshold=3",
+            "trainer.v1.sampler.max_off_policy_strategy=drop",
+        ]
+    )
+    a = t.config.trainer.async_
+    assert t.config.trainer.mode == "one_step_off"
+    assert (a.num_warmup_batches, a.max_staleness, a.staleness_strategy) == (1, 3, "drop")
+    assert load_config(None, []).trainer.async_.max_staleness == 1  # YAML round trip below
+    assert "async:" in minimal_yaml(t) and "async_" not in minimal_yaml(t)
+    # sync ignores the sampler's off-policy threshold (it trains on-policy)
+    sync = translate([*MICRO, "trainer.v1.sampler.max_off_policy_threshold=3"]).config.trainer
+    assert sync.mode == "sync" and sync.async_.max_staleness == 1
+    with pytest.raises(VerlConfigError) as e:
+        translate(
+            [
+                *MICRO,
+                "trainer.v1.trainer_mode=colocate_async",
+                "trainer.v1.colocate_async.num_warmup_batches=4",
+                "trainer.v1.sampler.max_off_policy_threshold=2",
+            ]
+        )
+    assert "trainer.v1.sampler.max_off_policy_threshold=4" in str(e.value)
