@@ -175,3 +175,79 @@ def test_deterministic_one_step_off_resume_is_bit_exact(
     assert metric_rows(run) == metric_rows(ref)
     a, b = checkpoint_weights(run, 6), checkpoint_weights(ref, 6)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+_EVEN_CONSTANT = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    if extra_info['index'] % 2 == 0:\n"
+    "        return 1.0  # no signal: DAPO evicts the group\n"
+    "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n"
+)
+_EVEN_FAILS = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    if extra_info['index'] % 2 == 0:\n"
+    "        raise ValueError('this reward fails on even rows')\n"
+    "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n"
+)
+
+
+def _spy_updates(trainer):
+    seen = []
+    update = trainer.roles.update_actor
+
+    def spy(batch):
+        nt = batch.non_tensor_batch
+        seen.append((Counter(str(u) for u in nt["uid"]), [int(i) for i in nt["index"]]))
+        return update(batch)
+
+    trainer.roles.update_actor = spy
+    return seen
+
+
+@pytest.mark.parametrize("reward, evicted", [(_EVEN_CONSTANT, "filtered"), (_EVEN_FAILS, "failed")])
+def test_filtered_and_failed_groups_are_evicted_and_refilled_exactly(
+    tiny_model_dir, epoch_files, tmp_path, reward, evicted
+):
+    """DAPO's uninformative groups and groups past reward.max_failure_ratio are evicted whole
+    and refilled: every update sees train_batch_size complete groups, all from odd rows."""
+    fn = tmp_path / "reward.py"
+    fn.write_text(reward)
+    ov = [
+        *_base(tiny_model_dir, epoch_files, fn, tmp_path / "run"),
+        "trainer.total_steps=2",
+        "data.val_files=[]",
+        "reward.max_failure_ratio=0.0",
+        f"algorithm.filter_groups.enable={evicted == 'filtered'}",
+    ]
+    trainer = RLTrainer(load_config(None, ov))
+    seen = _spy_updates(trainer)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert len(seen) == 2
+    for groups, index in seen:
+        assert len(groups) == 4 and set(groups.values()) == {4}, "a partial or missing group"
+        assert all(i % 2 == 1 for i in index), index
+    rows = metric_rows(tmp_path / "run")
+    assert sum(r[f"replay/evicted/{evicted}"] for r in rows) > 0
+    assert sum(r["replay/refills"] for r in rows) == sum(
+        r[f"replay/evicted/{evicted}"] for r in rows
+    )  # one refill per evicted group
+
+
+def test_a_reward_that_always_fails_stops_the_run(tiny_model_dir, epoch_files, tmp_path):
+    from postrl.reward import RewardFailureError
+
+    fn = tmp_path / "broken.py"
+    fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    raise ValueError('x')\n"
+    )
+    ov = [*_base(tiny_model_dir, epoch_files, fn, tmp_path / "run"), "data.val_files=[]"]
+    trainer = RLTrainer(load_config(None, ov))
+    try:
+        with pytest.raises(RewardFailureError, match="evicted for reward failures"):
+            trainer.fit()
+    finally:
+        trainer.close()
