@@ -47,6 +47,7 @@ from postrl.algos.advantages_extra import (
 from postrl.algos.aggregation import AGG_MODES, agg_loss, register_agg_mode
 from postrl.algos.dapo import filter_groups, overlong_reward_penalty
 from postrl.algos.entropy import entropy_from_logits
+from postrl.algos.health import off_policy_health
 from postrl.algos.hparams import HParamError
 from postrl.algos.kl import (
     KL_ESTIMATORS,
@@ -121,6 +122,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "off_policy_health",
     "overlong_reward_penalty",
     "register_adv_est",
     "register_agg_mode",

@@ -396,8 +396,8 @@ class HealthConfig:
     ``health/alerts/*`` metrics)."""
 
     min_ess_ratio: float = 0.0
-    """Alert when the effective sample size of the importance weights over N
-    (``rollout_corr/ess_ratio``) falls below this (0 = off)."""
+    """Alert when the effective sample size of the token-level importance weights over N
+    (``health/ess_ratio``) falls below this (0 = off)."""
     staleness_alert_steps: int = 3
     """Alert when the mean staleness sits at ``trainer.async.max_staleness`` for this many
     steps in a row (0 = off)."""

@@ -182,15 +182,16 @@ def produce_reward_baselines(
     score = scored.batch["token_level_scores"].sum(-1).float()  # (P,)
     valid = scored.batch["sample_valid"].bool() & torch.isfinite(score)
     score = torch.where(valid, score, torch.full_like(score, math.nan))
-    by_uid = {str(u): float(s) for u, s in zip(scored.non_tensor_batch["uid"], score.tolist())}
-    uids = [str(u) for u in batch.non_tensor_batch["uid"]]
-    lost = sorted(set(uids) - set(by_uid))
+    # matched by dataset row, not uid: an async mode's groups carry their dispatch step's uid
+    by_row = {int(i): float(s) for i, s in zip(scored.non_tensor_batch["index"], score.tolist())}
+    rows = [int(i) for i in batch.non_tensor_batch["index"]]
+    lost = sorted(set(rows) - set(by_row))
     if lost:
         raise RuntimeError(
-            f"the greedy baseline rollout produced no row for groups {lost[:5]} "
-            f"({len(lost)} of {len(set(uids))}): prompts and batch must come from the same step"
+            f"the greedy baseline rollout produced no row for dataset rows {lost[:5]} "
+            f"({len(lost)} of {len(set(rows))}): the prompts must be the batch's own"
         )
-    base = torch.tensor([by_uid[u] for u in uids], dtype=torch.float32)  # (B,)
+    base = torch.tensor([by_row[i] for i in rows], dtype=torch.float32)  # (B,)
     resp_len = scored.batch["response_mask"].sum(-1).float()
     metrics = {
         "remax/baseline_score/mean": float(score[valid].mean()) if bool(valid.any()) else 0.0,

@@ -20,6 +20,7 @@ from postrl.algos import (
     bind_adv_estimator,
     compute_rollout_correction,
     filter_groups,
+    off_policy_health,
 )
 from postrl.protocol import DataProto
 from postrl.trainer.metrics import compute_data_metrics, compute_throughput_metrics
@@ -60,7 +61,10 @@ def kl_in_reward_stage(
 
 
 def rollout_correction_stage(batch: DataProto, rc: Any) -> tuple[DataProto, dict[str, float]]:
-    """Truncated IS weights / rejection on rollout-vs-train log-probs + their health metrics.
+    """Truncated IS weights / rejection on rollout-vs-train log-probs + their health metrics
+    (``rollout_corr/*``, and the token-level ``health/ess_ratio``, ``health/chi2``,
+    ``health/kl_behav_prox`` of :func:`~postrl.algos.off_policy_health` that
+    ``trainer.health.*`` alerts on).
 
     The metrics are always computed when rollout log-probs exist (they cost one pass over the
     batch) so a silent training/inference mismatch is visible even with correction off.
@@ -68,6 +72,8 @@ def rollout_correction_stage(batch: DataProto, rc: Any) -> tuple[DataProto, dict
     b = dict(batch.batch)
     if "rollout_log_probs" not in b or "old_log_probs" not in b:
         return batch, {}
+    # off-policy health (ESS/N, chi2, KL(mu||pi_prox)), token level, before any rejection
+    health = off_policy_health(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
     weights, mask, m = compute_rollout_correction(
         b["old_log_probs"],
         b["rollout_log_probs"],
@@ -81,9 +87,9 @@ def rollout_correction_stage(batch: DataProto, rc: Any) -> tuple[DataProto, dict
     b["response_mask"] = mask.to(b["response_mask"].dtype)
     if weights is not None:
         b["rollout_is_weights"] = weights
-    return DataProto(b, batch.non_tensor_batch, batch.meta_info), {
-        k: float(v) for k, v in m.items()
-    }
+    metrics = {k: float(v) for k, v in m.items()}
+    metrics.update({f"health/{k}": v for k, v in health.items()})
+    return DataProto(b, batch.non_tensor_batch, batch.meta_info), metrics
 
 
 def compute_advantage_stage(batch: DataProto, algo: Any) -> DataProto:

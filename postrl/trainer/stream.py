@@ -119,8 +119,8 @@ class GroupStream:
         for p in range(len(prompts)):
             grows = rows[p * self.n : (p + 1) * self.n]
             uid = str(grows[0]["uid"])
-            if uid in self._groups or uid in self.buffer._evicted:  # same row twice in a step
-                uid = f"{uid}-r{self.buffer._seq}"
+            if self.buffer.known(uid):  # the same row drawn twice in one step (refills)
+                uid = f"{uid}-r{self.buffer.admissions + p}"
                 for r in grows:
                     r["uid"] = uid
             uids.append(uid)

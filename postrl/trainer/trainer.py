@@ -41,6 +41,7 @@ from postrl.trainer import needs, stages
 from postrl.trainer.checkpoint import find_latest_checkpoint, load_trainer_state, save_checkpoint
 from postrl.trainer.context import build_context
 from postrl.trainer.determinism import determinism_info
+from postrl.trainer.health import HealthMonitor
 from postrl.trainer.hooks import fire
 from postrl.trainer.ledger import TrainedLedger, trained_groups
 from postrl.trainer.metrics import reduce_metrics, timer
@@ -142,6 +143,7 @@ class RLTrainer:
         )
         self.ctx.total_steps = self.total_steps
         self.mode = TRAINER_MODES.get(cfg.trainer.mode)(self.ctx)
+        self.health = HealthMonitor(cfg)  # trainer.health.* alerts on the step's metrics
         self.tracker: Any = None
 
     # ------------------------------------------------------------------ the step
@@ -200,6 +202,7 @@ class RLTrainer:
             for step in range(start + 1, self.total_steps + 1):
                 self.global_step = step
                 metrics = self.step(step)
+                metrics.update(self.health.check(metrics, step))
                 is_last = step == self.total_steps
                 if self.val_set is not None and (
                     (tc.test_freq and step % tc.test_freq == 0) or is_last
@@ -238,12 +241,13 @@ class RLTrainer:
 
     def save(self, step: int) -> Path:
         """Atomic checkpoint of actor/critic/optimizers, the mode's state (data position),
-        the KL controller and RNG."""
+        the KL controller, the health monitor's counters and RNG."""
         state = {
             "mode": self.mode.state_dict(),
             "kl_ctrl": {"value": float(self.kl_ctrl.value)},
             "total_steps": self.total_steps,
             "policy_version": int(self.ctx.fleet.version),
+            "health": self.health.state_dict(),
         }
 
         def write(tmp: Path) -> None:
@@ -266,6 +270,7 @@ class RLTrainer:
         # checkpoints before the mode interface saved the loader at the top level
         self.mode.load_state_dict(state.get("mode") or {"loader": state["loader"]})
         self.kl_ctrl.value = state["kl_ctrl"]["value"]
+        self.health.load_state_dict(state.get("health"))  # absent in older checkpoints
         # fit's first push re-creates the checkpoint's policy version (same weights, same number)
         self.ctx.fleet.version = int(state.get("policy_version", 1)) - 1
         logger.info("resumed from %s (step %d)", ckpt, state["step"])

@@ -110,12 +110,15 @@ def test_remax_baseline_is_the_greedy_response_reward(make_ctx, digits_reward):
 
 
 def test_remax_baseline_groups_must_match(make_ctx):
-    """Prompts of another step than the batch: a typed error naming the groups, no KeyError."""
+    """Prompts other than the batch's: a typed error naming the rows, no KeyError. Matching is
+    by dataset row, so a batch generated at an earlier step (async modes) still matches."""
     ctx, loader = make_ctx(["algorithm.adv_estimator=remax"])
     prompts, batch = _rollout(ctx, loader, step=1)
-    batch.meta_info["global_step"] = 2
+    batch.meta_info["global_step"] = 2  # taken one step after it was generated: fine
+    out, _ = N.produce_reward_baselines(ctx, prompts, batch)
+    assert bool(torch.isfinite(out.batch["reward_baselines"]).any())
     with pytest.raises(RuntimeError, match="greedy baseline rollout produced no row"):
-        N.produce_reward_baselines(ctx, prompts, batch)
+        N.produce_reward_baselines(ctx, loader.next_batch(), batch)
     del batch.meta_info["global_step"]
     with pytest.raises(ValueError, match="global_step"):
         N.produce_reward_baselines(ctx, prompts, batch)

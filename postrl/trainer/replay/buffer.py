@@ -211,6 +211,15 @@ class ReplayBuffer:
         """Snapshots of the complete groups waiting to be sampled."""
         return [s for s in self.groups() if s.complete]
 
+    def known(self, uid: str) -> bool:
+        """Whether ``uid`` was ever admitted (untrained, taken or evicted): uids are unique."""
+        return uid in self._groups or uid in self._taken or uid in self._evicted
+
+    @property
+    def admissions(self) -> int:
+        """Groups admitted so far (a counter that never repeats)."""
+        return self._seq
+
     def pending_keys(self) -> list[TrajectoryKey]:
         """Keys still to generate (``pending``): after :meth:`load_state_dict`, the in-flight
         trajectories of the checkpoint, to dispatch again."""
