@@ -8,7 +8,9 @@ replay buffer); :class:`HealthMonitor` only reads the step's reduced metrics:
   (checked only when that is > 0 and the step measured ESS); a warning line every such step.
 * ``health/alerts/staleness`` — 1.0 while ``replay/staleness/mean`` has been at (>=)
   ``trainer.async.max_staleness`` for ``trainer.health.staleness_alert_steps`` steps in a row
-  (checked only when both are >= 1, the mode is off-policy and the step reported staleness); the
+  (checked only when both are >= 1, the mode is off-policy, the bound is looser than the mode's
+  own schedule — ``one_step_off`` trains batches ``1 + num_warmup_batches`` versions old by
+  design — and the step reported staleness); the
   warning line is logged once, at the step the streak reaches K; a step below the bound resets
   the streak. The streak is checkpointed (:meth:`HealthMonitor.state_dict`).
 """
@@ -42,6 +44,11 @@ class HealthMonitor:
         self.min_ess_ratio = float(tc.health.min_ess_ratio)
         self.alert_steps = int(tc.health.staleness_alert_steps)
         self.max_staleness = 0 if is_on_policy(tc.mode) else int(tc.async_.max_staleness)
+        # one_step_off trains every batch exactly 1 + num_warmup_batches versions old by design:
+        # sitting at a bound that tight is the schedule, not a symptom
+        designed = 1 + int(tc.async_.num_warmup_batches) if tc.mode == "one_step_off" else 0
+        if self.max_staleness <= designed:
+            self.max_staleness = 0
         self.streak = 0  # consecutive steps with mean staleness at the bound
 
     def check(self, metrics: dict[str, float], step: int) -> dict[str, float]:
