@@ -27,6 +27,7 @@ class RolloutFleet:
         self.replicas = replicas
         self.weight_sync = weight_sync
         self.version = 0
+        self.paused = False
 
     def wake_up(self) -> None:
         """Restore every replica's KV cache (before generation)."""
@@ -41,11 +42,13 @@ class RolloutFleet:
     def pause(self) -> None:
         """Abort every in-flight request and hold new ones (clients resume the interrupted
         requests on the weights loaded before :meth:`resume`: partial rollout)."""
+        self.paused = True
         for r in self.replicas:
             r.pause()
 
     def resume(self) -> None:
         """Serve again after :meth:`pause`."""
+        self.paused = False
         for r in self.replicas:
             r.resume()
 

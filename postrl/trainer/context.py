@@ -83,8 +83,12 @@ class TrainerContext:
         on_trajectory: Callable[..., None] | None = None,
     ) -> DataProto:
         """``n`` trajectories per prompt on the fleet (woken for it, put to sleep after when
-        ``rollout.free_cache_engine``); ``on_trajectory(i, output, row)`` per finished one."""
+        ``rollout.free_cache_engine``; a fleet an async mode paused serves for the call and is
+        paused again after); ``on_trajectory(i, output, row)`` per finished one."""
         self.fleet.wake_up()
+        paused = self.fleet.paused
+        if paused:
+            self.fleet.resume()
         try:
             return self.run_async(
                 self.agents.generate(
@@ -97,6 +101,8 @@ class TrainerContext:
                 )
             )
         finally:
+            if paused:
+                self.fleet.pause()
             if self.cfg.rollout.free_cache_engine:
                 self.fleet.sleep()
 

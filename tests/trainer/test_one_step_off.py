@@ -251,3 +251,22 @@ def test_a_reward_that_always_fails_stops_the_run(tiny_model_dir, epoch_files, t
             trainer.fit()
     finally:
         trainer.close()
+
+
+def test_a_step_that_generates_itself_runs_while_the_next_batch_is_paused(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    """ReMax rolls out a greedy baseline inside the step, after one_step_off paused the fleet
+    with the next batch in flight: the context serves it and pauses again (no 600 s wait)."""
+    ov = [
+        *_base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run"),
+        "algorithm.adv_estimator=remax",
+        "trainer.total_steps=2",
+        "data.val_files=[]",
+    ]
+    trainer = RLTrainer(load_config(None, ov))
+    try:
+        last = trainer.fit()
+    finally:
+        trainer.close()
+    assert last["remax/baseline_failed"] == 0 and last["replay/staleness/mean"] == 1.0
