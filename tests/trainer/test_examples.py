@@ -67,6 +67,13 @@ EXPECTED_KEYS: dict[str, set[str]] = {
         "remax/baseline_response_length/mean",
     },
     "otb_addition": set(),
+    "one_step_off_addition": {
+        "replay/staleness/mean",
+        "async/interrupted_trajectories",
+        "actor/decoupled_is_mean",
+        "health/ess_ratio",
+        "health/alerts/ess",
+    },
     "ppo_rm_addition": {
         "critic/vf_loss",
         "critic/values/mean",
@@ -204,6 +211,9 @@ def test_examples_select_their_algorithm():
     assert cfg["gspo_addition"].actor.policy_loss == "gspo"
     assert cfg["ppo_gae_addition"].algorithm.adv_estimator == "gae"
     assert cfg["remax_addition"].algorithm.adv_estimator == "remax"
+    osoff = cfg["one_step_off_addition"].trainer
+    assert osoff.mode == "one_step_off" and osoff.async_.max_staleness == 1
+    assert cfg["one_step_off_addition"].actor.policy_loss == "decoupled"
     otb = cfg["otb_addition"]
     assert otb.algorithm.adv_estimator == "optimal_token_baseline"
     assert otb.algorithm.adv_estimator_kwargs == {"handle_zero_tail": True}
