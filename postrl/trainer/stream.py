@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from postrl.protocol import DataProto
 from postrl.reward import RewardFailureError
@@ -44,7 +45,7 @@ from postrl.trainer.replay.tags import Eviction
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GroupStream"]
+__all__ = ["GroupStream", "off_policy_metrics"]
 
 
 @dataclass
@@ -267,7 +268,12 @@ class GroupStream:
         if self._parts:  # every group scored since the last take, kept or evicted
             parts, self._parts = self._parts, []
             metrics.update(_merge_reward_metrics(parts))
+        c = dict(self._counts)
         metrics.update(self._take_metrics(len(taken)))
+        metrics.update(off_policy_metrics(batch, self.buffer.version))
+        metrics["training/off_policy/evicted_samples"] = float(
+            self.n * (c["stale"] + c["filtered"] + c["failed"])
+        )
         return batch, metrics
 
     async def _take(self, k: int, step: int, draw: Callable[[int], DataProto]) -> list[str]:
@@ -433,6 +439,35 @@ class GroupStream:
         for task in self._tasks.values():
             task.cancel()
         self._tasks = {}
+
+
+def off_policy_metrics(batch: DataProto, version: int) -> dict[str, float]:
+    """verl's ``training/off_policy/*`` per-trajectory numbers of a taken batch, from
+    ``rollout_policy_version`` (B, R; -1 where unknown): ``trajectory_staleness`` = ``version``
+    − the row's oldest token version, ``trajectory_spans`` = how many policy versions sampled
+    the row (2 = interrupted once and resumed on newer weights); mean / max / min over rows
+    with a known version."""
+    v = batch.batch.get("rollout_policy_version")
+    if v is None:
+        return {}
+    known = v >= 0  # (B, R)
+    rows = known.any(-1)  # (B,)
+    if not bool(rows.any()):
+        return {}
+    v, known = v[rows], known[rows]
+    big = torch.iinfo(v.dtype).max
+    lo = torch.where(known, v, big).min(-1).values  # (B',)
+    hi = torch.where(known, v, -1).max(-1).values
+    spans = torch.zeros_like(lo)
+    for d in range(int((hi - lo).max()) + 1):  # a handful of versions (≤ max_staleness + 1)
+        spans += ((v == (lo + d)[:, None]) & known).any(-1).long()
+    out: dict[str, float] = {}
+    for name, x in (("trajectory_staleness", version - lo), ("trajectory_spans", spans)):
+        x = x.double()
+        out[f"training/off_policy/{name}/mean"] = float(x.mean())
+        out[f"training/off_policy/{name}/max"] = float(x.max())
+        out[f"training/off_policy/{name}/min"] = float(x.min())
+    return out
 
 
 def _segments(out: Any) -> list[tuple[int, int]]:

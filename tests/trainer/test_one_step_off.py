@@ -270,3 +270,28 @@ def test_a_step_that_generates_itself_runs_while_the_next_batch_is_paused(
     finally:
         trainer.close()
     assert last["remax/baseline_failed"] == 0 and last["replay/staleness/mean"] == 1.0
+
+
+def test_off_policy_metrics_by_hand():
+    """verl's training/off_policy/* from the per-token versions: staleness = current − oldest
+    token's version, spans = versions that sampled the row (observation tokens, -1, skipped)."""
+    from postrl.protocol import DataProto
+    from postrl.trainer.stream import off_policy_metrics
+
+    v = torch.tensor(
+        [
+            [3, 3, 3, -1],  # one version, 1 behind 4
+            [2, 2, 3, 3],  # interrupted at version 2, resumed on 3
+            [2, -1, -1, 3],  # a tool turn between its versions
+            [-1, -1, -1, -1],  # nothing known: not counted
+        ]
+    )
+    m = off_policy_metrics(DataProto.from_dict({"rollout_policy_version": v}), version=4)
+    assert m["training/off_policy/trajectory_staleness/mean"] == pytest.approx(5 / 3)
+    assert m["training/off_policy/trajectory_staleness/max"] == 2.0
+    assert m["training/off_policy/trajectory_staleness/min"] == 1.0
+    assert m["training/off_policy/trajectory_spans/mean"] == pytest.approx(5 / 3)
+    assert (
+        m["training/off_policy/trajectory_spans/max"],
+        m["training/off_policy/trajectory_spans/min"],
+    ) == (2.0, 1.0)
