@@ -74,6 +74,16 @@ class TrainerContext:
         """Run a coroutine on the context's persistent event loop."""
         return self._loop.run_until_complete(coro)
 
+    def create_task(self, coro: Any) -> asyncio.Task[Any]:
+        """Schedule a coroutine on the context's loop (it runs whenever the loop next runs:
+        during :meth:`run_async`, e.g. a mode's take or a validation)."""
+        return self._loop.create_task(coro)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` closed the event loop."""
+        return self._loop.is_closed()
+
     def generate(
         self,
         prompts: DataProto,

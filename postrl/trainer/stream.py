@@ -134,7 +134,7 @@ class GroupStream:
         return uids
 
     def _spawn(self, uid: str, k: int) -> None:
-        task = self.ctx._loop.create_task(self._run(uid, k))
+        task = self.ctx.create_task(self._run(uid, k))
         self._tasks[(uid, k)] = task
         task.add_done_callback(self._task_done)
 
@@ -366,12 +366,9 @@ class GroupStream:
     def drop_in_flight(self) -> int:
         """Cancel every running trajectory and mark it pending (its progress is discarded; it
         is dispatched again by :meth:`resume_pending`). Returns how many were dropped."""
-        tasks, self._tasks = self._tasks, {}
-        for (uid, k), task in tasks.items():
-            task.cancel()
-            self.buffer.restart((uid, k))
-        if tasks:  # let the cancellations run (they release the requests' replica slots)
-            self.ctx.run_async(asyncio.gather(*tasks.values(), return_exceptions=True))
+        tasks = self._cancel_all()
+        for key in tasks:
+            self.buffer.restart(key)
         return len(tasks)
 
     def resume_pending(self) -> None:
@@ -435,10 +432,16 @@ class GroupStream:
         self.resume_pending()
 
     def close(self) -> None:
-        """Cancel every task still running."""
-        for task in self._tasks.values():
+        """Cancel every task still running (their requests are aborted on the replicas)."""
+        self._cancel_all()
+
+    def _cancel_all(self) -> dict[tuple[str, int], asyncio.Task[Any]]:
+        tasks, self._tasks = self._tasks, {}
+        for task in tasks.values():
             task.cancel()
-        self._tasks = {}
+        if tasks and not self.ctx.closed:  # let the cancellations run
+            self.ctx.run_async(asyncio.gather(*tasks.values(), return_exceptions=True))
+        return tasks
 
 
 def off_policy_metrics(batch: DataProto, version: int) -> dict[str, float]:
