@@ -1,0 +1,99 @@
+"""``benchmarks/async_modes.py`` (sync vs one_step_off): correctness only, never timing.
+
+* the latency tool is registered, waits within its range and answers exactly;
+* the measured window skips the warm-up step (and the drain step from 3 steps on);
+* a 2-step x 1-repeat run of both workloads on the tiny random model writes a JSON with both
+  modes per workload and positive samples/s (slow: four short trainings).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_async_modes", ROOT / "benchmarks" / "async_modes.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_latency_tool_is_registered_waits_and_answers_exactly(bench):
+    from postrl.tools.config import load_tool_config
+
+    tools = load_tool_config(
+        [{"class_name": bench.TOOL_NAME, "config": {"min_latency_ms": 20, "max_latency_ms": 40}}]
+    )
+    tool = tools["calculator"]  # the function name the tool-arith model calls
+    assert isinstance(tool, bench.LatencyCalculatorTool)
+
+    async def call():
+        iid = await tool.create("t0", expression="47 * 83")
+        t0 = time.perf_counter()
+        resp = await tool.execute(iid, {})
+        return resp, time.perf_counter() - t0
+
+    resp, dt = asyncio.run(call())
+    assert resp.text == str(47 * 83)
+    assert 0.02 <= resp.metrics["tool/latency_s"] <= 0.04
+    assert dt >= resp.metrics["tool/latency_s"] - 1e-3
+
+
+def test_window_skips_warm_up_and_drain(bench):
+    def rows(n):
+        return [
+            {"step": i + 1, "timing_s/step": 1.0 + i, "groups": 2.0, "trajectories": 4.0}
+            for i in range(n)
+        ]
+
+    assert [r["step"] for r in bench.window(rows(2))] == [2]
+    assert [r["step"] for r in bench.window(rows(5))] == [2, 3, 4]
+    s = bench.summarize_run(rows(4))  # steps 2, 3 measured: 8 trajectories in 2 s + 3 s
+    assert s["measured_steps"] == [2, 3]
+    assert s["samples_per_s"] == pytest.approx(8 / 5)
+    assert s["whole_run_samples_per_s"] == pytest.approx(16 / 10)
+    assert s["staleness_mean"] is None and s["drop_rate"] is None  # not logged: n/a
+
+
+@pytest.mark.slow
+def test_benchmark_main_writes_both_modes_for_both_workloads(bench, tiny_model_dir, tmp_path):
+    out = tmp_path / "results.json"
+    rc = bench.main(
+        [
+            "--workload=both",
+            "--steps=2",
+            "--repeats=1",
+            f"--w1-model={tiny_model_dir}",
+            f"--tools-model={tiny_model_dir}",
+            f"--work-dir={tmp_path / 'work'}",
+            "--prompts=2",
+            "--n=2",
+            f"--out={out}",
+        ]
+    )
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(res["workloads"]) == {"w1", "tools"}
+    for name, w in res["workloads"].items():
+        assert [r["mode"] for r in w["runs"]] == ["sync", "one_step_off"], name
+        for r in w["runs"]:
+            assert len(r["steps"]) == 2
+            assert r["summary"]["samples_per_s"] > 0
+        for mode in ("sync", "one_step_off"):
+            assert w["median"][mode]["samples_per_s"] > 0
+        assert w["ratio"]["samples_per_s"] > 0
+        assert w["verdict"]
+        osoff = w["runs"][1]["summary"]
+        assert osoff["staleness_max"] is not None  # one_step_off logs replay/* metrics
+        assert osoff["drop_rate"] is not None
