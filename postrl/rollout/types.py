@@ -74,6 +74,11 @@ class SamplingParams:
     """Return the sampled tokens' log-probs (see module docstring for the convention)."""
     ignore_eos: bool = False
     """Do not stop on the model's EOS token ids."""
+    priority: int = 0
+    """Scheduling priority: lower is admitted first, first come first served within a
+    priority (the ``native`` engine; the convention of vLLM's priority scheduling). Async modes
+    pass a trajectory's dispatch step, so an interrupted older trajectory resumes before the
+    next batch's fresh requests."""
 
     def __post_init__(self) -> None:
         errors = []

@@ -149,7 +149,9 @@ class GroupStream:
         g = self._groups[uid]
         self.buffer.start((uid, k))
         try:
-            out = await self.ctx.agents.run(g.rows[k], self._sampling)
+            # older dispatch steps first: an interrupted trajectory resumes before fresh ones
+            sampling = dataclasses.replace(self._sampling, priority=g.step)
+            out = await self.ctx.agents.run(g.rows[k], sampling)
         finally:
             self._tasks.pop((uid, k), None)
         if uid not in self._groups:  # evicted while generating (e.g. stale)

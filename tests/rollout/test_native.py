@@ -317,3 +317,29 @@ def test_engine_failure_fails_requests_then_recovers(tiny_model_dir):
     be._admit = good
     out = _gen(be, [[1, 2, 3]], [GREEDY])[0]
     assert len(out.token_ids) == 12 and be.num_running == 0 and be.kv.num_prefixes == 0
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival(tiny_model_dir):
+    """One slot: requests queued while it is busy are admitted lowest priority first, in
+    arrival order within a priority (an async mode's interrupted older trajectory resumes
+    before the next batch's fresh requests)."""
+    be = create_rollout_backend("native", tiny_model_dir, max_num_seqs=1, max_model_len=256)
+    prompt = _prompts(1, seed=11)[0]
+    order: list[str] = []
+
+    async def one(rid: str, priority: int) -> None:
+        sp = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True, priority=priority)
+        await be.generate(prompt, sp, rid)
+        order.append(rid)
+
+    async def run():
+        first = asyncio.create_task(one("busy", 0))
+        await asyncio.sleep(0)  # "busy" takes the only slot
+        rest = [
+            asyncio.create_task(one(r, p))
+            for r, p in [("new-a", 5), ("new-b", 5), ("old-a", 4), ("newest", 6), ("old-b", 4)]
+        ]
+        await asyncio.gather(first, *rest)
+
+    asyncio.run(run())
+    assert order == ["busy", "old-a", "old-b", "new-a", "new-b", "newest"]

@@ -222,7 +222,7 @@ class NativeBackend:
             request_id, prompt, sampling, loop.create_future(), loop, int(seed), stop_ids
         )
         with self._qlock:
-            self._waiting.append(req)
+            self._enqueue(req)
         self._ensure_running(loop)
         return await req.future
 
@@ -399,6 +399,18 @@ class NativeBackend:
             if done:
                 finished += self._finish_and_compact((done, []))
             return finished
+
+    def _enqueue(self, req: _Request) -> None:
+        """Insert by ``sampling.priority`` (lower first), FIFO within a priority; O(1) when all
+        requests share one priority (the synchronous case)."""
+        w, p = self._waiting, req.sampling.priority
+        if not w or w[-1].sampling.priority <= p:
+            w.append(req)
+            return
+        i = len(w)
+        while i > 0 and w[i - 1].sampling.priority > p:
+            i -= 1
+        w.insert(i, req)
 
     def _collect_aborts(self) -> tuple[list[tuple[int, str]], list[tuple[_Request, TokenOutput]]]:
         with self._qlock:
