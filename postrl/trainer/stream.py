@@ -307,6 +307,7 @@ class GroupStream:
                     )
                 )
                 if starved and len(ready) < k:
+                    self._check_stalled()
                     sample.cancel()
                     return await self._take_short(len(ready))
                 self._wake = loop.create_future()
@@ -315,6 +316,21 @@ class GroupStream:
             self._wake = None
             if not sample.done():
                 sample.cancel()
+
+    def _check_stalled(self) -> None:
+        """Nothing runs and nothing is owed: every untrained group must be complete. One that
+        is not would wait forever; name it (a bug, never a silently short batch)."""
+        stalled = [s for s in self.buffer.groups() if not s.complete]
+        if stalled:
+            detail = "; ".join(
+                f"{s.uid}: tags {[t.status.value for t in s.tags]}, outputs "
+                f"{sorted(self._groups[s.uid].outputs) if s.uid in self._groups else 'none'}"
+                for s in stalled[:3]
+            )
+            raise RuntimeError(
+                f"rollout stalled: {len(stalled)} untrained groups are incomplete with no "
+                f"trajectory running or being scored ({detail})"
+            )
 
     async def _take_short(self, n: int) -> list[str]:
         if n:
