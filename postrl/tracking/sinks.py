@@ -64,6 +64,19 @@ def _clean(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def truncate_steps(path: Path, start_step: int) -> None:
+    """Keep only the rows of the JSON-lines file ``path`` whose ``step`` is below
+    ``start_step`` (a resumed run rewrites the steps from there on); no file: nothing to do."""
+    if not path.exists():
+        return
+    keep = [
+        ln
+        for ln in path.read_text().splitlines()
+        if ln.strip() and json.loads(ln)["step"] < start_step
+    ]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
 @register_sink("jsonl")
 class JsonlSink:
     """Appends ``{"step": s, ...metrics}`` lines to ``RUN_DIR/metrics.jsonl``.
@@ -77,13 +90,7 @@ class JsonlSink:
     ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            keep = [
-                ln
-                for ln in self.path.read_text().splitlines()
-                if ln.strip() and json.loads(ln)["step"] < start_step
-            ]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
+        truncate_steps(self.path, start_step)
         self._fh = self.path.open("a")
 
     def log(self, metrics: dict[str, float], step: int) -> None:

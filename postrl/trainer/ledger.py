@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from postrl.protocol import DataProto
+from postrl.tracking.sinks import truncate_steps
 
 __all__ = ["TrainedLedger", "trained_groups", "read_ledger"]
 
@@ -37,13 +38,7 @@ class TrainedLedger:
 
     def __init__(self, run_dir: Path, start_step: int = 1) -> None:
         self.path = Path(run_dir) / LEDGER
-        if self.path.exists():
-            keep = [
-                ln
-                for ln in self.path.read_text().splitlines()
-                if ln.strip() and json.loads(ln)["step"] < start_step
-            ]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
+        truncate_steps(self.path, start_step)
         self._fh = self.path.open("a")
 
     def log(self, step: int, epoch: int, groups: list[tuple[str, int]]) -> None:
