@@ -18,9 +18,9 @@ ref_log_prob        ref_log_prob        4 reference         ``ref.enable`` not F
 reward_baselines    reward_baselines    ReMax producer      — (one greedy rollout per prompt,
                                                             scored by the run's reward)
 rollout_log_prob    rollout_log_probs   1 rollout           —
-proximal_log_prob   old_log_probs       4 old log-probs     no fusion; not ``bypass_mode``; no
-                    (π_prox, recomputed)                    ``rollout_correction.rollout_is``
-                                                            (the loss weights by π_prox/μ)
+proximal_log_prob   old_log_probs       4 old log-probs     not ``bypass_mode``; no
+                    (π_prox)            (or the fused       ``rollout_correction.rollout_is``
+                                        update's forward)   (the loss weights by π_prox/μ)
 rollout_is_weights  rollout_is_weights  6 rollout correct.  ``rollout_correction.rollout_is``
 ==================  ==================  ==================  =================================
 
@@ -291,8 +291,9 @@ for _need in (
         "proximal_log_prob",
         "old_log_probs",
         "old_log_prob",
-        "log-probs under the weights at the start of this update, recomputed (π_prox, B, T)",
-        before_update=True,
+        "log-probs under the weights at the start of this update (π_prox, B, T): the old-log-"
+        "prob pass, or the update's own first forward when it is fused (one mini-batch, one "
+        "epoch: the weights have not moved yet, so that forward is exactly π_prox)",
         check=_proximal_check,
     ),
     Need(
@@ -327,6 +328,13 @@ def required_needs(cfg: Any) -> list[str]:
     for _, _, needs in _declared(cfg):
         seen.update(dict.fromkeys(needs))
     return list(seen)
+
+
+def reads_proximal(cfg: Any) -> bool:
+    """Whether the configured loss treats old log-probs as the proximal policy π_prox and takes
+    the behaviour policy μ from the rollout (decoupled PPO): then an off-policy mode may fuse
+    the old-log-prob pass into the update, since π_prox is the update's starting weights."""
+    return "proximal_log_prob" in required_needs(cfg)
 
 
 def check_needs(cfg: Any) -> list[str]:

@@ -18,9 +18,12 @@ tool keeps waiting (the tool still runs) while the actor trains.
 
 Groups are scored as they complete (reward overlaps generation); ``filtered`` (DAPO) and
 ``failed`` (``reward.max_failure_ratio``) groups are evicted and refilled at once, stale ones
-(``staleness_strategy=drop``) when an update would take them. Old log-probs come from a forward
-before the update (an off-policy mode can never fuse them), so decoupled PPO
-(``actor.policy_loss=decoupled``) or rollout correction weigh the samples by π_prox/μ.
+(``staleness_strategy=drop``) when an update would take them. The update must correct for the
+behaviour policy: decoupled PPO (``actor.policy_loss=decoupled``: clip on π_θ/π_prox, weight
+π_prox/μ with μ the rollout's log-probs) or rollout correction. With decoupled PPO and one
+mini-batch per update π_prox is the update's own first forward (fused, no extra pass); a loss
+that reads old log-probs as the behaviour policy (vanilla PPO) gets them from a separate
+forward, never fused.
 
 ``trainer.deterministic=true`` fixes the interleaving: groups are scored inline, the fleet
 pauses the moment the batch is complete, and a checkpoint restarts in-flight trajectories from

@@ -22,11 +22,28 @@ def _errors(base: list[str], *overrides: str) -> str:
     return str(e.value)
 
 
-def test_decoupled_declares_its_needs_and_blocks_fusion(small_overrides):
+def test_decoupled_declares_its_needs_and_may_fuse_even_off_policy(small_overrides):
+    """π_prox is the update's starting weights: a fused single-mini-batch update's own forward
+    is exactly that, in sync and in an off-policy mode (μ comes from the rollout)."""
     cfg = load_config(None, [*small_overrides, "actor.policy_loss=decoupled"])
     assert N.required_needs(cfg) == ["rollout_log_prob", "proximal_log_prob"]
-    assert any("proximal_log_prob" in why for why in N.fusion_blockers(cfg))
+    assert N.fusion_blockers(cfg) == [] and N.reads_proximal(cfg)
     validate_config(cfg, check_files=False)  # the defaults are fine
+    off = ["trainer.mode=one_step_off", "actor.ppo_mini_batch_size=4"]  # = train_batch_size
+    validate_config(
+        load_config(
+            None,
+            [*small_overrides, *off, "actor.policy_loss=decoupled", "actor.fuse_old_log_prob=true"],
+        ),
+        check_files=False,
+    )
+    msg = _errors(
+        small_overrides,
+        "trainer.mode=one_step_off",
+        "actor.policy_loss=vanilla",
+        "actor.fuse_old_log_prob=true",
+    )
+    assert "is off-policy" in msg  # vanilla PPO's old log-probs are the behaviour policy
 
 
 def test_decoupled_startup_errors_name_the_field_and_the_fix(small_overrides):
@@ -35,8 +52,6 @@ def test_decoupled_startup_errors_name_the_field_and_the_fix(small_overrides):
     assert "set algorithm.rollout_correction.bypass_mode=false" in msg
     msg = _errors(small_overrides, "algorithm.rollout_correction.rollout_is=token")
     assert "a second time: unset it and set actor.policy_loss_kwargs.rollout_is" in msg
-    msg = _errors(small_overrides, "actor.fuse_old_log_prob=true")
-    assert "actor.fuse_old_log_prob=True but actor.policy_loss='decoupled' needs" in msg
     msg = _errors(small_overrides, "actor.policy_loss_kwargs={rollout_is_treshold: 3.0}")
     assert "did you mean 'rollout_is_threshold'" in msg
 

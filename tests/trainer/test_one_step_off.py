@@ -295,3 +295,29 @@ def test_off_policy_metrics_by_hand():
         m["training/off_policy/trajectory_spans/max"],
         m["training/off_policy/trajectory_spans/min"],
     ) == (2.0, 1.0)
+
+
+def test_decoupled_one_step_off_fuses_the_proximal_pass(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    """One mini-batch, one epoch: π_prox is the update's own first forward (no separate
+    old-log-prob pass), μ the rollout's; the batch is one version old, so π_prox/μ ≠ 1."""
+    ov = [
+        *_base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run"),
+        "actor.ppo_mini_batch_size=4",
+        "trainer.total_steps=3",
+        "data.val_files=[]",
+    ]
+    trainer = RLTrainer(load_config(None, ov))
+    calls = []
+    pass_ = trainer.roles.actor.compute_log_prob
+    trainer.roles.actor.compute_log_prob = lambda *a, **k: calls.append(1) or pass_(*a, **k)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert calls == []
+    rows = metric_rows(tmp_path / "run")
+    assert all(r["actor/pg_clipfrac"] == 0.0 for r in rows)  # r = π/π_prox ≡ 1: one pass
+    assert rows[-1]["replay/staleness/mean"] == 1.0
+    assert rows[-1]["actor/decoupled_kl_behav"] > 0 and rows[-1]["health/ess_ratio"] < 1.0
