@@ -19,7 +19,6 @@ from postrl.algos import (
     apply_kl_penalty,
     bind_adv_estimator,
     compute_rollout_correction,
-    filter_groups,
     off_policy_health,
 )
 from postrl.protocol import DataProto
@@ -34,7 +33,6 @@ __all__ = [
     "compute_advantage_stage",
     "rollout_correction_stage",
     "kl_in_reward_stage",
-    "dynamic_sampling_stage",
 ]
 
 
@@ -137,38 +135,6 @@ def _bound_estimator(name: str, hparams: dict[str, Any]) -> Any:
     if key not in _BOUND:
         _BOUND[key] = bind_adv_estimator(name, hparams)
     return _BOUND[key]
-
-
-def dynamic_sampling_stage(
-    batch: DataProto, enable: bool = True
-) -> tuple[DataProto, dict[str, float]]:
-    """DAPO dynamic sampling (``algorithm.filter_groups.enable``): drop whole groups whose valid
-    rewards are all equal."""
-    if not enable:
-        return batch, {}
-    scores = batch.batch["token_level_scores"].sum(-1)
-    keep, m = filter_groups(
-        scores,
-        np.asarray(batch.non_tensor_batch["uid"]),
-        sample_mask=batch.batch.get("sample_valid"),
-    )
-    metrics = {f"dynamic_sampling/{k}": float(v) for k, v in m.items()}
-    metrics["dynamic_sampling/skipped_update"] = 0.0
-    if bool(keep.all()):
-        return batch, metrics
-    if not bool(keep.any()):
-        # An empty batch cannot be dispatched to the workers (and a step without rows has nothing
-        # to learn): keep the rows but mask every token, so the engines drop them and take no
-        # optimizer step, while the step's bookkeeping still runs.
-        logger.warning(
-            "dynamic sampling dropped every group this step (all rewards equal within groups); "
-            "skipping the update — raise data.train_batch_size or rollout.n if this is frequent"
-        )
-        b = dict(batch.batch)
-        b["response_mask"] = torch.zeros_like(b["response_mask"])
-        metrics["dynamic_sampling/skipped_update"] = 1.0
-        return DataProto(b, batch.non_tensor_batch, batch.meta_info), metrics
-    return batch[keep], metrics
 
 
 def advantage_stage(batch: DataProto, ctx: Any, kl_ctrl: Any) -> tuple[DataProto, dict[str, float]]:
