@@ -8,6 +8,7 @@ from postrl.rollout.base import ROLLOUT_BACKENDS, create_rollout_backend, regist
 from postrl.rollout.client import LoadBalancer, RolloutClient, RolloutReplica
 from postrl.rollout.types import (
     FinishReason,
+    ReplicaDeadError,
     RolloutBackend,
     RolloutError,
     RolloutTimeoutError,
@@ -24,6 +25,7 @@ __all__ = [
     "create_rollout_backend",
     "register_rollout_backend",
     "FinishReason",
+    "ReplicaDeadError",
     "RolloutBackend",
     "RolloutError",
     "RolloutTimeoutError",

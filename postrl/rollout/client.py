@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from postrl.rollout.types import (
+    ReplicaDeadError,
     RolloutError,
     RolloutTimeoutError,
     SamplingParams,
@@ -38,6 +39,13 @@ logger = logging.getLogger(__name__)
 class RolloutReplica:
     """One backend instance served in-process.
 
+    Weight updates reach the backend atomically when it supports swaps (``begin_weight_swap`` /
+    ``end_weight_swap``, the native engine): a multi-bucket update (``receive_bucket``) or a
+    whole stream (``update_weights``) is copied while the engine is held, in-flight requests keep
+    running across it, and their ``TokenOutput.versions`` are the engine's exact per-token
+    segments. Other backends copy bucket by bucket as they arrive, and their results are labelled
+    with the replica's version at request start (exact when updates happen under ``pause``).
+
     Args:
         backend: any ``RolloutBackend``.
         replica_id: index used in logs and routing.
@@ -49,8 +57,14 @@ class RolloutReplica:
         self.replica_id = replica_id
         self.policy_version = 0
         self.pause_timeout_s = pause_timeout_s
+        self.last_swap: dict[str, float] = {}
+        """Metrics of the last atomic weight swap (``pause_s``, ``recompute_s``, ``running``)."""
         self._inflight: set[str] = set()
         self._paused = False
+        self._swap_open = False  # this replica opened a backend swap (multi-bucket update)
+        self._swaps = callable(getattr(backend, "begin_weight_swap", None)) and callable(
+            getattr(backend, "end_weight_swap", None)
+        )
 
     @property
     def load(self) -> int:
@@ -60,7 +74,11 @@ class RolloutReplica:
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
     ) -> TokenOutput:
-        """Run one request on the backend (waits while the replica is paused)."""
+        """Run one request on the backend (waits while the replica is paused).
+
+        ``out.versions``: the backend's segments when it supports swaps and they cover every
+        token, else one segment with the replica's version at request start.
+        """
         deadline = time.monotonic() + self.pause_timeout_s
         while self._paused:
             if time.monotonic() > deadline:
@@ -70,12 +88,14 @@ class RolloutReplica:
                 )
             await asyncio.sleep(0.005)
         self._inflight.add(request_id)
-        version = self.policy_version  # the weights these tokens are sampled with: an update
-        try:  # only happens while paused, after ``pause`` aborted this call
+        version = self.policy_version  # without swaps an update only happens while paused,
+        try:  # after ``pause`` aborted this call
             out = await self.backend.generate(prompt_ids, sampling, request_id)
         finally:
             self._inflight.discard(request_id)
-        out.versions = [(len(out.token_ids), version)]
+        n = len(out.token_ids)
+        if not (self._swaps and out.versions and sum(c for c, _ in out.versions) == n):
+            out.versions = [(n, version)]
         return out
 
     def abort(self, request_id: str) -> None:
@@ -93,19 +113,75 @@ class RolloutReplica:
         self._paused = False
 
     def update_weights(self, weights: Iterable[WeightItem], version: int | None = None) -> None:
-        """Load new weights and set the policy version (default: previous + 1)."""
-        self.backend.update_weights(weights)
-        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        """Load new weights and set the policy version (default: previous + 1).
+
+        Swap-capable backends get one atomic swap (``last_swap`` records its metrics); others get
+        ``update_weights(weights, version=...)`` when they accept ``version``, else
+        ``update_weights(weights)``.
+        """
+        new = self.policy_version + 1 if version is None else int(version)
+        if self._swaps:
+            if not self._swap_open:
+                self.backend.begin_weight_swap()
+                self._swap_open = True
+            try:
+                self.backend.update_weights(weights)
+            except BaseException:
+                self._close_swap(self.policy_version)  # the swap closes, the version stays
+                raise
+            self._close_swap(new)
+        elif self._accepts_version(self.backend.update_weights):
+            self.backend.update_weights(weights, version=new)
+        else:
+            self.backend.update_weights(weights)
+        self.policy_version = new
 
     def receive_bucket(self, frame: bytes) -> None:
-        """Load one ``postrl.weights`` bucket frame (raw bytes + JSON header, never unpickled)."""
+        """Load one ``postrl.weights`` bucket frame (raw bytes + JSON header, never unpickled).
+
+        On a swap-capable backend the first bucket of an update opens a swap and the ``last``
+        one closes it with the header's ``version`` (default: previous + 1), so the engine never
+        steps on half-updated weights; a bucket that fails to load closes the swap without
+        changing the version, then raises.
+        """
         from postrl.weights import decode_frame, unpack_bucket
 
         bucket = decode_frame(frame)
-        self.backend.update_weights(unpack_bucket(bucket))
-        if bucket.header.get("last"):
-            v = bucket.header.get("version")
-            self.policy_version = self.policy_version + 1 if v is None else int(v)
+        items = unpack_bucket(bucket)  # validates the header before the engine is held
+        last = bool(bucket.header.get("last"))
+        v = bucket.header.get("version")
+        new = self.policy_version + 1 if v is None else int(v)
+        if not self._swaps:
+            self.backend.update_weights(items)
+        else:
+            if not self._swap_open:
+                self.backend.begin_weight_swap()
+                self._swap_open = True
+            try:
+                self.backend.update_weights(items)
+            except BaseException:
+                self._close_swap(self.policy_version)
+                raise
+            if last:
+                self._close_swap(new)
+        if last:
+            self.policy_version = new
+
+    def _close_swap(self, version: int) -> None:
+        """End the swap this replica opened at ``version``; keep its metrics in ``last_swap``."""
+        self._swap_open = False
+        self.last_swap = dict(self.backend.end_weight_swap(version) or {})
+
+    @staticmethod
+    def _accepts_version(fn: Any) -> bool:
+        """Whether ``fn`` takes a ``version`` keyword (or ``**kwargs``)."""
+        import inspect
+
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return False
+        return any(p.name == "version" or p.kind is p.VAR_KEYWORD for p in params)
 
     def sleep(self) -> None:
         """Release the backend's KV cache (aborts in-flight requests)."""
@@ -133,13 +209,21 @@ class LoadBalancer:
         self._assigned = [0] * len(replicas)  # requests routed and not yet released
 
     def pick(self, trajectory_id: str | None = None) -> int:
-        """Index of the replica to use: the trajectory's replica if known, else the least loaded."""
+        """Index of the replica to use: the trajectory's replica if known and alive, else the
+        least loaded live one (``ReplicaDeadError`` when every replica is dead)."""
         if trajectory_id is not None and trajectory_id in self._sticky:
-            self._sticky.move_to_end(trajectory_id)
-            return self._sticky[trajectory_id]
-        idx = min(
-            range(len(self.replicas)), key=lambda i: (self._assigned[i] + self.replicas[i].load, i)
-        )
+            idx = self._sticky[trajectory_id]
+            if not getattr(self.replicas[idx], "dead", False):
+                self._sticky.move_to_end(trajectory_id)
+                return idx
+            del self._sticky[trajectory_id]
+        live = [i for i, r in enumerate(self.replicas) if not getattr(r, "dead", False)]
+        if not live:
+            reasons = "; ".join(
+                f"{i}: {getattr(r, 'dead_reason', '?')}" for i, r in enumerate(self.replicas)
+            )
+            raise ReplicaDeadError(-1, f"no rollout replica is left ({reasons})")
+        idx = min(live, key=lambda i: (self._assigned[i] + self.replicas[i].load, i))
         if trajectory_id is not None:
             self._sticky[trajectory_id] = idx
             if len(self._sticky) > self.max_sticky:
@@ -189,6 +273,8 @@ class RolloutClient:
         self.timeout_s = timeout_s
         self._cancelled: set[str] = set()
         self._current: dict[str, tuple[Any, str]] = {}
+        self.reissued = 0
+        """Requests re-issued to another replica after theirs died."""
 
     async def generate(
         self,
@@ -243,6 +329,18 @@ class RolloutClient:
                 except asyncio.CancelledError:  # the caller dropped it: free the engine's slot
                     replica.abort(seg_id)
                     raise
+                except ReplicaDeadError as e:  # its replica died: the segment starts again
+                    if e.replica_id < 0 or request_id in self._cancelled:
+                        raise
+                    self.reissued += 1
+                    logger.info(
+                        "request %s: replica %d died (%s); re-issuing after %d tokens",
+                        request_id,
+                        idx,
+                        e.reason,
+                        len(tokens),
+                    )
+                    continue
                 finally:
                     lb.release(idx)
                 tokens += out.token_ids

@@ -30,6 +30,7 @@ __all__ = [
     "RolloutBackend",
     "RolloutError",
     "RolloutTimeoutError",
+    "ReplicaDeadError",
     "WeightItem",
 ]
 
@@ -44,6 +45,15 @@ class RolloutError(RuntimeError):
 
 class RolloutTimeoutError(RolloutError, TimeoutError):
     """A rollout wait passed its deadline."""
+
+
+class ReplicaDeadError(RolloutError):
+    """A rollout replica's process died or stopped answering (``replica_id`` and why)."""
+
+    def __init__(self, replica_id: int, reason: str) -> None:
+        super().__init__(f"rollout replica {replica_id} is dead: {reason}")
+        self.replica_id = replica_id
+        self.reason = reason
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,15 @@ One engine step (run in a single worker thread so the event loop stays responsiv
 
 Requests join and leave at every step. All per-sequence state lives in tensors indexed by slot;
 Python touches individual requests only at admission, finish, and for requests with stop strings.
+
+Weight swaps without aborts (``begin_weight_swap`` … ``update_weights`` … ``end_weight_swap``):
+while a swap is open no step runs (running requests keep their slots and K/V, new ones queue);
+closing it bumps ``weight_version``, records a version boundary in every running request (its
+``TokenOutput.versions`` become ``[(n_0, v_0), (n_1, v_1), ...]``) and, with
+``swap_kv="recompute"``, re-computes every live K/V under the new weights (every prefix row
+re-prefilled; every slot's generated tokens replayed through the decode path, one batched decode
+per position) so the tokens sampled after the swap have the log-probs of a teacher-forced forward
+of the new weights over the whole sequence.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import asyncio
 import logging
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +58,7 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 _MAX_STOP = 8
+_SWAP_KV = ("recompute", "keep")
 
 
 @dataclass(eq=False)
@@ -59,6 +70,8 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     seed: int
     stop_ids: list[int] = field(default_factory=list)
+    bounds: list[tuple[int, int]] = field(default_factory=list)
+    """Version boundaries ``(tokens generated at the swap, version that sampled them)``."""
 
 
 @register_rollout_backend("native", device="cpu|cuda")
@@ -82,6 +95,16 @@ class NativeBackend:
             (``kernels.py``: RMSNorm, RoPE + cache write, attention) when the model runs in fp32
             on CPU and a C compiler is available, else the torch ops; ``"fused"``: require them
             (error naming the reason otherwise); ``"torch"``: torch ops only.
+        swap_kv: what ``end_weight_swap`` does with the K/V of running requests.
+            ``"recompute"`` (default): re-prefill every live prompt and replay every slot's
+            generated tokens under the new weights, so every token sampled after the swap has
+            exactly (up to float rounding) the log-prob a teacher-forced forward of the new
+            weights gives over the whole sequence. ``"keep"``: no recompute (the swap costs only
+            the copy); tokens sampled after it attend K/V computed by the old weights, so their
+            log-probs come from a mixed old/new forward that no trainer-side forward reproduces
+            (stored prompt logits are stale too: a request joining a live prompt after the swap
+            samples its first token from the old weights). Versions are tagged the same way in
+            both modes.
     """
 
     def __init__(
@@ -95,7 +118,11 @@ class NativeBackend:
         seed: int = 0,
         threaded: bool = False,
         kernels: str = "auto",
+        swap_kv: str = "recompute",
     ) -> None:
+        if swap_kv not in _SWAP_KV:
+            raise ValueError(f"swap_kv={swap_kv!r} is not one of {_SWAP_KV}")
+        self.swap_kv = swap_kv
         self.model_path = str(model_path)
         self.cfg = load_config(model_path)
         if isinstance(dtype, str) and dtype not in _DTYPES:
@@ -129,6 +156,9 @@ class NativeBackend:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._asleep = False
+        self._held = False  # a weight swap is open: no step runs (guarded by _qlock)
+        self._held_since = 0.0
+        self._held_waiters: list[asyncio.Future] = []  # _drive loops parked until the swap ends
         self._weights_backup: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._tokenizer = None
         self._alloc_state()
@@ -235,9 +265,29 @@ class NativeBackend:
     def update_weights(self, weights: Iterable[WeightItem], version: int | None = None) -> None:
         """Copy a per-tensor stream of HF-named tensors into the engine's (fused) parameters.
 
-        Runs between engine steps. Unknown names raise (rotary ``inv_freq`` buffers are ignored).
-        ``version`` sets ``weight_version`` (default: increment it).
+        Inside an open swap (``begin_weight_swap``) it only copies; ``version`` is then ignored
+        (``end_weight_swap`` sets it). Outside one it is itself an atomic swap: begin, copy,
+        ``end_weight_swap(version)`` (default version: increment). Running requests are never
+        aborted. Unknown names raise (rotary ``inv_freq`` buffers are ignored); a stream that
+        raises part-way closes its own swap without changing the version (the weights copied so
+        far stay).
         """
+        with self._lock:
+            own = not self._held
+            if own:
+                self.begin_weight_swap()
+        try:
+            n = self._copy_weights(weights)
+        except BaseException:
+            if own:
+                self.end_weight_swap(self.weight_version)
+            raise
+        if own:
+            self.end_weight_swap(version)
+        logger.debug("native: copied %d tensors", n)
+
+    def _copy_weights(self, weights: Iterable[WeightItem]) -> int:
+        """Copy ``(name, tensor)`` items into the parameter views; returns the number copied."""
         views = self.weights.views
         n = 0
         with self._lock, torch.no_grad():
@@ -257,8 +307,109 @@ class NativeBackend:
                     )
                 dst.copy_(tensor)
                 n += 1
-            self.weight_version = self.weight_version + 1 if version is None else int(version)
-        logger.debug("native: updated %d tensors (version %d)", n, self.weight_version)
+        return n
+
+    def begin_weight_swap(self) -> None:
+        """Hold the engine for a weight update: after this returns no step runs (an in-flight
+        threaded step is waited for) until ``end_weight_swap``. Running requests keep their slots
+        and K/V, new requests queue, nothing is aborted. Raises if a swap is already open."""
+        with self._lock, self._qlock:
+            if self._held:
+                raise RuntimeError(
+                    "begin_weight_swap: a weight swap is already open; call end_weight_swap first"
+                )
+            self._held = True
+            self._held_since = time.perf_counter()
+
+    @property
+    def weight_swap_open(self) -> bool:
+        """True between ``begin_weight_swap`` and ``end_weight_swap``."""
+        return self._held
+
+    def end_weight_swap(self, version: int | None = None) -> dict[str, float]:
+        """Close the swap opened by ``begin_weight_swap`` and let the engine step again.
+
+        Aborts requested while held are applied first (those requests end on the old version).
+        Then every running request gets a version boundary (its tokens so far were sampled by the
+        old ``weight_version``), ``weight_version`` becomes ``version`` (default: old + 1) and,
+        with ``swap_kv="recompute"``, every live K/V is recomputed under the new weights
+        (``_recompute_kv``).
+
+        Returns:
+            ``{"pause_s": seconds the engine was held (recompute included), "recompute_s":
+            seconds of the K/V recompute, "running": requests carried over the swap}``.
+        """
+        with self._lock, torch.inference_mode():
+            if not self._held:
+                raise RuntimeError("end_weight_swap: no weight swap is open (begin_weight_swap)")
+            try:
+                done = self._finish_and_compact(self._collect_aborts())
+                old = self.weight_version
+                new = old + 1 if version is None else int(version)
+                B = len(self._slots)
+                if B and new != old:
+                    for req, n in zip(self._slots, self.s_ngen[:B].tolist(), strict=True):
+                        req.bounds.append((n, old))
+                t0 = time.perf_counter()
+                if self.swap_kv == "recompute" and self.kv is not None:
+                    self._recompute_kv()
+                t1 = time.perf_counter()
+                held_s = t1 - self._held_since
+                self.weight_version = new
+            finally:
+                self._release_hold()
+        for req, out in done:
+            _resolve(req, out)
+        self._kick()
+        logger.debug("native: weight swap to version %d (%d running)", new, B)
+        return {"pause_s": held_s, "recompute_s": t1 - t0, "running": float(B)}
+
+    def _release_hold(self) -> None:
+        """Clear the swap flag and wake every ``_drive`` loop parked on it."""
+        with self._qlock:
+            self._held = False
+            waiters, self._held_waiters = self._held_waiters, []
+        for fut in waiters:
+            loop = fut.get_loop()
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_set_res, fut, None)
+
+    def _hold_waiter(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future | None:
+        """A future resolved when the open swap ends (None when no swap is open)."""
+        with self._qlock:
+            if not self._held:
+                return None
+            fut = loop.create_future()
+            self._held_waiters.append(fut)
+            return fut
+
+    def _recompute_kv(self) -> None:
+        """Recompute all live K/V under the current weights, leaving every slot's sampling state
+        (``s_out``, ``s_logp``, ``s_ngen``, ``s_last``, ``s_pos``, seeds) untouched.
+
+        Prefix rows are re-prefilled (their K/V and stored last-position logits). Slot ``i``
+        (prompt length ``L_i``, ``n_i`` generated tokens ``g_0 .. g_{n_i-1}``) holds K/V at
+        positions ``L_i .. L_i + n_i - 2`` (fed ``g_0 .. g_{n_i-2}``; ``g_{n_i-1}`` is the next
+        decode input at ``s_pos``). Replay step ``j = 0 .. max(n) - 2`` is one batched decode over
+        all running slots feeding ``g_{c}`` at position ``L_i + c``, ``c = clamp(min(j, n_i - 2),
+        0)``: position order makes each step attend already-recomputed K/V; a slot that finished
+        replaying re-writes its last position with the same values (idempotent); a slot with
+        ``n_i = 1`` writes position ``s_pos`` with ``s_last``, which the next decode overwrites
+        with the same values. The logits are discarded.
+        """
+        kv = self.kv
+        if kv.num_prefixes:
+            self._prefill(list(range(kv.num_prefixes)))
+        B = len(self._slots)
+        if not B:
+            return
+        ngen = self.s_ngen[:B]
+        last = (ngen - 2).clamp_(min=0)  # (B,) index of the last generated token to replay
+        out, plen = self.s_out[:B], self.s_plen[:B]
+        for j in range(int(ngen.max()) - 1):
+            c = last.clamp(max=j)  # (B,)
+            tok = out.gather(1, c[:, None]).squeeze(1).contiguous()  # (B,)
+            self._forward_decode(tok, (plen + c).contiguous())
 
     def sleep(self) -> None:
         """Abort running requests and release the KV cache; on accelerators also offload weights.
@@ -347,6 +498,10 @@ class NativeBackend:
     async def _drive(self) -> None:
         loop = asyncio.get_running_loop()
         while self._has_work():
+            held = self._hold_waiter(loop)
+            if held is not None:  # a weight swap is open: park until end_weight_swap
+                await held
+                continue
             try:
                 if self._threaded:
                     done = await loop.run_in_executor(self._executor, self._step)
@@ -379,6 +534,8 @@ class NativeBackend:
     def _step(self) -> list[tuple[_Request, TokenOutput]]:
         with self._lock, torch.inference_mode():
             finished: list[tuple[_Request, TokenOutput]] = []
+            if self._held:  # a weight swap opened after _drive checked: step nothing
+                return finished
             aborted = self._collect_aborts()  # slot indices + already-resolved waiting requests
             if aborted[0] or aborted[1]:
                 finished += self._finish_and_compact(aborted)
@@ -432,9 +589,34 @@ class NativeBackend:
             range(n), key=lambda i: pids[i]
         )  # group samples of a prompt contiguously
         new, pids = [new[i] for i in order_new], [pids[i] for i in order_new]
-        order = sorted(
-            fresh, key=lambda r: len(kv.keys[r])
-        )  # chunk by length under the token budget
+        self._prefill(fresh)
+        sp = [r.sampling for r in new]
+        plen = torch.tensor([len(r.prompt) for r in new], device=dev)
+        self.s_pos[B : B + n] = plen
+        self.s_plen[B : B + n] = plen
+        self.s_pid[B : B + n] = torch.tensor(pids, device=dev)
+        self.s_ngen[B : B + n] = 0
+        self.s_maxnew[B : B + n] = torch.tensor([s.max_new_tokens for s in sp], device=dev)
+        self.s_seed[B : B + n] = torch.tensor([r.seed for r in new], device=dev)
+        self.s_topk[B : B + n] = torch.tensor([s.top_k for s in sp], device=dev)
+        self.s_temp[B : B + n] = torch.tensor([s.temperature for s in sp], device=dev)
+        self.s_topp[B : B + n] = torch.tensor([s.top_p for s in sp], device=dev)
+        stop = torch.full((n, _MAX_STOP), -1, dtype=torch.int64)
+        for i, r in enumerate(new):
+            stop[i, : len(r.stop_ids)] = torch.tensor(r.stop_ids, dtype=torch.int64)
+        self.s_stop[B : B + n] = stop.to(dev)
+        self._slots.extend(new)
+        self._membership_changed()
+        rows = slice(B, B + n)
+        self._sample(rows, kv.logits[torch.tensor(pids, device=dev)], advance_pos=False)
+        return rows
+
+    def _prefill(self, rows: list[int]) -> None:
+        """Prefill prefix rows ``rows`` of the KV store (their prompts ``kv.keys[r]``): K/V into
+        ``kv.pk``/``kv.pv`` and last-position logits into ``kv.logits``, in chunks of similar
+        length padded under ``max_num_batched_tokens``."""
+        kv, dev = self.kv, self.device
+        order = sorted(rows, key=lambda r: len(kv.keys[r]))  # chunk by length under the budget
         start = 0
         while start < len(order):
             end = start + 1
@@ -443,13 +625,13 @@ class NativeBackend:
                 and (end - start + 1) * len(kv.keys[order[end]]) <= self.max_num_batched_tokens
             ):
                 end += 1
-            rows = order[start:end]
-            P = len(kv.keys[rows[-1]])
-            toks = torch.zeros(len(rows), P, dtype=torch.int64)
-            for j, r in enumerate(rows):
+            chunk = order[start:end]
+            P = len(kv.keys[chunk[-1]])
+            toks = torch.zeros(len(chunk), P, dtype=torch.int64)
+            for j, r in enumerate(chunk):
                 toks[j, : len(kv.keys[r])] = torch.tensor(kv.keys[r])
-            lens = torch.tensor([len(kv.keys[r]) for r in rows], device=dev)
-            rows_t = torch.tensor(rows, device=dev)
+            lens = torch.tensor([len(kv.keys[r]) for r in chunk], device=dev)
+            rows_t = torch.tensor(chunk, device=dev)
             if self.kernels is not None:
                 kv.logits[rows_t] = prefill_fused(
                     self.weights,
@@ -476,80 +658,60 @@ class NativeBackend:
                     rows_t,
                 )
             start = end
-        sp = [r.sampling for r in new]
-        plen = torch.tensor([len(r.prompt) for r in new], device=dev)
-        self.s_pos[B : B + n] = plen
-        self.s_plen[B : B + n] = plen
-        self.s_pid[B : B + n] = torch.tensor(pids, device=dev)
-        self.s_ngen[B : B + n] = 0
-        self.s_maxnew[B : B + n] = torch.tensor([s.max_new_tokens for s in sp], device=dev)
-        self.s_seed[B : B + n] = torch.tensor([r.seed for r in new], device=dev)
-        self.s_topk[B : B + n] = torch.tensor([s.top_k for s in sp], device=dev)
-        self.s_temp[B : B + n] = torch.tensor([s.temperature for s in sp], device=dev)
-        self.s_topp[B : B + n] = torch.tensor([s.top_p for s in sp], device=dev)
-        stop = torch.full((n, _MAX_STOP), -1, dtype=torch.int64)
-        for i, r in enumerate(new):
-            stop[i, : len(r.stop_ids)] = torch.tensor(r.stop_ids, dtype=torch.int64)
-        self.s_stop[B : B + n] = stop.to(dev)
-        self._slots.extend(new)
-        self._membership_changed()
-        rows = slice(B, B + n)
-        self._sample(rows, kv.logits[torch.tensor(pids, device=dev)], advance_pos=False)
-        return rows
 
     def _decode(self) -> slice:
         B = len(self._slots)
-        step = self._decode_step()
-        if step is not None:  # the whole step in one C call
-            logits = step(
-                self.s_last[:B],
-                self.s_pos[:B],
-                self.s_plen[:B],
-                self.s_pid[:B],
-                self._ar_s[:B],
-                self.cos,
-                self.sin,
-                torch.get_num_threads(),
-            )
-        elif self.kernels is not None:  # the same kernels op by op
-            logits = decode_fused(
-                self.weights,
-                self.cfg,
-                self.kernels,
-                self.s_last[:B],
-                self.s_pos[:B],
-                self.s_plen[:B],
-                self.s_pid[:B],
-                self.cos,
-                self.sin,
-                self.kv,
-                self._ar_s,
-                torch.get_num_threads(),
-            )
-        else:
-            pos = self.s_pos[:B]
-            off = pos - self.s_plen[:B]
-            lo, hi = torch.stack([off.min(), off.max()]).tolist()
-            if self._layout is None:
-                self._layout = self.kv.layout(self.s_pid[:B], self.s_plen[:B])
-            logits = decode(
-                self.weights,
-                self.cfg,
-                self.s_last[:B],
-                pos,
-                off,
-                hi + 1,
-                lo == hi,
-                self.cos,
-                self.sin_signed,
-                self.kv,
-                self._layout,
-                self._ar_s,
-                self._ar_t,
-            )
+        logits = self._forward_decode(self.s_last[:B], self.s_pos[:B])
         rows = slice(0, B)
         self._sample(rows, logits, advance_pos=True)
         return rows
+
+    def _forward_decode(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One batched decode forward over running slots ``0 .. B-1``: feed ``tokens`` (B,) at
+        absolute positions ``pos`` (B,) (contiguous int64), write their K/V into the slot store,
+        return logits (B, V). Uses the engine's decode implementation (whole-step C, fused op by
+        op, or torch ops)."""
+        B = tokens.shape[0]
+        plen, pid = self.s_plen[:B], self.s_pid[:B]
+        step = self._decode_step()
+        if step is not None:  # the whole step in one C call
+            return step(
+                tokens, pos, plen, pid, self._ar_s[:B], self.cos, self.sin, torch.get_num_threads()
+            )
+        if self.kernels is not None:  # the same kernels op by op
+            return decode_fused(
+                self.weights,
+                self.cfg,
+                self.kernels,
+                tokens,
+                pos,
+                plen,
+                pid,
+                self.cos,
+                self.sin,
+                self.kv,
+                self._ar_s,
+                torch.get_num_threads(),
+            )
+        off = pos - plen
+        lo, hi = torch.stack([off.min(), off.max()]).tolist()
+        if self._layout is None:
+            self._layout = self.kv.layout(pid, plen)
+        return decode(
+            self.weights,
+            self.cfg,
+            tokens,
+            pos,
+            off,
+            hi + 1,
+            lo == hi,
+            self.cos,
+            self.sin_signed,
+            self.kv,
+            self._layout,
+            self._ar_s,
+            self._ar_t,
+        )
 
     def _decode_step(self) -> _kernels.DecodeStep | None:
         """The whole-step C decoder for the current KV store (rebuilt after ``wake_up``)."""
@@ -629,6 +791,20 @@ class NativeBackend:
         text = self._tokenizer.decode(self.s_out[slot, :n].tolist())
         return next((s for s in self._slots[slot].sampling.stop if s in text), None)
 
+    def _segments(self, req: _Request, n: int) -> list[tuple[int, int]]:
+        """``(num_tokens, version)`` segments of ``req``'s ``n`` tokens (sum ``n``; one segment
+        ``[(n, weight_version)]`` when no swap happened while it ran)."""
+        segs: list[tuple[int, int]] = []
+        prev = 0
+        for cut, v in [*req.bounds, (n, self.weight_version)]:
+            if cut > prev:
+                if segs and segs[-1][1] == v:
+                    segs[-1] = (segs[-1][0] + cut - prev, v)
+                else:
+                    segs.append((cut - prev, v))
+                prev = cut
+        return segs or [(n, self.weight_version)]
+
     def _finish_and_compact(self, aborted) -> list[tuple[_Request, TokenOutput]]:
         done_slots, waiting_outs = aborted
         results = list(waiting_outs)
@@ -646,7 +822,7 @@ class NativeBackend:
             else:
                 reason, stop_reason = why, None
             results.append(
-                (req, TokenOutput(toks, lps, reason, stop_reason, [(n, self.weight_version)]))
+                (req, TokenOutput(toks, lps, reason, stop_reason, self._segments(req, n)))
             )
         gone = {i for i, _ in done_slots}
         dead_pids = self.s_pid[sorted(gone)].tolist()
