@@ -374,7 +374,8 @@ class RewardConfig:
 @dataclass
 class AsyncConfig:
     """``trainer.async.*`` (the YAML key is ``async``; in Python the field is ``async_``): how an
-    off-policy mode (``one_step_off``) keeps its batches within a staleness bound."""
+    off-policy mode (``one_step_off``, ``fully_async``) keeps its batches within a staleness
+    bound, and how ``fully_async`` runs its rollout replicas."""
 
     max_staleness: int = 1
     """The most policy versions a trained group may lag: its age is the current version minus
@@ -388,6 +389,18 @@ class AsyncConfig:
     generated ahead of training; needs ``max_staleness >= 1 + num_warmup_batches``)."""
     timeout_s: float = 600.0
     """Deadline of one wait for a training batch (typed error naming what it waited for)."""
+    parameter_sync_step: int = 1
+    """``fully_async``: optimizer steps (one PPO mini-batch each) between two weight pushes;
+    ``data.train_batch_size`` must equal ``parameter_sync_step × actor.ppo_mini_batch_size``
+    (verl's ``trigger_parameter_sync_step``)."""
+    rollout_threads: int = 1
+    """``fully_async``: torch threads of each rollout replica process (the trainer keeps
+    ``trainer.num_threads``; 0 there = the cores the replicas leave)."""
+    replica_health_interval_s: float = 1.0
+    """``fully_async``: seconds between two health pings of each rollout replica."""
+    replica_health_timeout_s: float = 5.0
+    """``fully_async``: a replica that does not answer a ping within this is declared dead
+    (its in-flight requests go to the others)."""
 
 
 @dataclass
@@ -408,8 +421,11 @@ class TrainerConfig:
     backend: str = "local"
     """``local`` (in-process workers) or ``ray``."""
     mode: str = "sync"
-    """Registered trainer mode: ``sync`` (generate, then train, every step) or ``one_step_off``
-    (the next batches generate while the current one trains; see ``docs/async.md``)."""
+    """Registered trainer mode: ``sync`` (generate, then train, every step), ``one_step_off``
+    (the next batches generate while the current one trains) or ``fully_async`` (alias
+    ``separate_async``: rollout replicas in processes of their own generate continuously, one
+    mini-batch per step, weights pushed every ``async.parameter_sync_step`` steps); see
+    ``docs/async.md``."""
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
     """Off-policy modes (YAML key ``async``)."""
     sampler: str = "oldest_first"
@@ -426,7 +442,8 @@ class TrainerConfig:
     device: str = "cpu"
     """``cpu`` or ``cuda``."""
     total_steps: int = 20
-    """RL steps to run (0 = derive from total_epochs)."""
+    """RL steps to run (0 = derive from total_epochs; in ``fully_async`` a step trains one
+    mini-batch, so an epoch is ``parameter_sync_step`` × as many steps)."""
     total_epochs: int = 1
     """Epochs over the training set when total_steps is 0."""
     test_freq: int = 5

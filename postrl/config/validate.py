@@ -261,6 +261,8 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
                 "trainer.mode=one_step_off runs with trainer.backend=local (rollout and training "
                 "share this process's devices); use trainer.backend=local"
             )
+    elif t.mode in FULLY_ASYNC_MODES:
+        e.extend(_fully_async_errors(cfg))
     elif ac.max_staleness < 0:
         e.append(f"trainer.async.max_staleness={ac.max_staleness} must be >= 0")
     try:
@@ -270,6 +272,58 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
     if ":" not in t.sampler and SAMPLERS.check(t.sampler):
         e.append(f"trainer.sampler={t.sampler!r}: {SAMPLERS.check(t.sampler)}")
     return e
+
+
+FULLY_ASYNC_MODES = ("fully_async", "separate_async")
+
+
+def _fully_async_errors(cfg: PostRLConfig) -> list[str]:
+    t, ac, e = cfg.trainer, cfg.trainer.async_, []
+    mini, k = cfg.actor.ppo_mini_batch_size, cfg.data.train_batch_size
+    if ac.parameter_sync_step < 1:
+        e.append(f"trainer.async.parameter_sync_step={ac.parameter_sync_step} must be >= 1")
+    elif k != ac.parameter_sync_step * mini:
+        e.append(
+            f"data.train_batch_size={k} with trainer.mode={t.mode}: a step trains one mini-batch "
+            f"and weights are pushed every trainer.async.parameter_sync_step="
+            f"{ac.parameter_sync_step} steps, so data.train_batch_size must equal "
+            f"parameter_sync_step × actor.ppo_mini_batch_size = {ac.parameter_sync_step * mini}; "
+            f"set data.train_batch_size={ac.parameter_sync_step * mini} or "
+            f"actor.ppo_mini_batch_size={max(k // max(ac.parameter_sync_step, 1), 1)}"
+        )
+    if ac.max_staleness < 1:
+        e.append(
+            f"trainer.async.max_staleness={ac.max_staleness} with trainer.mode={t.mode}: the "
+            f"replicas generate while weights move, so groups span versions; set "
+            f"trainer.async.max_staleness >= 1 (or use trainer.mode=sync)"
+        )
+    if ac.rollout_threads < 1:
+        e.append(f"trainer.async.rollout_threads={ac.rollout_threads} must be >= 1")
+    if ac.replica_health_interval_s <= 0 or ac.replica_health_timeout_s <= 0:
+        e.append(
+            f"trainer.async.replica_health_interval_s={ac.replica_health_interval_s} and "
+            f"replica_health_timeout_s={ac.replica_health_timeout_s} must be > 0 (seconds)"
+        )
+    if t.deterministic:
+        e.append(
+            f"trainer.deterministic=true with trainer.mode={t.mode}: rollout processes run "
+            f"concurrently with training, so the interleaving is not reproducible; use "
+            f"trainer.mode=one_step_off for bit-exact async runs"
+        )
+    if t.backend != "local":
+        e.append(
+            f"trainer.mode={t.mode} runs with trainer.backend=local (rollout replicas in "
+            f"processes of their own, training in this one); Ray placement is not wired yet"
+        )
+    return e
+
+
+def step_groups(cfg: PostRLConfig) -> int:
+    """Prompt groups one step trains: ``data.train_batch_size``, or one mini-batch in a mode
+    whose steps are mini-batches (``fully_async``)."""
+    if cfg.trainer.mode in FULLY_ASYNC_MODES:
+        return cfg.actor.ppo_mini_batch_size
+    return cfg.data.train_batch_size
 
 
 def old_log_prob_fusion_blockers(cfg: PostRLConfig) -> list[str]:
@@ -282,7 +336,7 @@ def old_log_prob_fusion_blockers(cfg: PostRLConfig) -> list[str]:
     out = []
     if a.ppo_epochs != 1:
         out.append(f"actor.ppo_epochs={a.ppo_epochs} (epochs after the first are off-policy)")
-    if a.ppo_mini_batch_size != cfg.data.train_batch_size:
+    if a.ppo_mini_batch_size != step_groups(cfg):
         out.append(
             f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} != "
             f"data.train_batch_size={cfg.data.train_batch_size} "

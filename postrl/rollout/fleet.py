@@ -57,14 +57,30 @@ class RolloutFleet:
 
         ``open_source(version)`` opens the weight source (a per-tensor stream, or a
         ``FrameStream`` whose frames carry the version); returns the ``weights/*`` metrics.
+        A replica declared dead (``dead``: a remote one whose process died) is skipped; one
+        that dies during the push is marked dead and the push starts again for the others.
         """
+        from postrl.rollout.types import ReplicaDeadError
+
         self.version += 1
-        source = open_source(self.version)
-        stats = self.weight_sync.sync_weights(source, self.replicas, version=self.version)
-        return stats.metrics()
+        while True:
+            live = [r for r in self.replicas if not getattr(r, "dead", False)]
+            if not live:
+                raise ReplicaDeadError(-1, "no rollout replica is left to receive the weights")
+            try:
+                stats = self.weight_sync.sync_weights(
+                    open_source(self.version), live, version=self.version
+                )
+                return stats.metrics()
+            except ReplicaDeadError:
+                if not any(getattr(r, "dead", False) for r in live):
+                    raise
 
     def close(self) -> None:
-        """Close every replica's backend (idempotent for backends that allow it)."""
+        """Close every replica (a remote one: its process) or its backend (idempotent for
+        backends that allow it)."""
         for r in self.replicas:
-            if hasattr(r.backend, "close"):
+            if hasattr(r, "close"):
+                r.close()
+            elif hasattr(r.backend, "close"):
                 r.backend.close()

@@ -82,6 +82,7 @@ class _Sampling(BaseModel):
     seed: int | None = None
     logprobs: bool = True
     ignore_eos: bool = False
+    priority: int = 0
 
 
 class _GenerateBody(BaseModel):
@@ -266,7 +267,13 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "policy_version": replica.policy_version}
+        be = replica.backend
+        return {
+            "status": "ok",
+            "policy_version": replica.policy_version,
+            "running": int(getattr(be, "num_running", 0)),
+            "waiting": int(getattr(be, "num_waiting", 0)),
+        }
 
     @app.get("/v1/models")
     async def models():
@@ -365,7 +372,11 @@ def create_app(
             from postrl.weights import decode_frame, unpack_bucket
 
             top_logprobs.update(unpack_bucket(decode_frame(frame)))
-        return {"ok": True, "policy_version": replica.policy_version}
+        out: dict[str, Any] = {"ok": True, "policy_version": replica.policy_version}
+        swap = getattr(replica, "last_swap", None)
+        if swap and bucket_is_last(frame):
+            out["swap"] = swap
+        return out
 
     @app.post("/v1/pause")
     async def pause():
@@ -388,6 +399,13 @@ def create_app(
         return {"ok": True}
 
     return app
+
+
+def bucket_is_last(frame: bytes) -> bool:
+    """Whether a weight frame (already validated by the replica) ends its update."""
+    from postrl.weights import decode_frame
+
+    return bool(decode_frame(frame).header.get("last"))
 
 
 def _stream(events, status: int) -> StreamingResponse:

@@ -4,6 +4,7 @@ Heavy modules are imported lazily: ``from postrl.trainer import RLTrainer`` work
 ``import postrl.trainer`` alone stays cheap.
 """
 
+from postrl.trainer.fully_async import FullyAsyncMode  # registers fully_async, separate_async
 from postrl.trainer.modes import TRAINER_MODES, SyncMode, TrainerMode, register_trainer
 from postrl.trainer.one_step_off import OneStepOffMode  # registers trainer.mode=one_step_off
 
@@ -12,6 +13,7 @@ __all__ = [
     "RLTrainer",
     "SyncMode",
     "OneStepOffMode",
+    "FullyAsyncMode",
     "TrainerMode",
     "register_trainer",
 ]

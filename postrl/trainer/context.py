@@ -9,6 +9,7 @@ as the source of weights — and nothing else of the trainer. :func:`build_conte
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,24 @@ class TrainerContext:
     remote_actor: bool = False
     total_steps: int = 0
     _loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def start_background(self) -> None:
+        """Run the context's event loop in a thread of its own from now on (``fully_async``:
+        agent loops, tool calls, reward scoring and HTTP traffic to the rollout replicas go on
+        while the main thread trains). :meth:`run_async` then submits to that thread and blocks;
+        :meth:`create_task` may only be called from it."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="postrl-trainer-loop", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def in_background(self) -> bool:
+        """Whether the loop runs in its own thread (:meth:`start_background`)."""
+        return self._thread is not None
 
     def sampling_params(self, validation: bool = False) -> Any:
         """Rollout sampling parameters (validation uses ``rollout.val_kwargs``)."""
@@ -71,12 +90,30 @@ class TrainerContext:
         )
 
     def run_async(self, coro: Any) -> Any:
-        """Run a coroutine on the context's persistent event loop."""
-        return self._loop.run_until_complete(coro)
+        """Run a coroutine on the context's persistent event loop (in the loop's thread after
+        :meth:`start_background`) and return its result."""
+        if self._thread is None:
+            return self._loop.run_until_complete(coro)
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("run_async called from the loop thread itself; await instead")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        while True:  # the coroutine's own waits have deadlines; a dead loop thread must not hang us
+            try:
+                return fut.result(timeout=1.0)
+            except TimeoutError:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the trainer's event-loop thread died") from None
 
     def create_task(self, coro: Any) -> asyncio.Task[Any]:
         """Schedule a coroutine on the context's loop (it runs whenever the loop next runs:
-        during :meth:`run_async`, e.g. a mode's take or a validation)."""
+        during :meth:`run_async`, e.g. a mode's take or a validation; at once when the loop runs
+        in the background, where this must be called from the loop's thread)."""
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            coro.close()
+            raise RuntimeError(
+                "create_task from outside the background loop thread; run it via run_async"
+            )
         return self._loop.create_task(coro)
 
     @property
@@ -113,8 +150,8 @@ class TrainerContext:
         finally:
             if paused:
                 self.fleet.pause()
-            if self.cfg.rollout.free_cache_engine:
-                self.fleet.sleep()
+            if self.cfg.rollout.free_cache_engine and not self.in_background:
+                self.fleet.sleep()  # (dedicated replicas keep generating for training)
 
     def prompts_of(self, batch: DataProto) -> DataProto:
         """The prompt rows a batch was generated from (one per uid, first-seen order)."""
@@ -137,6 +174,10 @@ class TrainerContext:
         """Close the fleet, the reward stage and the event loop."""
         self.fleet.close()
         self.reward.close()
+        if self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self._thread = None
         self._loop.close()
 
 
@@ -180,15 +221,26 @@ def build_context(
         max_num_seqs=r.max_num_seqs, max_model_len=max_len, device=tc.device
     )
     options.update(r.engine_kwargs)
-    replicas = [
-        RolloutReplica(create_rollout_backend(r.backend, cfg.model.path, **options), replica_id=i)
-        for i in range(r.num_replicas)
-    ]
+    from postrl.trainer.modes import TRAINER_MODES
+
+    dedicated = bool(TRAINER_MODES.meta(tc.mode).get("dedicated_rollout"))
+    if dedicated:  # fully_async: every replica in a process of its own
+        replicas = _spawn_replicas(cfg, options)
+    else:
+        replicas = [
+            RolloutReplica(
+                create_rollout_backend(r.backend, cfg.model.path, **options), replica_id=i
+            )
+            for i in range(r.num_replicas)
+        ]
     sync_cls = WEIGHT_SYNC_BACKENDS.get(r.weight_sync)
-    takes_bucket = "bucket_bytes" in inspect.signature(sync_cls).parameters
-    sync = sync_cls(
-        **({"bucket_bytes": int(r.weight_bucket_mb * (1 << 20))} if takes_bucket else {})
-    )
+    params = inspect.signature(sync_cls).parameters
+    kw: dict[str, Any] = {}
+    if "bucket_bytes" in params:
+        kw["bucket_bytes"] = int(r.weight_bucket_mb * (1 << 20))
+    if dedicated and "transport" in params:  # frames as they are: one atomic swap per push
+        kw["transport"] = _send_frame
+    sync = sync_cls(**kw)
     client = RolloutClient(LoadBalancer(replicas))
     agents = AgentLoopManager(client, tokenizer, r.agent, max_model_len=max_len)
     loop = RewardLoop(
@@ -222,3 +274,49 @@ def build_context(
         actor,
         remote_actor=tc.backend == "ray",
     )
+
+
+def _send_frame(bucket: Any, receiver: Any) -> None:
+    from postrl.weights import encode_frame
+
+    receiver.receive_bucket(encode_frame(bucket))
+
+
+def _spawn_replicas(cfg: PostRLConfig, options: dict[str, Any]) -> list[Any]:
+    """``rollout.num_replicas`` replica processes (``postrl.rollout.remote``) with
+    ``trainer.async.rollout_threads`` threads each; logs in ``RUN_DIR/rollout_replica_<i>.log``."""
+    from pathlib import Path
+
+    try:
+        import fastapi  # noqa: F401
+        import httpx  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"trainer.mode={cfg.trainer.mode} serves its rollout replicas over HTTP and needs "
+            f"fastapi, uvicorn and httpx ({e}); pip install 'postrl[serve]'"
+        ) from e
+    from postrl.rollout.remote import spawn_replica
+
+    ac, run_dir = cfg.trainer.async_, Path(cfg.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    replicas: list[Any] = []
+    try:
+        for i in range(cfg.rollout.num_replicas):
+            replicas.append(
+                spawn_replica(
+                    cfg.model.path,
+                    backend=cfg.rollout.backend,
+                    options=options,
+                    threads=ac.rollout_threads,
+                    replica_id=i,
+                    log_path=run_dir / f"rollout_replica_{i}.log",
+                    request_timeout_s=ac.timeout_s,
+                    control_timeout_s=max(ac.replica_health_timeout_s, 30.0),
+                )
+            )
+    except BaseException:
+        for rep in replicas:
+            rep.close()
+        raise
+    return replicas

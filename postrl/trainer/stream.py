@@ -242,8 +242,15 @@ class GroupStream:
         ``draw`` meanwhile); returns them as one batch and the ``dynamic_sampling/*`` /
         reward metrics. With refills exhausted and nothing in flight, the groups kept so far
         form the batch (none: a filtered group with every token masked, no update)."""
+        return self.ctx.run_async(self.take_async(k, step, draw))
+
+    async def take_async(
+        self, k: int, step: int, draw: Callable[[int], DataProto]
+    ) -> tuple[DataProto, dict[str, float]]:
+        """:meth:`take` as a coroutine on the context's loop (a mode whose loop runs in a
+        thread of its own awaits this there, so the stream is only touched from that thread)."""
         t0 = time.perf_counter()
-        uids = self.ctx.run_async(self._take(k, step, draw))
+        uids = await self._take(k, step, draw)
         taken = [self._groups.pop(u) for u in uids]
         self.buffer.assemble(uids)  # releases the payloads (the groups hold the outputs)
         metrics: dict[str, float] = {}
@@ -449,14 +456,33 @@ class GroupStream:
                 g.batch, _ = self.ctx.reward.finish(self._assemble([g]), check_failures=False)
         self.resume_pending()
 
+    async def drop_in_flight_async(self) -> int:
+        """:meth:`drop_in_flight` as a coroutine on the context's loop."""
+        tasks = self._cancel_tasks()
+        if tasks:
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+        for key in tasks:
+            self.buffer.restart(key)
+        return len(tasks)
+
     def close(self) -> None:
         """Cancel every task still running (their requests are aborted on the replicas)."""
         self._cancel_all()
 
-    def _cancel_all(self) -> dict[tuple[str, int], asyncio.Task[Any]]:
+    async def close_async(self) -> None:
+        """:meth:`close` as a coroutine on the context's loop."""
+        tasks = self._cancel_tasks()
+        if tasks:
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+    def _cancel_tasks(self) -> dict[tuple[str, int], asyncio.Task[Any]]:
         tasks, self._tasks = self._tasks, {}
         for task in tasks.values():
             task.cancel()
+        return tasks
+
+    def _cancel_all(self) -> dict[tuple[str, int], asyncio.Task[Any]]:
+        tasks = self._cancel_tasks()
         if tasks and not self.ctx.closed:  # let the cancellations run
             self.ctx.run_async(asyncio.gather(*tasks.values(), return_exceptions=True))
         return tasks

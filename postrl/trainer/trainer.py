@@ -100,8 +100,15 @@ class RLTrainer:
             if d.val_files
             else None
         )
+        # a mode whose steps are mini-batches (fully_async) takes an epoch in more steps
+        per_batch = (
+            d.train_batch_size // cfg.actor.ppo_mini_batch_size
+            if TRAINER_MODES.meta(cfg.trainer.mode).get("minibatch_steps")
+            else 1
+        )
         self.total_steps = (
-            cfg.trainer.total_steps or self.loader.steps_per_epoch * cfg.trainer.total_epochs
+            cfg.trainer.total_steps
+            or self.loader.steps_per_epoch * cfg.trainer.total_epochs * per_batch
         )
         self.global_step = 0
         self.trained: list[tuple[str, int]] = []  # (uid, dataset index) of the last step's groups

@@ -1,0 +1,518 @@
+"""Rollout replicas in processes of their own, served over HTTP on 127.0.0.1.
+
+``spawn_replica(model_path, ...)`` starts ``python -m postrl.rollout.remote``: a process that
+loads one rollout backend with its own torch thread count and serves it with the token routes
+of ``postrl.rollout.server`` (``/v1/generate``, ``/v1/abort``, ``/v1/weights/bucket``,
+``/health``, ...). The returned :class:`HTTPRolloutReplica` has the surface of
+:class:`~postrl.rollout.client.RolloutReplica` (``load``, ``policy_version``, async
+``generate``, ``abort``, ``pause``/``resume``, ``receive_bucket``, ``update_weights``), so the
+load balancer, the resuming client and the weight-sync backends drive it unchanged.
+
+Failure is explicit. A replica whose process died (connection refused or reset) or that stops
+answering ``/health`` within ``health_timeout_s`` (:class:`ReplicaWatchdog`) is marked
+**dead**: every request waiting on it fails at once with :class:`ReplicaDeadError`, which the
+:class:`~postrl.rollout.client.RolloutClient` answers by re-issuing the request (prompt plus
+the tokens of its earlier segments) to a live replica. Nothing received is unpickled: requests
+and answers are JSON, weights are ``postrl.weights`` frames (raw bytes + JSON header). The
+process dies with its parent (``PR_SET_PDEATHSIG`` and a parent watch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from postrl.rollout.types import (
+    ReplicaDeadError,
+    RolloutError,
+    RolloutTimeoutError,
+    SamplingParams,
+    TokenOutput,
+    WeightItem,
+)
+
+__all__ = [
+    "HTTPRolloutReplica",
+    "ReplicaDeadError",
+    "ReplicaWatchdog",
+    "spawn_replica",
+    "replica_main",
+]
+
+logger = logging.getLogger(__name__)
+_PORT_LINE = "POSTRL_REPLICA_PORT="
+
+
+class HTTPRolloutReplica:
+    """Handle to a replica served over HTTP (see the module docstring).
+
+    Args:
+        base_url: ``http://127.0.0.1:PORT`` of the replica's server.
+        replica_id: index in logs and errors.
+        request_timeout_s: deadline of one generate request.
+        control_timeout_s: deadline of control calls (abort, pause, weights, health).
+        process: the replica's ``subprocess.Popen`` when this side started it (closed with
+            the handle).
+        log_path: where the process writes its log (named in errors).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        replica_id: int = 0,
+        *,
+        request_timeout_s: float = 600.0,
+        control_timeout_s: float = 60.0,
+        process: subprocess.Popen | None = None,
+        log_path: str | None = None,
+    ) -> None:
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.replica_id = replica_id
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.process = process
+        self.log_path = log_path
+        self.policy_version = 0
+        self.last_swap: dict[str, float] = {}
+        self.dead_reason: str | None = None
+        self._inflight = 0
+        self._http = httpx.Client(base_url=self.base_url, timeout=control_timeout_s)
+        self._aclient: Any = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._dead_futs: list[asyncio.Future[None]] = []
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def load(self) -> int:
+        """In-flight requests sent through this handle."""
+        return self._inflight
+
+    @property
+    def dead(self) -> bool:
+        """Whether the replica was declared dead (it is never used again)."""
+        return self.dead_reason is not None
+
+    def mark_dead(self, reason: str) -> None:
+        """Declare the replica dead: requests waiting on it fail with :class:`ReplicaDeadError`
+        (thread-safe; the first reason is kept)."""
+        with self._lock:
+            if self.dead_reason is not None:
+                return
+            self.dead_reason = reason
+            futs, self._dead_futs = self._dead_futs, []
+        logger.warning("rollout replica %d declared dead: %s", self.replica_id, reason)
+        for f in futs:
+            loop = f.get_loop()
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_set_done, f)
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise ReplicaDeadError(self.replica_id, self.dead_reason)
+
+    def _process_gone(self) -> str | None:
+        if self.process is not None and self.process.poll() is not None:
+            return f"process exited with code {self.process.returncode} (log: {self.log_path})"
+        return None
+
+    # ------------------------------------------------------------------ generation
+    def _async_client(self) -> Any:
+        import httpx
+
+        loop = asyncio.get_running_loop()
+        if self._aclient is None or self._aloop is not loop:
+            self._aloop = loop
+            self._aclient = httpx.AsyncClient(
+                base_url=self.base_url,
+                timeout=httpx.Timeout(self.request_timeout_s, connect=self.control_timeout_s),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            )
+        return self._aclient
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> TokenOutput:
+        """Run one request on the replica; :class:`ReplicaDeadError` when it dies meanwhile."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        dead = loop.create_future()
+        with self._lock:
+            self._dead_futs.append(dead)
+        if self.dead_reason is not None:  # declared dead between the check and the append
+            dead.set_result(None)
+        body = {
+            "prompt_ids": list(prompt_ids),
+            "sampling": _sampling_json(sampling),
+            "request_id": request_id,
+        }
+        self._inflight += 1
+        req = loop.create_task(self._post_generate(body))
+        try:
+            await asyncio.wait({req, dead}, return_when=asyncio.FIRST_COMPLETED)
+            if req.done():
+                return req.result()
+            req.cancel()
+            raise ReplicaDeadError(self.replica_id, self.dead_reason or "declared dead")
+        except asyncio.CancelledError:
+            req.cancel()
+            raise
+        finally:
+            self._inflight -= 1
+            with self._lock:
+                if dead in self._dead_futs:
+                    self._dead_futs.remove(dead)
+
+    async def _post_generate(self, body: dict[str, Any]) -> TokenOutput:
+        import httpx
+
+        try:
+            r = await self._async_client().post("/v1/generate", json=body)
+        except httpx.TimeoutException as e:
+            raise RolloutTimeoutError(
+                f"replica {self.replica_id}: request {body['request_id']!r} exceeded "
+                f"{self.request_timeout_s}s"
+            ) from e
+        except httpx.TransportError as e:
+            reason = self._process_gone() or f"connection failed ({type(e).__name__}: {e})"
+            self.mark_dead(reason)
+            raise ReplicaDeadError(self.replica_id, reason) from e
+        if r.status_code != 200:
+            raise RolloutError(f"replica {self.replica_id}: HTTP {r.status_code}: {r.text[:500]}")
+        d = r.json()
+        return TokenOutput(
+            list(d["token_ids"]),
+            list(d["log_probs"]),
+            d["finish_reason"],
+            d.get("stop_reason"),
+            [(int(n), int(v)) for n, v in d.get("versions") or []],
+        )
+
+    # ------------------------------------------------------------------ control
+    def _post(self, route: str, **kw: Any) -> dict[str, Any]:
+        import httpx
+
+        self._check_alive()
+        try:
+            r = self._http.post(route, **kw)
+        except httpx.TransportError as e:  # timeouts included: a hung replica is dead too
+            reason = self._process_gone() or f"{route} failed ({type(e).__name__}: {e})"
+            self.mark_dead(reason)
+            raise ReplicaDeadError(self.replica_id, reason) from e
+        if r.status_code != 200:
+            raise RolloutError(
+                f"replica {self.replica_id}: {route} → HTTP {r.status_code}: {r.text[:500]}"
+            )
+        return r.json()
+
+    def abort(self, request_id: str) -> None:
+        """Abort one request (fire and forget from inside an event loop; a dead replica has
+        nothing left to abort)."""
+        if self.dead:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None:
+            try:
+                self._post("/v1/abort", json={"request_id": request_id})
+            except ReplicaDeadError:
+                pass
+            return
+        loop.create_task(self._abort_async(request_id))
+
+    async def _abort_async(self, request_id: str) -> None:
+        import httpx
+
+        try:
+            await self._async_client().post(
+                "/v1/abort", json={"request_id": request_id}, timeout=self.control_timeout_s
+            )
+        except httpx.HTTPError:  # the watchdog decides whether the replica is dead
+            pass
+
+    def pause(self) -> None:
+        """Abort in-flight requests and hold new ones (``RolloutReplica.pause``)."""
+        self._post("/v1/pause")
+
+    def resume(self) -> None:
+        """Serve again after :meth:`pause`."""
+        self._post("/v1/resume")
+
+    def sleep(self) -> None:
+        """Release the replica's KV cache."""
+        self._post("/v1/sleep")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what :meth:`sleep` released."""
+        self._post("/v1/wake_up")
+
+    def receive_bucket(self, frame: bytes) -> None:
+        """Send one ``postrl.weights`` frame; the replica swaps the weights in atomically at the
+        frame marked ``last`` (its answer carries the swap's pause and recompute times)."""
+        d = self._post(
+            "/v1/weights/bucket",
+            content=frame,
+            headers={"content-type": "application/octet-stream"},
+        )
+        self.policy_version = int(d.get("policy_version", self.policy_version))
+        if d.get("swap"):
+            self.last_swap = {k: float(v) for k, v in d["swap"].items()}
+
+    def update_weights(
+        self,
+        weights: Iterable[WeightItem],
+        version: int | None = None,
+        bucket_bytes: int = 64 << 20,
+    ) -> None:
+        """Stream a per-tensor weight stream as bucket frames (one update, one swap)."""
+        from postrl.weights import encode_frame, pack_buckets
+
+        for bucket in pack_buckets(weights, bucket_bytes, version=version):
+            self.receive_bucket(encode_frame(bucket))
+
+    async def health(self, timeout_s: float) -> dict[str, Any]:
+        """``/health`` within ``timeout_s`` (raises on failure)."""
+        r = await self._async_client().get("/health", timeout=timeout_s)
+        r.raise_for_status()
+        return r.json()
+
+    def close(self) -> None:
+        """Stop the replica's process (when this side started it) and the HTTP clients."""
+        self._http.close()
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        aclient, self._aclient = self._aclient, None
+        if aclient is not None and self._aloop is not None and not self._aloop.is_closed():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is self._aloop:
+                running.create_task(aclient.aclose())
+            elif not self._aloop.is_running():
+                self._aloop.run_until_complete(aclient.aclose())
+            else:  # the loop runs in another thread: close there, with a deadline
+                fut = asyncio.run_coroutine_threadsafe(aclient.aclose(), self._aloop)
+                try:
+                    fut.result(timeout=self.control_timeout_s)
+                except Exception:  # noqa: BLE001 (closing: nothing left to report to)
+                    fut.cancel()
+
+
+class ReplicaWatchdog:
+    """Pings every live replica's ``/health`` every ``interval_s``; a replica that does not
+    answer within ``timeout_s``, or whose process exited, is marked dead (its waiting requests
+    fail at once and are re-issued by the client). Run :meth:`run` as a task on the loop the
+    agent loops use.
+
+    Args:
+        replicas: :class:`HTTPRolloutReplica` handles.
+        interval_s: time between two rounds of pings.
+        timeout_s: deadline of one ping.
+    """
+
+    def __init__(
+        self, replicas: list[Any], interval_s: float = 1.0, timeout_s: float = 5.0
+    ) -> None:
+        self.replicas = replicas
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.failures = 0
+
+    async def check(self) -> None:
+        """One round of pings (concurrent)."""
+        live = [r for r in self.replicas if not r.dead]
+        results = await asyncio.gather(
+            *(r.health(self.timeout_s) for r in live), return_exceptions=True
+        )
+        for r, res in zip(live, results, strict=True):
+            if isinstance(res, BaseException) and not isinstance(res, asyncio.CancelledError):
+                gone = r._process_gone()
+                r.mark_dead(
+                    gone or f"no /health answer within {self.timeout_s}s ({type(res).__name__})"
+                )
+                self.failures += 1
+
+    async def run(self) -> None:
+        """Ping until cancelled."""
+        while True:
+            await self.check()
+            await asyncio.sleep(self.interval_s)
+
+
+def _set_done(f: asyncio.Future[None]) -> None:
+    if not f.done():
+        f.set_result(None)
+
+
+def _sampling_json(sp: SamplingParams) -> dict[str, Any]:
+    return {
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "top_k": sp.top_k,
+        "max_new_tokens": sp.max_new_tokens,
+        "stop_token_ids": list(sp.stop_token_ids),
+        "stop": list(sp.stop),
+        "seed": sp.seed,
+        "logprobs": sp.logprobs,
+        "ignore_eos": sp.ignore_eos,
+        "priority": sp.priority,
+    }
+
+
+# ---------------------------------------------------------------------- spawning
+def spawn_replica(
+    model_path: str | Path,
+    *,
+    backend: str = "native",
+    options: dict[str, Any] | None = None,
+    threads: int = 1,
+    replica_id: int = 0,
+    log_path: str | Path | None = None,
+    startup_timeout_s: float = 120.0,
+    request_timeout_s: float = 600.0,
+    control_timeout_s: float = 60.0,
+) -> HTTPRolloutReplica:
+    """Start one replica process serving ``backend`` for ``model_path`` with ``threads`` torch
+    threads; returns its handle once ``/health`` answers (``RolloutError`` naming the log
+    otherwise). ``options`` are the backend's constructor options (JSON values)."""
+    log = Path(log_path) if log_path else None
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(threads)
+    cmd = [
+        sys.executable,
+        "-m",
+        "postrl.rollout.remote",
+        "--model",
+        str(model_path),
+        "--backend",
+        backend,
+        "--threads",
+        str(threads),
+        "--options",
+        json.dumps(options or {}),
+        "--parent-pid",
+        str(os.getpid()),
+    ]
+    errf = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (the child owns it)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, env=env, text=True)
+    finally:
+        if log:
+            errf.close()
+    port = _read_port(proc, startup_timeout_s, log)
+    rep = HTTPRolloutReplica(
+        f"http://127.0.0.1:{port}",
+        replica_id,
+        request_timeout_s=request_timeout_s,
+        control_timeout_s=control_timeout_s,
+        process=proc,
+        log_path=str(log) if log else None,
+    )
+    deadline = time.monotonic() + startup_timeout_s
+    while True:
+        try:
+            d = rep._http.get("/health", timeout=5).json()
+            rep.policy_version = int(d.get("policy_version", 0))
+            return rep
+        except Exception as e:  # noqa: BLE001 (retried until the deadline)
+            if proc.poll() is not None or time.monotonic() > deadline:
+                rep.close()
+                raise RolloutError(
+                    f"rollout replica {replica_id} did not come up within {startup_timeout_s}s "
+                    f"({type(e).__name__}: {e}); see its log {log}"
+                ) from e
+            time.sleep(0.05)
+
+
+def _read_port(proc: subprocess.Popen, timeout_s: float, log: Path | None) -> int:
+    """The port the child prints on its first stdout line (read with a deadline)."""
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    line = box[0] if box else ""
+    if not line.startswith(_PORT_LINE):
+        proc.kill()
+        raise RolloutError(
+            f"rollout replica process did not report its port within {timeout_s}s "
+            f"(exit code {proc.poll()}); see its log {log}"
+        )
+    return int(line[len(_PORT_LINE) :])
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:  # Linux: the kernel kills us when the parent dies
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:  # other systems (and a reparented child)
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(0)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def replica_main(argv: list[str] | None = None) -> int:
+    """Entry of a replica process (``python -m postrl.rollout.remote``): bind 127.0.0.1 on a
+    free port, print it, serve the token routes until terminated."""
+    p = argparse.ArgumentParser(prog="python -m postrl.rollout.remote")
+    p.add_argument("--model", required=True)
+    p.add_argument("--backend", default="native")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--options", default="{}", help="backend options as a JSON object")
+    p.add_argument("--parent-pid", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.parent_pid:
+        _die_with_parent(a.parent_pid)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    import socket
+
+    import torch
+    import uvicorn
+
+    from postrl.rollout.base import create_rollout_backend
+    from postrl.rollout.client import RolloutReplica
+    from postrl.rollout.server import create_app
+
+    torch.set_num_threads(max(1, a.threads))
+    backend = create_rollout_backend(a.backend, a.model, **json.loads(a.options))
+    app = create_app(RolloutReplica(backend))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sys.stdout.write(f"{_PORT_LINE}{sock.getsockname()[1]}\n")
+    sys.stdout.flush()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(replica_main())

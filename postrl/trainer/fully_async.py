@@ -1,0 +1,227 @@
+"""``fully_async`` (alias ``separate_async``): rollout replicas on cores of their own never wait
+for training.
+
+verl's ``separate_async`` (formerly ``fully_async``). The rollout replicas run in **processes of
+their own** (``trainer.backend=local``: ``rollout.num_replicas`` processes with
+``trainer.async.rollout_threads`` torch threads each, served over HTTP on 127.0.0.1 by
+``postrl.rollout.remote``); the trainer process keeps the rest of the cores. The trainer's event
+loop runs in a background thread, so agent loops, tool calls, reward scoring and the traffic to
+the replicas go on while the main thread trains.
+
+One step trains **one PPO mini-batch** (``actor.ppo_mini_batch_size`` groups: one optimizer
+step), taken from the replay buffer as soon as that many groups are complete and scored;
+weights are pushed every ``trainer.async.parameter_sync_step`` steps
+(``data.train_batch_size = parameter_sync_step × ppo_mini_batch_size``: the samples between two
+pushes, and the unit of the staleness bound). An epoch is ``parameter_sync_step`` × as many
+steps as in ``sync``, and the learning-rate horizon counts them.
+
+**Weights move without stopping the world**: each replica receives the bucket frames of a push
+while it keeps serving; at the last frame it holds its engine for the swap only (no request is
+aborted), recomputes the KV cache of its running requests under the new weights and continues
+them; every token keeps the version that sampled it (``rollout_policy_version``), so staleness
+and the decoupled-PPO correction see the truth. ``weights/pause_s`` / ``weights/recompute_s``
+report the swap.
+
+Admission is paced by the buffer: at most ``(max_staleness + 1) × train_batch_size`` groups
+are untrained at once, and no more than the run will train. **Replicas may die**: a replica
+whose process exits or that misses a health ping (``replica_health_timeout_s``) is declared
+dead, its waiting requests are re-issued to the live replicas (``rollout/replica_failures``,
+``rollout/reissued_requests``); the run stops with a named error only when none is left.
+
+Checkpoints hold the buffer exactly as ``one_step_off``'s do (finished trajectories with their
+data, in-flight prompts as prompts), so a killed run resumes with every prompt trained once.
+The interleaving depends on process timing: runs are not bit-reproducible
+(``trainer.deterministic`` is refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from postrl.protocol import DataProto
+from postrl.trainer.modes import refill_limit, register_trainer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FullyAsyncMode"]
+
+
+@register_trainer("fully_async", on_policy=False, dedicated_rollout=True, minibatch_steps=True)
+class FullyAsyncMode:
+    """Continuous generation on dedicated replicas, one mini-batch per step (module docstring).
+    Built from a :class:`~postrl.trainer.context.TrainerContext` whose fleet holds
+    :class:`~postrl.rollout.remote.HTTPRolloutReplica` handles."""
+
+    def __init__(self, ctx: Any) -> None:
+        from postrl.rollout.remote import ReplicaWatchdog
+        from postrl.trainer.replay import ReplayBuffer
+        from postrl.trainer.stream import GroupStream
+
+        self.ctx = ctx
+        cfg = ctx.cfg
+        ac = cfg.trainer.async_
+        self.k = cfg.data.train_batch_size  # groups per policy version
+        self.mini = cfg.actor.ppo_mini_batch_size  # groups per step
+        self.sync_every = ac.parameter_sync_step
+        self.buffer = ReplayBuffer(
+            cfg.rollout.n,
+            self.k,
+            max_staleness=ac.max_staleness,
+            strategy=ac.staleness_strategy,
+            sampler=cfg.trainer.sampler,
+            filter_groups=cfg.algorithm.filter_groups.enable,
+            max_failure_ratio=cfg.reward.max_failure_ratio,
+            timeout_s=ac.timeout_s,
+        )
+        self.stream = GroupStream(
+            ctx,
+            self.buffer,
+            score_on_completion=True,
+            inline_scoring=False,
+            max_refills=refill_limit(cfg) if cfg.algorithm.filter_groups.enable else None,
+        )
+        self.step = 0  # the step whose update the next sync_weights pushes (0: the first push)
+        self.trained = 0  # groups taken so far (the admission budget)
+        self.watchdog = ReplicaWatchdog(
+            ctx.fleet.replicas, ac.replica_health_interval_s, ac.replica_health_timeout_s
+        )
+        ctx.start_background()
+        self._watch = ctx.run_async(self._start_watchdog())
+        self._last_take = time.perf_counter()
+
+    async def _start_watchdog(self) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(self.watchdog.run())
+
+    # ------------------------------------------------------------------ the step
+    def next_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
+        """Top up admission, then take the next mini-batch as soon as it is complete."""
+        self.step = step
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        batch, metrics = ctx.run_async(self._next(step))
+        wait = time.perf_counter() - t0
+        since = max(time.perf_counter() - self._last_take, 1e-9)
+        self._last_take = time.perf_counter()
+        kept = int(metrics["dynamic_sampling/num_kept_groups"])
+        self.trained += kept
+        metrics["async/trainer_wait_s"] = wait
+        metrics["async/trainer_idle_fraction"] = min(1.0, wait / since)
+        metrics.update(self._fleet_metrics())
+        if not ctx.cfg.algorithm.filter_groups.enable:
+            metrics = {k: v for k, v in metrics.items() if not k.startswith("dynamic_sampling/")}
+        return batch, metrics
+
+    async def _next(self, step: int) -> tuple[DataProto, dict[str, float]]:
+        admitted = self._top_up(step)
+        batch, metrics = await self.stream.take_async(self.mini, step, self.ctx.loader.next_prompts)
+        admitted += self._top_up(step)  # the groups taken leave room at once
+        metrics["async/admitted_groups"] = float(admitted)
+        metrics["async/in_flight_groups"] = float(len(self.buffer.groups()))
+        metrics["async/in_flight_trajectories"] = float(self.stream.in_flight)
+        return batch, metrics
+
+    def _top_up(self, step: int) -> int:
+        """Admit prompts while the pacing cap allows it and the run will still train them
+        (runs on the loop thread); returns how many."""
+        budget = self.ctx.total_steps * self.mini if self.ctx.total_steps else None
+        n = 0
+        while True:
+            room = self.buffer.can_admit()
+            if budget is not None:
+                room = min(room, budget - self.trained - len(self.buffer.groups()))
+            prompts = self._draw(room)
+            if prompts is None:
+                return n
+            self.stream.admit(prompts, step)
+            n += len(prompts)
+
+    def _draw(self, room: int) -> DataProto | None:
+        """The next mini-batch of prompts (``room`` permitting), in the loader's order and cut
+        into the same batches as ``sync``: an epoch's trailing partial batch is skipped (the
+        whole next batch is drawn from the next epoch), so each prompt of an epoch is trained
+        exactly once."""
+        loader = self.ctx.loader
+        if room < self.mini:
+            return None
+        if loader.position % self.k == 0 and loader.position + self.k > len(loader.dataset):
+            return loader.next_batch() if room >= self.k else None  # rolls into the next epoch
+        return loader.next_prompts(self.mini)
+
+    def _fleet_metrics(self) -> dict[str, float]:
+        reps = self.ctx.fleet.replicas
+        client = self.ctx.agents.client
+        return {
+            "rollout/replica_failures": float(sum(1 for r in reps if getattr(r, "dead", False))),
+            "rollout/live_replicas": float(sum(1 for r in reps if not getattr(r, "dead", False))),
+            "rollout/reissued_requests": float(getattr(client, "reissued", 0)),
+        }
+
+    def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:
+        """Trajectories report to the stream (and the reward stage) on their own."""
+
+    def sync_weights(self) -> dict[str, float]:
+        """Every ``parameter_sync_step`` steps (and before the first): push the weights to the
+        replicas while they keep generating, advance the buffer's version, admit what the new
+        version makes room for."""
+        if self.step % self.sync_every:
+            return {}
+        metrics = self.ctx.sync_weights()  # to the live replicas (a dead one is skipped)
+        live = [r for r in self.ctx.fleet.replicas if not getattr(r, "dead", False)]
+        swaps = [r.last_swap for r in live if getattr(r, "last_swap", None)]
+        for key in ("pause_s", "recompute_s", "running"):
+            vals = [s[key] for s in swaps if key in s]
+            if vals:
+                metrics[f"weights/{key}"] = float(max(vals))
+        self.ctx.run_async(self._after_sync())
+        return metrics
+
+    async def _after_sync(self) -> None:
+        self.buffer.set_version(self.ctx.fleet.version)
+        self._top_up(self.step)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The loader position, the buffer (finished trajectories with their data, in-flight
+        prompts as prompts, refills owed) and the groups trained so far. In-flight trajectories
+        restart from their prompts after this call (their partial outputs are discarded)."""
+        return self.ctx.run_async(self._snapshot())
+
+    async def _snapshot(self) -> dict[str, Any]:
+        dropped = await self.stream.drop_in_flight_async()
+        if dropped:
+            logger.info("checkpoint: %d in-flight trajectories restart from their prompts", dropped)
+        state = {
+            "loader": self.ctx.loader.state_dict(),
+            "stream": self.stream.state_dict(),
+            "trained": self.trained,
+        }
+        self.stream.resume_pending()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (pending trajectories start at once on the loop thread)."""
+        self.ctx.run_async(self._load(state))
+
+    async def _load(self, state: dict[str, Any]) -> None:
+        self.ctx.loader.load_state_dict(state["loader"])
+        self.trained = int(state["trained"])
+        self.stream.load_state_dict(state["stream"])
+
+    def close(self) -> None:
+        """Stop the watchdog and cancel the trajectories still running."""
+        if self.ctx.closed:
+            return
+        self.ctx.run_async(self._close())
+
+    async def _close(self) -> None:
+        self._watch.cancel()
+        await asyncio.gather(self._watch, return_exceptions=True)
+        await self.stream.close_async()
+
+
+register_trainer("separate_async", on_policy=False, dedicated_rollout=True, minibatch_steps=True)(
+    FullyAsyncMode
+)
