@@ -29,27 +29,33 @@ class RolloutFleet:
         self.version = 0
         self.paused = False
 
+    @property
+    def live(self) -> list[Any]:
+        """The replicas not declared dead (a remote replica whose process died is skipped by
+        every fleet call)."""
+        return [r for r in self.replicas if not getattr(r, "dead", False)]
+
     def wake_up(self) -> None:
         """Restore every replica's KV cache (before generation)."""
-        for r in self.replicas:
+        for r in self.live:
             r.wake_up()
 
     def sleep(self) -> None:
         """Release every replica's KV cache (while the actor trains)."""
-        for r in self.replicas:
+        for r in self.live:
             r.sleep()
 
     def pause(self) -> None:
         """Abort every in-flight request and hold new ones (clients resume the interrupted
         requests on the weights loaded before :meth:`resume`: partial rollout)."""
         self.paused = True
-        for r in self.replicas:
+        for r in self.live:
             r.pause()
 
     def resume(self) -> None:
         """Serve again after :meth:`pause`."""
         self.paused = False
-        for r in self.replicas:
+        for r in self.live:
             r.resume()
 
     def sync_weights(self, open_source: Callable[[int], Any]) -> dict[str, float]:
@@ -64,7 +70,7 @@ class RolloutFleet:
 
         self.version += 1
         while True:
-            live = [r for r in self.replicas if not getattr(r, "dead", False)]
+            live = self.live
             if not live:
                 raise ReplicaDeadError(-1, "no rollout replica is left to receive the weights")
             try:

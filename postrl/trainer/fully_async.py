@@ -91,6 +91,7 @@ class FullyAsyncMode:
         ctx.start_background()
         self._watch = ctx.run_async(self._start_watchdog())
         self._last_take = time.perf_counter()
+        self._restore: dict[str, Any] | None = None  # a checkpoint's state, applied at the push
 
     async def _start_watchdog(self) -> asyncio.Task[None]:
         return asyncio.get_running_loop().create_task(self.watchdog.run())
@@ -179,6 +180,9 @@ class FullyAsyncMode:
         return metrics
 
     async def _after_sync(self) -> None:
+        if self._restore is not None:
+            state, self._restore = self._restore, None
+            await self._load(state)
         self.buffer.set_version(self.ctx.fleet.version)
         self._top_up(self.step)
 
@@ -202,8 +206,10 @@ class FullyAsyncMode:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (pending trajectories start at once on the loop thread)."""
-        self.ctx.run_async(self._load(state))
+        """Restore :meth:`state_dict` at the first weight push (the replicas start from the
+        model's files: trajectories restarted before the checkpoint's weights reach them would
+        be sampled by the wrong policy)."""
+        self._restore = state
 
     async def _load(self, state: dict[str, Any]) -> None:
         self.ctx.loader.load_state_dict(state["loader"])

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
+import subprocess
+import time
 from collections import Counter
 
 import pytest
-import torch
 from trainer_helpers import metric_rows, train_subprocess
 
 from postrl.config import ConfigError, load_config
 from postrl.data import generate_addition, write_parquet
-from postrl.trainer import RLTrainer
+from postrl.rollout import ReplicaDeadError
+from postrl.trainer import RLTrainer, hooks
 from postrl.trainer.ledger import read_ledger
 
 pytest.importorskip("uvicorn")
@@ -143,3 +144,124 @@ def test_separate_async_is_an_alias(small_overrides):
             )
         )
     assert "trainer.mode=separate_async" in str(e.value)
+
+
+def _replica_pids(model_dir) -> list[int]:
+    out = subprocess.run(
+        ["pgrep", "-f", f"postrl.rollout.remote --model {model_dir}"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    return [int(p) for p in out.split()]
+
+
+def _fit_with_faults(trainer, faults: dict[str, object]) -> None:
+    """Fit with ``faults[point](trainer)`` run at the named fault points."""
+
+    def hook(point: str) -> None:
+        if point in faults:
+            faults[point](trainer)
+
+    hooks.install(hook)
+    try:
+        trainer.fit()
+    finally:
+        hooks.uninstall(hook)
+
+
+def _record_deaths(trainer) -> dict[int, float]:
+    died: dict[int, float] = {}
+    for r in trainer.ctx.fleet.replicas:
+        mark = r.mark_dead
+
+        def marked(reason, r=r, mark=mark):
+            died.setdefault(r.replica_id, time.monotonic())
+            mark(reason)
+
+        r.mark_dead = marked
+    return died
+
+
+def test_killed_and_hung_replicas_lose_nothing(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    """Three replicas: one is SIGKILLed, one hangs (SIGSTOP); both are detected within 10 s,
+    their requests go to the third, training continues and every prompt of both epochs is
+    trained exactly once."""
+    run = tmp_path / "run"
+    args = [
+        *_base(tiny_model_dir, epoch_files, digits_reward, run),
+        "rollout.num_replicas=3",
+        "trainer.async.replica_health_interval_s=0.5",
+        "trainer.async.replica_health_timeout_s=2",
+    ]
+    trainer = RLTrainer(load_config(None, args))
+    reps = trainer.ctx.fleet.replicas
+    died = _record_deaths(trainer)
+    struck: dict[int, float] = {}
+
+    def strike(i: int, sig: int):
+        def do(_):
+            struck[i] = time.monotonic()
+            os.kill(reps[i].process.pid, sig)
+            if sig == signal.SIGSTOP:  # wait for the watchdog (the trainer keeps its own pace)
+                deadline = time.monotonic() + 10
+                while not reps[i].dead and time.monotonic() < deadline:
+                    time.sleep(0.1)
+
+        return do
+
+    try:
+        _fit_with_faults(
+            trainer,
+            {
+                "step5:after_gen": strike(0, signal.SIGKILL),
+                "step9:after_gen": strike(1, signal.SIGSTOP),
+            },
+        )
+    finally:
+        for r in reps:
+            if r.process.poll() is None:
+                r.process.kill()
+        trainer.close()
+    assert sorted(died) == [0, 1]
+    for i in (0, 1):
+        assert died[i] - struck[i] < 10, (
+            f"replica {i} declared dead {died[i] - struck[i]:.1f}s late"
+        )
+    assert "exited" in reps[0].dead_reason or "connection" in reps[0].dead_reason
+    assert "/health" in reps[1].dead_reason
+    _each_prompt_once_per_epoch(run)
+    rows = metric_rows(run)
+    assert rows[-1]["rollout/replica_failures"] == 2
+    assert rows[-1]["rollout/live_replicas"] == 1
+    assert rows[-1]["rollout/reissued_requests"] > 0, "no request of a dead replica re-issued"
+
+
+def test_no_replica_left_is_a_named_error(tiny_model_dir, epoch_files, digits_reward, tmp_path):
+    trainer = RLTrainer(
+        load_config(None, _base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run"))
+    )
+    rep = trainer.ctx.fleet.replicas[0]
+    try:
+        with pytest.raises(ReplicaDeadError) as e:
+            _fit_with_faults(trainer, {"step3:after_gen": lambda _: rep.process.kill()})
+    finally:
+        trainer.close()
+    assert "no rollout replica is left" in str(e.value)
+
+
+def test_fully_async_kill_and_resume_loses_and_duplicates_nothing(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    """SIGKILL the whole run mid-epoch (groups buffered and in flight, checkpoint at step 4),
+    resume: every prompt of both epochs trained once; the replica processes die with it."""
+    run = tmp_path / "run"
+    args = [*_base(tiny_model_dir, epoch_files, digits_reward, run), "trainer.save_freq=4"]
+    assert train_subprocess(args, threads=1, kill_at="step6:after_gen") == -9
+    deadline = time.monotonic() + 10
+    while _replica_pids(tiny_model_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _replica_pids(tiny_model_dir), "a rollout replica outlived its killed trainer"
+    assert train_subprocess(args, threads=1) == 0
+    _each_prompt_once_per_epoch(run)
