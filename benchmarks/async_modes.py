@@ -1,4 +1,4 @@
-"""``trainer.mode=sync`` vs ``trainer.mode=one_step_off``, side by side, on two workloads.
+"""``trainer.mode=sync`` vs ``one_step_off`` vs ``fully_async``, side by side, on two workloads.
 
 What it measures
     For each workload, short training runs (``--steps`` RL steps each) through the public API
@@ -9,6 +9,15 @@ What it measures
     default ``trainer.async.max_staleness=1``). Every run logs to a temporary run dir
     (``trainer.loggers=[jsonl]``, no validation) and the numbers come from its
     ``metrics.jsonl``.
+
+    ``fully_async`` runs its rollout replica in a process of its own: the same cores are split,
+    ``--threads // 2`` torch threads for the replica and the rest for the trainer (``sync`` and
+    ``one_step_off`` use all ``--threads`` for both, in turn); it pushes weights after every
+    batch (``parameter_sync_step=1``: as many optimizer steps per sample as ``sync``). Its
+    ``trainer_idle`` column is the fraction of step time the trainer waited for samples
+    (``async/trainer_idle_fraction``), ``replica_idle`` the fraction of wall time the replica's
+    engine ran no step (``rollout/replica_idle_fraction``, from the engine's busy time sampled
+    at the health pings).
 
     Workloads:
 
@@ -102,7 +111,8 @@ from postrl.tools.base import ToolResponse, register_tool
 logger = logging.getLogger("async_modes")
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("sync", "one_step_off")
+MODES = ("sync", "one_step_off", "fully_async")
+"""Every mode the benchmark knows; ``--modes`` picks (``sync`` always runs: the baseline)."""
 WORKLOADS = ("w1", "tools")
 TOOL_NAME = "latency_calculator"  # registry name; the model still calls the function `calculator`
 _EVICTED = ("replay/evicted/stale", "replay/evicted/filtered", "replay/evicted/failed")
@@ -118,6 +128,9 @@ _KEEP = (
     *_EVICTED,
     "replay/refills",
     "async/interrupted_trajectories",
+    "async/trainer_idle_fraction",
+    "rollout/replica_idle_fraction",
+    "weights/pause_s",
     "async/in_flight_groups",
     "dynamic_sampling/num_kept_groups",
     "agent/num_tool_calls",
@@ -304,6 +317,29 @@ def workload_config(
 
 
 # ---------------------------------------------------------------------------- one run
+def mode_overrides(mode: str, overrides: list[str]) -> list[str]:
+    """What a mode changes besides ``trainer.mode``: ``fully_async`` splits the same cores
+    between one rollout replica process (``trainer.async.rollout_threads``) and the trainer
+    (the rest), pushes weights after every batch (``parameter_sync_step=1``, so it takes as
+    many optimizer steps per sample as ``sync``) and runs the health watchdog."""
+    if mode != "fully_async":
+        return []
+    threads = next(
+        (
+            int(o.split("=", 1)[1])
+            for o in reversed(overrides)
+            if o.startswith("trainer.num_threads=")
+        ),
+        2,
+    )
+    rollout = max(1, threads // 2)
+    return [
+        f"trainer.async.rollout_threads={rollout}",
+        f"trainer.num_threads={max(1, threads - rollout)}",
+        "trainer.async.parameter_sync_step=1",
+    ]
+
+
 def run_once(base: str | None, overrides: list[str], mode: str, steps: int) -> list[dict]:
     """Train ``steps`` steps in ``mode`` in a temporary run dir; return its metrics rows
     (the :data:`_KEEP` keys of each step) plus ``trajectories`` and ``groups`` per step."""
@@ -315,6 +351,7 @@ def run_once(base: str | None, overrides: list[str], mode: str, steps: int) -> l
             base,
             [
                 *overrides,
+                *mode_overrides(mode, overrides),
                 f"trainer.mode={mode}",
                 f"trainer.total_steps={steps}",
                 f"trainer.run_dir={run}",
@@ -375,6 +412,9 @@ def summarize_run(rows: list[dict]) -> dict[str, Any]:
         "drop_rate": evicted / groups if evicted is not None and groups else None,
         "interrupted_per_step": _mean(w, "async/interrupted_trajectories"),
         "tool_calls_per_traj": _mean(w, "agent/num_tool_calls"),
+        "trainer_idle": _mean(w, "async/trainer_idle_fraction"),
+        "replica_idle": _mean(w, "rollout/replica_idle_fraction"),
+        "swap_pause_s": _mean(w, "weights/pause_s"),
         "response_length": _mean(w, "response_length/mean"),
         "score": _mean(w, "critic/score/mean"),
         "whole_run_samples_per_s": sum(r["trajectories"] for r in rows)
@@ -388,9 +428,10 @@ def _median(vals: list[float | None]) -> float | None:
 
 
 def summarize_workload(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over repeats per mode, the one_step_off/sync ratios and the verdict."""
+    """Medians over repeats per mode, each async mode's ratio to sync and its verdict."""
+    modes = [m for m in MODES if any(r["mode"] == m for r in runs)]
     med: dict[str, dict[str, Any]] = {}
-    for mode in MODES:
+    for mode in modes:
         mine = [r["summary"] for r in runs if r["mode"] == mode]
         keys = [k for k in mine[0] if k not in ("measured_steps", "staleness_step_means")]
         med[mode] = {k: _median([s[k] for s in mine]) for k in keys}
@@ -398,38 +439,37 @@ def summarize_workload(runs: list[dict[str, Any]]) -> dict[str, Any]:
         med[mode]["staleness_histogram"] = dict(sorted(hist.items()))
     by_rep = {(r["mode"], r["repeat"]): r["summary"] for r in runs}
     reps = sorted({r["repeat"] for r in runs})
-    per_rep = [
-        by_rep[("one_step_off", i)]["samples_per_s"] / by_rep[("sync", i)]["samples_per_s"]
-        for i in reps
-    ]
-    whole = [
-        by_rep[("one_step_off", i)]["whole_run_samples_per_s"]
-        / by_rep[("sync", i)]["whole_run_samples_per_s"]
-        for i in reps
-    ]
-    ratio = statistics.median(per_rep)
-    if min(per_rep) < 1 < max(per_rep):
-        verdict = (
-            f"INCONCLUSIVE: the per-repeat ratios straddle 1 ({min(per_rep):.2f}x .. "
-            f"{max(per_rep):.2f}x); the difference is within this machine's noise"
-        )
-    elif ratio > 1:
-        verdict = f"one_step_off is FASTER than sync here: {ratio:.2f}x the samples/s (median)"
-    else:
-        verdict = (
-            f"one_step_off is NOT faster than sync here: {ratio:.2f}x the samples/s (median), "
-            f"i.e. {100 * (1 - ratio):.0f}% fewer samples/s"
-        )
-    return {
-        "median": med,
-        "ratio": {
+    ratios, verdicts = {}, {}
+    for mode in modes[1:]:
+        per_rep = [
+            by_rep[(mode, i)]["samples_per_s"] / by_rep[("sync", i)]["samples_per_s"] for i in reps
+        ]
+        whole = [
+            by_rep[(mode, i)]["whole_run_samples_per_s"]
+            / by_rep[("sync", i)]["whole_run_samples_per_s"]
+            for i in reps
+        ]
+        ratio = statistics.median(per_rep)
+        if min(per_rep) < 1 < max(per_rep):
+            verdict = (
+                f"INCONCLUSIVE: the per-repeat ratios straddle 1 ({min(per_rep):.2f}x .. "
+                f"{max(per_rep):.2f}x); the difference is within this machine's noise"
+            )
+        elif ratio > 1:
+            verdict = f"{mode} is FASTER than sync here: {ratio:.2f}x the samples/s (median)"
+        else:
+            verdict = (
+                f"{mode} is NOT faster than sync here: {ratio:.2f}x the samples/s (median), "
+                f"i.e. {100 * (1 - ratio):.0f}% fewer samples/s"
+            )
+        ratios[mode] = {
             "samples_per_s": ratio,
             "samples_per_s_per_repeat": per_rep,
             "whole_run_samples_per_s": statistics.median(whole),
             "whole_run_per_repeat": whole,
-        },
-        "verdict": verdict,
-    }
+        }
+        verdicts[mode] = verdict
+    return {"median": med, "ratios": ratios, "verdicts": verdicts}
 
 
 # ---------------------------------------------------------------------------- report
@@ -442,6 +482,8 @@ _COLS = (
     ("drop/grp", "drop_rate", "{:.3f}"),
     ("intr/step", "interrupted_per_step", "{:.1f}"),
     ("calls/traj", "tool_calls_per_traj", "{:.2f}"),
+    ("trainer_idle", "trainer_idle", "{:.2f}"),
+    ("replica_idle", "replica_idle", "{:.2f}"),
 )
 
 
@@ -451,14 +493,16 @@ def _fmt(v: Any, f: str) -> str:
 
 def format_table(name: str, res: dict[str, Any]) -> str:
     """The table printed for one workload."""
-    runs, med, ratio = res["runs"], res["median"], res["ratio"]
+    runs, med = res["runs"], res["median"]
+    modes = list(med)
     steps = runs[0]["summary"]["measured_steps"]
     n_steps = len(runs[0]["steps"])
-    head = f"{'mode':<14}{'rep':>4}" + "".join(f"{c:>12}" for c, _, _ in _COLS)
+    head = f"{'mode':<14}{'rep':>4}" + "".join(f"{c:>13}" for c, _, _ in _COLS)
     lines = [
         f"== {name} ==  {res['description']}",
         f"   {n_steps} steps per run, measured steps {steps[0] if steps else '-'}.."
-        f"{steps[-1] if steps else '-'} ({len(steps)}), {len(runs) // 2} repeat(s), interleaved"
+        f"{steps[-1] if steps else '-'} ({len(steps)}), {len(runs) // len(modes)} repeat(s), "
+        "interleaved"
         + ("  [window includes the drain step: smoke setting]" if n_steps < 3 else ""),
         head,
         "-" * len(head),
@@ -467,28 +511,29 @@ def format_table(name: str, res: dict[str, Any]) -> str:
         s = r["summary"]
         lines.append(
             f"{r['mode']:<14}{r['repeat'] + 1:>4}"
-            + "".join(f"{_fmt(s[k], f):>12}" for _, k, f in _COLS)
+            + "".join(f"{_fmt(s[k], f):>13}" for _, k, f in _COLS)
         )
     lines.append("-" * len(head))
-    for mode in MODES:
+    for mode in modes:
         lines.append(
-            f"{mode:<14}{'med':>4}" + "".join(f"{_fmt(med[mode][k], f):>12}" for _, k, f in _COLS)
+            f"{mode:<14}{'med':>4}" + "".join(f"{_fmt(med[mode][k], f):>13}" for _, k, f in _COLS)
         )
-    for mode in MODES:
+    for mode in modes:
         h = med[mode]["staleness_histogram"]
         if h:
             lines.append(
                 f"staleness histogram ({mode}, per-step mean, all repeats): "
                 + "  ".join(f"{k}: {v}" for k, v in h.items())
             )
-    lines += [
-        f"one_step_off / sync samples/s: median {ratio['samples_per_s']:.2f}x   per repeat "
-        + ", ".join(f"{x:.2f}x" for x in ratio["samples_per_s_per_repeat"]),
-        "whole-run (all steps, warm-up and drain included) median "
-        f"{ratio['whole_run_samples_per_s']:.2f}x   per repeat "
-        + ", ".join(f"{x:.2f}x" for x in ratio["whole_run_per_repeat"]),
-        f"verdict: {res['verdict']}",
-    ]
+    for mode, ratio in res["ratios"].items():
+        lines += [
+            f"{mode} / sync samples/s: median {ratio['samples_per_s']:.2f}x   per repeat "
+            + ", ".join(f"{x:.2f}x" for x in ratio["samples_per_s_per_repeat"]),
+            f"  whole-run (all steps, warm-up and drain included) median "
+            f"{ratio['whole_run_samples_per_s']:.2f}x   per repeat "
+            + ", ".join(f"{x:.2f}x" for x in ratio["whole_run_per_repeat"]),
+            f"  verdict: {res['verdicts'][mode]}",
+        ]
     return "\n".join(lines)
 
 
@@ -509,7 +554,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         base, overrides, desc = workload_config(name, args, work)
         runs = []
         for rep in range(args.repeats):
-            for mode in MODES:
+            for mode in ("sync", *[m for m in args.modes if m != "sync"]):
                 t0 = time.perf_counter()
                 rows = run_once(base, overrides, mode, args.steps)
                 s = summarize_run(rows)
@@ -545,6 +590,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both")
+    ap.add_argument(
+        "--modes",
+        type=lambda v: tuple(m for m in v.split(",") if m),
+        default=MODES,
+        help=f"comma-separated modes compared with sync (default: {','.join(MODES)})",
+    )
     ap.add_argument("--steps", type=int, default=8, help="RL steps per run (>= 2; default 8)")
     ap.add_argument("--repeats", type=int, default=3, help="sync/one_step_off pairs per workload")
     ap.add_argument("--threads", type=int, default=2, help="trainer.num_threads")
@@ -582,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {"argv": sys.argv[1:] if argv is None else list(argv), **run_benchmark(args)}
     la0, la1 = res["machine"]["loadavg_start"][0], res["machine"]["loadavg_end"][0]
     report = [
-        f"sync vs one_step_off, {res['machine']['cpus']} CPUs, load average (1 min) "
+        f"{' vs '.join(('sync', *[m for m in args.modes if m != 'sync']))}, "
+        f"{res['machine']['cpus']} CPUs, load average (1 min) "
         f"{la0:.2f} at start, {la1:.2f} at end; other jobs on this machine make these numbers noisy"
     ]
     report += [format_table(name, w) for name, w in res["workloads"].items()]

@@ -1,4 +1,4 @@
-"""``benchmarks/async_modes.py`` (sync vs one_step_off): correctness only, never timing.
+"""``benchmarks/async_modes.py`` (sync, one_step_off, fully_async): correctness, never timing.
 
 * the latency tool is registered, waits within its range and answers exactly;
 * the measured window skips the warm-up step (and the drain step from 3 steps on);
@@ -67,7 +67,7 @@ def test_window_skips_warm_up_and_drain(bench):
 
 
 @pytest.mark.slow
-def test_benchmark_main_writes_both_modes_for_both_workloads(bench, tiny_model_dir, tmp_path):
+def test_benchmark_main_writes_every_mode_for_both_workloads(bench, tiny_model_dir, tmp_path):
     out = tmp_path / "results.json"
     rc = bench.main(
         [
@@ -86,14 +86,16 @@ def test_benchmark_main_writes_both_modes_for_both_workloads(bench, tiny_model_d
     res = json.loads(out.read_text())
     assert set(res["workloads"]) == {"w1", "tools"}
     for name, w in res["workloads"].items():
-        assert [r["mode"] for r in w["runs"]] == ["sync", "one_step_off"], name
+        assert [r["mode"] for r in w["runs"]] == ["sync", "one_step_off", "fully_async"], name
         for r in w["runs"]:
             assert len(r["steps"]) == 2
             assert r["summary"]["samples_per_s"] > 0
-        for mode in ("sync", "one_step_off"):
+        for mode in ("sync", "one_step_off", "fully_async"):
             assert w["median"][mode]["samples_per_s"] > 0
-        assert w["ratio"]["samples_per_s"] > 0
-        assert w["verdict"]
+        for mode in ("one_step_off", "fully_async"):
+            assert w["ratios"][mode]["samples_per_s"] > 0
+            assert w["verdicts"][mode]
+        assert w["runs"][2]["summary"]["trainer_idle"] is not None  # fully_async's own metrics
         osoff = w["runs"][1]["summary"]
         assert osoff["staleness_max"] is not None  # one_step_off logs replay/* metrics
         assert osoff["drop_rate"] is not None

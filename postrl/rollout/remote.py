@@ -86,6 +86,8 @@ class HTTPRolloutReplica:
         self.log_path = log_path
         self.policy_version = 0
         self.last_swap: dict[str, float] = {}
+        self.busy_s = 0.0
+        """The replica engine's seconds in steps, as of the last health ping."""
         self.dead_reason: str | None = None
         self._inflight = 0
         self._http = httpx.Client(base_url=self.base_url, timeout=control_timeout_s)
@@ -345,7 +347,9 @@ class ReplicaWatchdog:
             *(r.health(self.timeout_s) for r in live), return_exceptions=True
         )
         for r, res in zip(live, results, strict=True):
-            if isinstance(res, BaseException) and not isinstance(res, asyncio.CancelledError):
+            if isinstance(res, dict):
+                r.busy_s = float(res.get("busy_s", r.busy_s))
+            elif isinstance(res, BaseException) and not isinstance(res, asyncio.CancelledError):
                 gone = r._process_gone()
                 r.mark_dead(
                     gone or f"no /health answer within {self.timeout_s}s ({type(res).__name__})"

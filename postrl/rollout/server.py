@@ -273,6 +273,7 @@ def create_app(
             "policy_version": replica.policy_version,
             "running": int(getattr(be, "num_running", 0)),
             "waiting": int(getattr(be, "num_waiting", 0)),
+            "busy_s": float(getattr(be, "busy_s", 0.0)),
         }
 
     @app.get("/v1/models")

@@ -92,6 +92,7 @@ class FullyAsyncMode:
         self._watch = ctx.run_async(self._start_watchdog())
         self._last_take = time.perf_counter()
         self._restore: dict[str, Any] | None = None  # a checkpoint's state, applied at the push
+        self._busy_mark = (time.perf_counter(), 0.0)  # (wall, replicas' engine seconds)
 
     async def _start_watchdog(self) -> asyncio.Task[None]:
         return asyncio.get_running_loop().create_task(self.watchdog.run())
@@ -154,7 +155,15 @@ class FullyAsyncMode:
     def _fleet_metrics(self) -> dict[str, float]:
         reps = self.ctx.fleet.replicas
         client = self.ctx.agents.client
+        now, busy = time.perf_counter(), [r.busy_s for r in reps if not getattr(r, "dead", False)]
+        t0, b0 = self._busy_mark
+        self._busy_mark = (now, sum(busy))
+        idle = {}
+        if busy and now > t0:  # engine time in steps since the last take, per live replica
+            frac = (sum(busy) - b0) / (len(busy) * (now - t0))
+            idle["rollout/replica_idle_fraction"] = float(min(1.0, max(0.0, 1.0 - frac)))
         return {
+            **idle,
             "rollout/replica_failures": float(sum(1 for r in reps if getattr(r, "dead", False))),
             "rollout/live_replicas": float(sum(1 for r in reps if not getattr(r, "dead", False))),
             "rollout/reissued_requests": float(getattr(client, "reissued", 0)),

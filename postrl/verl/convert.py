@@ -541,6 +541,55 @@ def _warmup_batches(v, view):
     return out
 
 
+_SEPARATE = "trainer.v1.trainer_mode=separate_async"
+
+
+def _parameter_sync_step(v, view):
+    """verl's ``separate_async.parameter_sync_step``: trainer steps between two weight syncs.
+
+    postrl's ``fully_async`` trains one PPO mini-batch per step and pushes weights every
+    ``parameter_sync_step`` steps, so ``data.train_batch_size`` (the samples between two pushes)
+    must be ``parameter_sync_step × ppo_mini_batch_size``, as verl's own defaults are
+    (1024 = 4 × 256). Other combinations are refused, not reinterpreted."""
+    if view.get("trainer.v1.trainer_mode") != "separate_async":
+        return {}
+    key = "trainer.v1.separate_async.parameter_sync_step"
+    steps = int(v)
+    if steps < 1:
+        raise Unsupported(f"{key} must be >= 1", f"{key}=4")
+    mini = int(view.get(f"{A}.ppo_mini_batch_size"))
+    batch = int(view.get("data.train_batch_size"))
+    if batch != steps * mini:
+        fixes = [f"data.train_batch_size={steps * mini}"]
+        if mini > 0 and batch % mini == 0 and batch >= mini:
+            fixes.append(f"{key}={batch // mini}")
+        raise Unsupported(
+            f"with {_SEPARATE}, postrl trains one {A}.ppo_mini_batch_size={mini} mini-batch "
+            f"per step and syncs weights every {steps} steps, so data.train_batch_size={batch} "
+            f"must equal parameter_sync_step × ppo_mini_batch_size = {steps * mini}",
+            " or ".join(fixes),
+        )
+    return {"trainer.async.parameter_sync_step": steps}
+
+
+_parameter_sync_step.why = f"read only with {_SEPARATE}"  # type: ignore[attr-defined]
+
+
+def _hybrid_rollout(v, view):
+    """verl's idle switch (trainer workers generate while they wait): postrl has none yet."""
+    if view.get("trainer.v1.trainer_mode") != "separate_async" or not v:
+        return {}
+    raise Unsupported(
+        "postrl's fully_async has no idle switch yet: the trainer's workers never generate",
+        "leave trainer.v1.separate_async.hybrid_rollout.enable=False",
+    )
+
+
+_hybrid_rollout.why = (  # type: ignore[attr-defined]
+    f"off, or not {_SEPARATE}: nothing to switch"
+)
+
+
 def _reward_manager(v, view):
     if v in (None, "naive", "prime", "batch", "dapo"):
         if v == "batch":

@@ -51,6 +51,7 @@ from postrl.verl.convert import (  # noqa: F401 - names the rows below use
     _files,
     _first_set,
     _grad_clip,
+    _hybrid_rollout,
     _int_or_zero,
     _logger,
     _loss_mode,
@@ -58,6 +59,7 @@ from postrl.verl.convert import (  # noqa: F401 - names the rows below use
     _min_lr,
     _model_dtype,
     _multi_turn,
+    _parameter_sync_step,
     _path,
     _resume,
     _reward_manager,
@@ -697,11 +699,23 @@ RULES: list[Rule] = [
     M("trainer.v1.colocate_async.num_warmup_batches", 1, "trainer.async.num_warmup_batches",
         _warmup_batches, why="verl counts the next batch; postrl counts the extra ones (w − 1)"),
     N("trainer.v1.separate_async.num_warmup_batches", 1,
-        "postrl's fully_async mode sizes its own warm-up"),
-    N("trainer.v1.separate_async.parameter_sync_step", 4,
-        "postrl's fully_async mode syncs weights on its own schedule"),
+        "postrl's fully_async has no warm-up count: its replicas generate as far ahead as "
+        "admission allows, (max_staleness + 1) × data.train_batch_size untrained groups "
+        "(max_staleness from trainer.v1.sampler.max_off_policy_threshold)"),
+    M("trainer.v1.separate_async.parameter_sync_step", 4, "trainer.async.parameter_sync_step",
+        _parameter_sync_step,
+        why="separate_async only; a step trains one PPO mini-batch, so data.train_batch_size "
+        "must be parameter_sync_step × ppo_mini_batch_size (verl's defaults: 1024 = 4 × 256), "
+        "else refused with the fix; how verl itself handles other batch sizes is not known "
+        "here"),
+    M("trainer.v1.separate_async.hybrid_rollout.enable", False,
+        "(rejected when true with separate_async)", _hybrid_rollout,
+        why="verl's idle switch (trainer workers generate while they wait); postrl's "
+        "fully_async has none yet, leave it off (verl's own should_switch_to_rollout() "
+        "is hard-coded False at verl commit cfacd76a0bdd)"),
     NOOP_TREE("trainer.v1.separate_async.hybrid_rollout",
-        "postrl's fully_async mode decides device switching itself"),
+        "options of the idle switch, which postrl does not have (hybrid_rollout.enable is "
+        "refused); verl's individual keys here are not known to this table"),
     M("trainer.v1.sampler.max_off_policy_threshold", 8, "trainer.async.max_staleness",
         _async_only(_to("trainer.async.max_staleness")),
         why="async modes only; counted from the tokens' policy versions, not the dispatch step"),

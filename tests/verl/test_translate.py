@@ -327,3 +327,76 @@ def test_colocate_async_maps_to_one_step_off_with_its_staleness_keys():
             ]
         )
     assert "trainer.v1.sampler.max_off_policy_threshold=4" in str(e.value)
+
+
+SEPARATE = [
+    *MICRO,
+    "trainer.v1.trainer_mode=separate_async",
+    "data.train_batch_size=64",
+    f"{A}.ppo_mini_batch_size=16",
+]
+
+
+def test_separate_async_maps_to_fully_async_with_its_parameter_sync_step(caplog):
+    from postrl.config.validate import async_errors
+
+    with caplog.at_level(logging.INFO, logger="postrl.verl"):
+        t = translate(
+            [
+                *SEPARATE,
+                "trainer.v1.separate_async.parameter_sync_step=4",
+                "trainer.v1.separate_async.num_warmup_batches=2",
+                "trainer.v1.sampler.max_off_policy_threshold=2",
+            ]
+        )
+    a = t.config.trainer.async_
+    assert t.config.trainer.mode == "fully_async"
+    assert (a.parameter_sync_step, a.max_staleness, a.num_warmup_batches) == (4, 2, 0)
+    assert async_errors(t.config) == []  # postrl's own fully_async contract holds
+    assert "parameter_sync_step: 4" in minimal_yaml(t)
+    assert "num_warmup_batches: 2 has no effect here" in caplog.text
+    # verl's defaults (1024 = 4 × 256) satisfy the contract without setting the key
+    default = translate([*MICRO, "trainer.v1.trainer_mode=separate_async"]).config
+    assert default.trainer.async_.parameter_sync_step == 4
+
+
+def test_separate_async_batch_sizes_must_match_parameter_sync_step():
+    with pytest.raises(VerlConfigError) as e:
+        translate([*SEPARATE, "trainer.v1.separate_async.parameter_sync_step=3"])
+    msg = str(e.value)
+    assert "parameter_sync_step=3" in msg and "data.train_batch_size=64" in msg
+    assert (
+        "nearest supported: data.train_batch_size=48 or "
+        "trainer.v1.separate_async.parameter_sync_step=4" in msg
+    )
+    with pytest.raises(VerlConfigError, match=r"data\.train_batch_size=64 must equal"):
+        translate([*SEPARATE, f"{A}.ppo_mini_batch_size=32"])  # verl's default step 4
+
+
+def test_separate_async_hybrid_rollout_is_refused_when_enabled():
+    with pytest.raises(VerlConfigError) as e:
+        translate([*SEPARATE, "trainer.v1.separate_async.hybrid_rollout.enable=True"])
+    assert "no idle switch" in str(e.value)
+    assert "leave trainer.v1.separate_async.hybrid_rollout.enable=False" in str(e.value)
+    off = translate(
+        [
+            *SEPARATE,
+            "trainer.v1.separate_async.hybrid_rollout.enable=False",
+            "+trainer.v1.separate_async.hybrid_rollout.idle_threshold=0.5",
+        ]
+    )
+    assert off.config.trainer.mode == "fully_async"
+
+
+def test_sync_and_colocate_async_ignore_the_separate_async_keys():
+    keys = [
+        "trainer.v1.separate_async.parameter_sync_step=3",  # 3 × 256 != 1024: unread here
+        "trainer.v1.separate_async.num_warmup_batches=5",
+        "trainer.v1.separate_async.hybrid_rollout.enable=True",
+    ]
+    sync = translate([*MICRO, *keys]).config.trainer
+    assert sync.mode == "sync" and sync.async_.parameter_sync_step == 1
+    colocate = translate([*MICRO, "trainer.v1.trainer_mode=colocate_async", *keys]).config
+    assert colocate.trainer.mode == "one_step_off"
+    assert colocate.trainer.async_.parameter_sync_step == 1
+    assert colocate.trainer.async_.num_warmup_batches == 0  # colocate_async's own key (1)

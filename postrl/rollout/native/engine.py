@@ -145,6 +145,8 @@ class NativeBackend:
             [-self.sin[:, :half], self.sin[:, half:]], dim=-1
         )  # for apply_rope_fast
         self.weight_version = 0
+        self.busy_s = 0.0
+        """Seconds spent in engine steps so far (idle fraction = 1 − Δbusy_s / Δwall)."""
         self._rng = random.Random(seed)
         self._lock = threading.RLock()  # guards engine state (step / update / sleep)
         self._qlock = threading.Lock()  # guards _waiting and _aborts
@@ -503,10 +505,13 @@ class NativeBackend:
                 await held
                 continue
             try:
+                t0 = time.perf_counter()
                 if self._threaded:
                     done = await loop.run_in_executor(self._executor, self._step)
                 else:
                     done = self._step()
+                self.busy_s += time.perf_counter() - t0
+                if not self._threaded:
                     await asyncio.sleep(0)
             except Exception as e:  # fail every request rather than hang callers
                 logger.exception("native engine step failed")
