@@ -51,6 +51,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 _PORT_LINE = "POSTRL_REPLICA_PORT="
+_RETRIES = 2  # transport errors retried (fresh connection) before a live process counts as dead
 
 
 class HTTPRolloutReplica:
@@ -180,17 +181,23 @@ class HTTPRolloutReplica:
     async def _post_generate(self, body: dict[str, Any]) -> TokenOutput:
         import httpx
 
-        try:
-            r = await self._async_client().post("/v1/generate", json=body)
-        except httpx.TimeoutException as e:
-            raise RolloutTimeoutError(
-                f"replica {self.replica_id}: request {body['request_id']!r} exceeded "
-                f"{self.request_timeout_s}s"
-            ) from e
-        except httpx.TransportError as e:
-            reason = self._process_gone() or f"connection failed ({type(e).__name__}: {e})"
-            self.mark_dead(reason)
-            raise ReplicaDeadError(self.replica_id, reason) from e
+        for attempt in range(_RETRIES + 1):
+            try:
+                r = await self._async_client().post("/v1/generate", json=body)
+                break
+            except httpx.TimeoutException as e:
+                raise RolloutTimeoutError(
+                    f"replica {self.replica_id}: request {body['request_id']!r} exceeded "
+                    f"{self.request_timeout_s}s"
+                ) from e
+            except httpx.TransportError as e:  # a dead process, or a connection closed under us
+                gone = self._process_gone()
+                if gone is None and attempt < _RETRIES:
+                    await asyncio.sleep(0.05 * (attempt + 1))
+                    continue
+                reason = gone or f"connection failed {_RETRIES + 1} times ({type(e).__name__}: {e})"
+                self.mark_dead(reason)
+                raise ReplicaDeadError(self.replica_id, reason) from e
         if r.status_code != 200:
             raise RolloutError(f"replica {self.replica_id}: HTTP {r.status_code}: {r.text[:500]}")
         d = r.json()
@@ -207,12 +214,22 @@ class HTTPRolloutReplica:
         import httpx
 
         self._check_alive()
-        try:
-            r = self._http.post(route, **kw)
-        except httpx.TransportError as e:  # timeouts included: a hung replica is dead too
-            reason = self._process_gone() or f"{route} failed ({type(e).__name__}: {e})"
-            self.mark_dead(reason)
-            raise ReplicaDeadError(self.replica_id, reason) from e
+        for attempt in range(_RETRIES + 1):
+            try:
+                r = self._http.post(route, **kw)
+                break
+            except httpx.TransportError as e:  # timeouts included: a hung replica is dead too
+                gone = self._process_gone()
+                if (
+                    gone is None
+                    and attempt < _RETRIES
+                    and not isinstance(e, httpx.TimeoutException)
+                ):
+                    time.sleep(0.05 * (attempt + 1))  # a connection closed under us: again
+                    continue
+                reason = gone or f"{route} failed ({type(e).__name__}: {e})"
+                self.mark_dead(reason)
+                raise ReplicaDeadError(self.replica_id, reason) from e
         if r.status_code != 200:
             raise RolloutError(
                 f"replica {self.replica_id}: {route} → HTTP {r.status_code}: {r.text[:500]}"
@@ -339,6 +356,7 @@ class ReplicaWatchdog:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.failures = 0
+        self._last_ok: dict[int, float] = {}  # replica id -> monotonic time of its last answer
 
     async def check(self) -> None:
         """One round of pings (concurrent)."""
@@ -346,15 +364,22 @@ class ReplicaWatchdog:
         results = await asyncio.gather(
             *(r.health(self.timeout_s) for r in live), return_exceptions=True
         )
+        now = time.monotonic()
         for r, res in zip(live, results, strict=True):
+            last = self._last_ok.setdefault(r.replica_id, now)
             if isinstance(res, dict):
                 r.busy_s = float(res.get("busy_s", r.busy_s))
-            elif isinstance(res, BaseException) and not isinstance(res, asyncio.CancelledError):
-                gone = r._process_gone()
-                r.mark_dead(
-                    gone or f"no /health answer within {self.timeout_s}s ({type(res).__name__})"
-                )
-                self.failures += 1
+                self._last_ok[r.replica_id] = now
+                continue
+            if isinstance(res, asyncio.CancelledError):
+                continue
+            gone = r._process_gone()
+            if gone is None and now - last < self.timeout_s:
+                continue  # one failed ping (e.g. a connection closed under us) is not death
+            r.mark_dead(
+                gone or f"no /health answer for {now - last:.1f}s ({type(res).__name__}: {res})"
+            )
+            self.failures += 1
 
     async def run(self) -> None:
         """Ping until cancelled."""
@@ -513,7 +538,9 @@ def replica_main(argv: list[str] | None = None) -> int:
     sock.bind(("127.0.0.1", 0))
     sys.stdout.write(f"{_PORT_LINE}{sock.getsockname()[1]}\n")
     sys.stdout.flush()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = uvicorn.Server(  # idle keep-alive connections stay open (no close/reuse race)
+        uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=3600)
+    )
     server.run(sockets=[sock])
     return 0
 
