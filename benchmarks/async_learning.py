@@ -1,4 +1,4 @@
-"""Does ``one_step_off`` learn like ``sync``? Held-out accuracy after the same number of samples.
+"""Do the async modes learn like ``sync``? Held-out accuracy after the same number of samples.
 
 Runs the quickstart task (single-digit addition, the quickstart's SFT-warmed tiny model, the
 ``examples/grpo_addition.yaml`` recipe) for the same number of GRPO steps in ``sync`` and in
@@ -6,9 +6,12 @@ Runs the quickstart task (single-digit addition, the quickstart's SFT-warmed tin
 interleaved (sync seed 0, one_step_off seed 0, sync seed 1, ...), and prints the held-out
 accuracy every ``--test-freq`` steps, the mean over seeds and the difference. Both modes train on
 exactly ``steps × 16 × 8`` samples; only the policy that generated them differs (one version
-old in ``one_step_off``).
+old in ``one_step_off``; up to one in ``fully_async``, which runs its rollout replica in a process
+of its own with half of ``--threads`` and pushes the weights after every batch,
+``parameter_sync_step=1``, so it takes as many optimizer steps as ``sync``).
 
-    python benchmarks/async_learning.py --steps 150 --seeds 0 1      # ≈ 4 × 2 min on 2 cores
+    python benchmarks/async_learning.py --steps 150 --seeds 0 1      # ≈ 6 × 2 min on 2 cores
+    python benchmarks/async_learning.py --modes sync fully_async    # a subset
 
 The quickstart's model and data are made first if ``--run-dir`` lacks them (``make
 quickstart`` stages 1–3). Accuracy is sampled (temperature 1, 4 samples per prompt, 200 prompts),
@@ -39,7 +42,14 @@ def _train(run: Path, out: Path, mode: str, seed: int, steps: int, freq: int, th
     from postrl.config import load_config
     from postrl.trainer import RLTrainer
 
-    extra = ["trainer.mode=one_step_off", "actor.policy_loss=decoupled"] if mode != "sync" else []
+    extra = [f"trainer.mode={mode}", "actor.policy_loss=decoupled"] if mode != "sync" else []
+    if mode == "fully_async":
+        rollout = max(1, threads // 2)
+        extra += [
+            "trainer.async.parameter_sync_step=1",
+            f"trainer.async.rollout_threads={rollout}",
+        ]
+        threads = max(1, threads - rollout)
     cfg = load_config(
         ROOT / "examples" / "grpo_addition.yaml",
         [
@@ -77,10 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="JSON results (default WORK_DIR/results.json)")
+    p.add_argument(
+        "--modes", nargs="+", default=["sync", "one_step_off", "fully_async"], help="sync first"
+    )
     a = p.parse_args(argv)
+    if a.modes[0] != "sync":
+        p.error("--modes must start with sync (the baseline)")
     run, work = Path(a.run_dir), Path(a.work_dir)
     _ensure_quickstart(run, a.threads)
-    results: dict[str, dict[int, dict]] = {"sync": {}, "one_step_off": {}}
+    results: dict[str, dict[int, dict]] = {m: {} for m in a.modes}
     for seed in a.seeds:
         for mode in results:
             sys.stderr.write(f"==> {mode}, seed {seed}\n")
@@ -88,18 +103,25 @@ def main(argv: list[str] | None = None) -> int:
             results[mode][seed] = res
     steps = sorted(next(iter(results["sync"].values()))["acc"])
     print(f"held-out accuracy (sampled), quickstart task, {a.steps} steps, seeds {a.seeds}")
+    others = a.modes[1:]
     print(
         f"{'step':>6} "
         + " ".join(f"{m + ' s' + str(s):>16}" for m in results for s in a.seeds)
-        + f" {'sync mean':>10} {'1-off mean':>10} {'diff':>7}"
+        + "".join(f" {m + ' mean':>17}" for m in results)
+        + "".join(f" {'diff ' + m:>17}" for m in others)
     )
     summary = []
     for st in steps:
-        vals = {m: [results[m][s]["acc"][st] for s in a.seeds] for m in results}
-        ms, mo = (sum(v) / len(v) for v in vals.values())
-        summary.append({"step": st, "sync": ms, "one_step_off": mo, "diff": mo - ms})
+        means = {m: sum(results[m][s]["acc"][st] for s in a.seeds) / len(a.seeds) for m in results}
+        row = {"step": st, **means}
+        row.update({f"diff_{m}": means[m] - means["sync"] for m in others})
+        summary.append(row)
         cells = " ".join(f"{results[m][s]['acc'][st]:>16.3f}" for m in results for s in a.seeds)
-        print(f"{st:>6} {cells} {ms:>10.3f} {mo:>10.3f} {mo - ms:>+7.3f}")
+        print(
+            f"{st:>6} {cells}"
+            + "".join(f" {means[m]:>17.3f}" for m in results)
+            + "".join(f" {means[m] - means['sync']:>+17.3f}" for m in others)
+        )
     walls = {m: sum(r["wall_s"] for r in results[m].values()) for m in results}
     print(
         "wall time (s, all seeds, incl. validation): "

@@ -51,6 +51,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 _PORT_LINE = "POSTRL_REPLICA_PORT="
+_LINE_LIMIT = 64 << 20  # longest JSON line on a replica stream (bytes)
 _RETRIES = 2  # transport errors retried (fresh connection) before a live process counts as dead
 
 
@@ -65,6 +66,10 @@ class HTTPRolloutReplica:
         process: the replica's ``subprocess.Popen`` when this side started it (closed with
             the handle).
         log_path: where the process writes its log (named in errors).
+        stream_port: the replica's multiplexed JSON-lines port for generate/abort (0: use
+            ``/v1/generate``). One TCP connection carries every in-flight request, so hundreds
+            of concurrent requests cost the trainer's event loop a line each way, not an HTTP
+            exchange (httpx's connection pool spends most of a busy loop's time on itself).
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class HTTPRolloutReplica:
         control_timeout_s: float = 60.0,
         process: subprocess.Popen | None = None,
         log_path: str | None = None,
+        stream_port: int = 0,
     ) -> None:
         import httpx
 
@@ -93,6 +99,8 @@ class HTTPRolloutReplica:
         self._inflight = 0
         self._http = httpx.Client(base_url=self.base_url, timeout=control_timeout_s)
         self._aclient: Any = None
+        self.stream_port = stream_port
+        self._channel: _Channel | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._dead_futs: list[asyncio.Future[None]] = []
         self._lock = threading.Lock()
@@ -179,18 +187,33 @@ class HTTPRolloutReplica:
                     self._dead_futs.remove(dead)
 
     async def _post_generate(self, body: dict[str, Any]) -> TokenOutput:
+        """One generate over the replica's multiplexed stream (``stream_port``) or, without
+        one, over HTTP; transport errors are retried on a fresh connection, and the replica is
+        declared dead once its process is gone or the retries are used up."""
         import httpx
 
         for attempt in range(_RETRIES + 1):
             try:
+                if self.stream_port:
+                    d = await asyncio.wait_for(
+                        self._stream().call({"op": "generate", **body}), self.request_timeout_s
+                    )
+                    if "error" in d:
+                        raise RolloutError(f"replica {self.replica_id}: {d['error']}")
+                    break
                 r = await self._async_client().post("/v1/generate", json=body)
+                if r.status_code != 200:
+                    raise RolloutError(
+                        f"replica {self.replica_id}: HTTP {r.status_code}: {r.text[:500]}"
+                    )
+                d = r.json()
                 break
-            except httpx.TimeoutException as e:
+            except (httpx.TimeoutException, asyncio.TimeoutError) as e:
                 raise RolloutTimeoutError(
                     f"replica {self.replica_id}: request {body['request_id']!r} exceeded "
                     f"{self.request_timeout_s}s"
                 ) from e
-            except httpx.TransportError as e:  # a dead process, or a connection closed under us
+            except (httpx.TransportError, ConnectionError, OSError) as e:  # dead, or a lost link
                 gone = self._process_gone()
                 if gone is None and attempt < _RETRIES:
                     await asyncio.sleep(0.05 * (attempt + 1))
@@ -198,9 +221,6 @@ class HTTPRolloutReplica:
                 reason = gone or f"connection failed {_RETRIES + 1} times ({type(e).__name__}: {e})"
                 self.mark_dead(reason)
                 raise ReplicaDeadError(self.replica_id, reason) from e
-        if r.status_code != 200:
-            raise RolloutError(f"replica {self.replica_id}: HTTP {r.status_code}: {r.text[:500]}")
-        d = r.json()
         return TokenOutput(
             list(d["token_ids"]),
             list(d["log_probs"]),
@@ -208,6 +228,13 @@ class HTTPRolloutReplica:
             d.get("stop_reason"),
             [(int(n), int(v)) for n, v in d.get("versions") or []],
         )
+
+    def _stream(self) -> _Channel:
+        loop = asyncio.get_running_loop()
+        ch = self._channel
+        if ch is None or ch.loop is not loop or ch.broken:
+            ch = self._channel = _Channel(loop, self.stream_port)
+        return ch
 
     # ------------------------------------------------------------------ control
     def _post(self, route: str, **kw: Any) -> dict[str, Any]:
@@ -256,6 +283,12 @@ class HTTPRolloutReplica:
     async def _abort_async(self, request_id: str) -> None:
         import httpx
 
+        if self.stream_port:
+            try:
+                self._stream().send({"op": "abort", "request_id": request_id})
+            except (ConnectionError, OSError):
+                pass  # the watchdog decides whether the replica is dead
+            return
         try:
             await self._async_client().post(
                 "/v1/abort", json={"request_id": request_id}, timeout=self.control_timeout_s
@@ -319,6 +352,9 @@ class HTTPRolloutReplica:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         aclient, self._aclient = self._aclient, None
         if aclient is not None and self._aloop is not None and not self._aloop.is_closed():
             try:
@@ -335,6 +371,116 @@ class HTTPRolloutReplica:
                     fut.result(timeout=self.control_timeout_s)
                 except Exception:  # noqa: BLE001 (closing: nothing left to report to)
                     fut.cancel()
+
+
+class _Channel:
+    """Client end of a replica's JSON-lines stream: requests carry an ``id``; one reader task
+    resolves each answer's future. A lost connection fails every pending call with
+    ``ConnectionError`` (the caller retries on a new channel or declares the replica dead)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, port: int) -> None:
+        self.loop = loop
+        self.port = port
+        self.broken = False
+        self._next = 0
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._opening: asyncio.Task[None] | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+
+    async def _open(self) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port, limit=_LINE_LIMIT)
+        self._writer = writer
+        self._reader_task = self.loop.create_task(self._read(reader))
+
+    async def _ensure(self) -> None:
+        if self._writer is None:
+            if self._opening is None:
+                self._opening = self.loop.create_task(self._open())
+            try:
+                await asyncio.shield(self._opening)
+            except OSError:
+                self.broken = True
+                raise
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        err: BaseException = ConnectionError("replica stream closed")
+        try:
+            while line := await reader.readline():
+                d = json.loads(line)
+                fut = self._pending.pop(int(d.pop("id")), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(d)
+        except (OSError, ValueError) as e:
+            err = ConnectionError(f"replica stream failed: {e}")
+        self.broken = True
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Send ``msg`` and await its answer."""
+        await self._ensure()
+        if self.broken or self._writer is None:
+            raise ConnectionError("replica stream closed")
+        self._next += 1
+        rid, fut = self._next, self.loop.create_future()
+        self._pending[rid] = fut
+        self._writer.write(json.dumps({"id": rid, **msg}).encode() + b"\n")
+        try:
+            return await fut
+        finally:
+            self._pending.pop(rid, None)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """Send ``msg`` without waiting for an answer (abort)."""
+        if self._writer is None or self.broken:
+            raise ConnectionError("replica stream not open")
+        self._writer.write(json.dumps({"id": 0, **msg}).encode() + b"\n")
+
+    def close(self) -> None:
+        """Close the connection (from the loop's thread or any other)."""
+        w = self._writer
+        if w is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(w.close)
+
+
+async def _serve_stream(client: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    """Server end (in the replica process): each ``generate`` line runs as a task on the
+    engine's loop; its answer is written as one line with the request's ``id``."""
+    from postrl.rollout.server import sampling_from_json
+
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(d: dict[str, Any]) -> None:
+        try:
+            out = await client.generate(
+                d["prompt_ids"], sampling_from_json(d.get("sampling") or {}), d["request_id"]
+            )
+            ans: dict[str, Any] = {"id": d["id"], **out.to_dict()}
+        except Exception as e:  # noqa: BLE001 (reported to the caller, who raises it)
+            ans = {"id": d["id"], "error": f"{type(e).__name__}: {e}"}
+        writer.write(json.dumps(ans).encode() + b"\n")
+
+    try:
+        while line := await reader.readline():
+            try:
+                d = json.loads(line)
+            except ValueError:
+                break  # not our protocol: drop the connection
+            if d.get("op") == "abort":
+                client.abort(str(d.get("request_id")))
+            elif d.get("op") == "generate":
+                t = asyncio.get_running_loop().create_task(one(d))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+    except (OSError, ValueError):
+        pass
+    finally:
+        for t in tasks:
+            t.cancel()
+        writer.close()
 
 
 class ReplicaWatchdog:
@@ -449,10 +595,11 @@ def spawn_replica(
     finally:
         if log:
             errf.close()
-    port = _read_port(proc, startup_timeout_s, log)
+    port, stream_port = _read_port(proc, startup_timeout_s, log)
     rep = HTTPRolloutReplica(
         f"http://127.0.0.1:{port}",
         replica_id,
+        stream_port=stream_port,
         request_timeout_s=request_timeout_s,
         control_timeout_s=control_timeout_s,
         process=proc,
@@ -474,8 +621,8 @@ def spawn_replica(
             time.sleep(0.05)
 
 
-def _read_port(proc: subprocess.Popen, timeout_s: float, log: Path | None) -> int:
-    """The port the child prints on its first stdout line (read with a deadline)."""
+def _read_port(proc: subprocess.Popen, timeout_s: float, log: Path | None) -> tuple[int, int]:
+    """The HTTP and stream ports the child prints on its first stdout line (with a deadline)."""
     box: list[str] = []
     t = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
     t.start()
@@ -487,7 +634,8 @@ def _read_port(proc: subprocess.Popen, timeout_s: float, log: Path | None) -> in
             f"rollout replica process did not report its port within {timeout_s}s "
             f"(exit code {proc.poll()}); see its log {log}"
         )
-    return int(line[len(_PORT_LINE) :])
+    http, stream = line[len(_PORT_LINE) :].strip().split(",")
+    return int(http), int(stream)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -527,21 +675,31 @@ def replica_main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from postrl.rollout.base import create_rollout_backend
-    from postrl.rollout.client import RolloutReplica
+    from postrl.rollout.client import RolloutClient, RolloutReplica
     from postrl.rollout.server import create_app
 
     torch.set_num_threads(max(1, a.threads))
     backend = create_rollout_backend(a.backend, a.model, **json.loads(a.options))
-    app = create_app(RolloutReplica(backend))
+    replica = RolloutReplica(backend)
+    app = create_app(replica)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
-    sys.stdout.write(f"{_PORT_LINE}{sock.getsockname()[1]}\n")
-    sys.stdout.flush()
     server = uvicorn.Server(  # idle keep-alive connections stay open (no close/reuse race)
         uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=3600)
     )
-    server.run(sockets=[sock])
+    client = RolloutClient(replica)
+
+    async def main() -> None:
+        stream = await asyncio.start_server(
+            lambda r, w: _serve_stream(client, r, w), "127.0.0.1", 0, limit=_LINE_LIMIT
+        )
+        sport = stream.sockets[0].getsockname()[1]
+        sys.stdout.write(f"{_PORT_LINE}{sock.getsockname()[1]},{sport}\n")
+        sys.stdout.flush()
+        await server.serve(sockets=[sock])
+
+    asyncio.run(main())
     return 0
 
 

@@ -64,7 +64,15 @@ from postrl.rollout.openai_compat import (
 )
 from postrl.rollout.types import RolloutError, SamplingParams
 
-__all__ = ["create_app", "build_app", "serve_main", "check_bind", "TopLogprobs"]
+__all__ = [
+    "create_app",
+    "build_app",
+    "serve_main",
+    "check_bind",
+    "TopLogprobs",
+    "sampling_from_json",
+    "bucket_is_last",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -285,13 +293,7 @@ def create_app(
 
     @app.post("/v1/generate")
     async def generate(body: _GenerateBody):
-        sp = SamplingParams(
-            **{
-                **body.sampling.model_dump(),
-                "stop_token_ids": tuple(body.sampling.stop_token_ids),
-                "stop": tuple(body.sampling.stop),
-            }
-        )
+        sp = sampling_from_json(body.sampling.model_dump())
         out = await client.generate(
             body.prompt_ids, sp, body.request_id or uuid.uuid4().hex, body.trajectory_id
         )
@@ -400,6 +402,16 @@ def create_app(
         return {"ok": True}
 
     return app
+
+
+def sampling_from_json(d: dict[str, Any]) -> SamplingParams:
+    """``SamplingParams`` from the JSON of ``/v1/generate``'s ``sampling`` (unknown keys are
+    refused; ``SamplingParams`` validates the values)."""
+    return SamplingParams(
+        **_Sampling(**d).model_dump(exclude={"stop_token_ids", "stop"}),
+        stop_token_ids=tuple(d.get("stop_token_ids") or ()),
+        stop=tuple(d.get("stop") or ()),
+    )
 
 
 def bucket_is_last(frame: bytes) -> bool:
