@@ -317,11 +317,13 @@ def workload_config(
 
 
 # ---------------------------------------------------------------------------- one run
-def mode_overrides(mode: str, overrides: list[str]) -> list[str]:
-    """What a mode changes besides ``trainer.mode``: ``fully_async`` splits the same cores
-    between one rollout replica process (``trainer.async.rollout_threads``) and the trainer
-    (the rest), pushes weights after every batch (``parameter_sync_step=1``, so it takes as
-    many optimizer steps per sample as ``sync``) and runs the health watchdog."""
+def mode_overrides(
+    mode: str, overrides: list[str], split: tuple[int, int] | None = None
+) -> list[str]:
+    """What a mode changes besides ``trainer.mode``: ``fully_async`` gives its rollout replica
+    process ``split[1]`` torch threads and the trainer ``split[0]`` (default: the cores of
+    ``trainer.num_threads`` split in half), pushes weights after every batch
+    (``parameter_sync_step=1``, so it takes as many optimizer steps per sample as ``sync``)."""
     if mode != "fully_async":
         return []
     threads = next(
@@ -332,15 +334,21 @@ def mode_overrides(mode: str, overrides: list[str]) -> list[str]:
         ),
         2,
     )
-    rollout = max(1, threads // 2)
+    trainer, rollout = split or (max(1, threads - max(1, threads // 2)), max(1, threads // 2))
     return [
         f"trainer.async.rollout_threads={rollout}",
-        f"trainer.num_threads={max(1, threads - rollout)}",
+        f"trainer.num_threads={trainer}",
         "trainer.async.parameter_sync_step=1",
     ]
 
 
-def run_once(base: str | None, overrides: list[str], mode: str, steps: int) -> list[dict]:
+def run_once(
+    base: str | None,
+    overrides: list[str],
+    mode: str,
+    steps: int,
+    split: tuple[int, int] | None = None,
+) -> list[dict]:
     """Train ``steps`` steps in ``mode`` in a temporary run dir; return its metrics rows
     (the :data:`_KEEP` keys of each step) plus ``trajectories`` and ``groups`` per step."""
     from postrl.config import load_config
@@ -351,7 +359,7 @@ def run_once(base: str | None, overrides: list[str], mode: str, steps: int) -> l
             base,
             [
                 *overrides,
-                *mode_overrides(mode, overrides),
+                *mode_overrides(mode, overrides, split),
                 f"trainer.mode={mode}",
                 f"trainer.total_steps={steps}",
                 f"trainer.run_dir={run}",
@@ -556,7 +564,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for rep in range(args.repeats):
             for mode in ("sync", *[m for m in args.modes if m != "sync"]):
                 t0 = time.perf_counter()
-                rows = run_once(base, overrides, mode, args.steps)
+                rows = run_once(base, overrides, mode, args.steps, args.fa_threads)
                 s = summarize_run(rows)
                 logger.info(
                     "%s %s repeat %d: %.1f samples/s (%.0f s wall)",
@@ -609,6 +617,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tools-model", default="", help="tool-arith model (default: SFT-warm one)")
     ap.add_argument(
         "--latency-ms", type=_latency, default=(20.0, 300.0), help="tool latency range LO,HI"
+    )
+    ap.add_argument(
+        "--fa-threads",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=None,
+        metavar="TRAINER,ROLLOUT",
+        help="fully_async torch threads of the trainer and of the replica (default: half each)",
     )
     ap.add_argument("--prompts", type=int, default=0, help="override prompts per step (tests)")
     ap.add_argument("--n", type=int, default=0, help="override samples per prompt (tests)")
