@@ -42,7 +42,7 @@ import time
 from typing import Any
 
 from postrl.protocol import DataProto
-from postrl.trainer.modes import refill_limit, register_trainer
+from postrl.trainer.modes import off_policy_stream, register_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,6 @@ class FullyAsyncMode:
 
     def __init__(self, ctx: Any) -> None:
         from postrl.rollout.remote import ReplicaWatchdog
-        from postrl.trainer.replay import ReplayBuffer
-        from postrl.trainer.stream import GroupStream
 
         self.ctx = ctx
         cfg = ctx.cfg
@@ -66,23 +64,8 @@ class FullyAsyncMode:
         self.k = cfg.data.train_batch_size  # groups per policy version
         self.mini = cfg.actor.ppo_mini_batch_size  # groups per step
         self.sync_every = ac.parameter_sync_step
-        self.buffer = ReplayBuffer(
-            cfg.rollout.n,
-            self.k,
-            max_staleness=ac.max_staleness,
-            strategy=ac.staleness_strategy,
-            sampler=cfg.trainer.sampler,
-            filter_groups=cfg.algorithm.filter_groups.enable,
-            max_failure_ratio=cfg.reward.max_failure_ratio,
-            timeout_s=ac.timeout_s,
-        )
-        self.stream = GroupStream(
-            ctx,
-            self.buffer,
-            score_on_completion=True,
-            inline_scoring=False,
-            max_refills=refill_limit(cfg) if cfg.algorithm.filter_groups.enable else None,
-        )
+        self.stream = off_policy_stream(ctx, inline_scoring=False)
+        self.buffer = self.stream.buffer
         self.step = 0  # the step whose update the next sync_weights pushes (0: the first push)
         self.trained = 0  # groups taken so far (the admission budget)
         self.watchdog = ReplicaWatchdog(

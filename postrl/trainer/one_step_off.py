@@ -36,7 +36,7 @@ import logging
 from typing import Any
 
 from postrl.protocol import DataProto
-from postrl.trainer.modes import refill_limit, register_trainer
+from postrl.trainer.modes import off_policy_stream, register_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -49,31 +49,13 @@ class OneStepOffMode:
     docstring). Built from a :class:`~postrl.trainer.context.TrainerContext`."""
 
     def __init__(self, ctx: Any) -> None:
-        from postrl.trainer.replay import ReplayBuffer
-        from postrl.trainer.stream import GroupStream
-
         self.ctx = ctx
         cfg = ctx.cfg
         ac = cfg.trainer.async_
         self.k = cfg.data.train_batch_size
         self.deterministic = cfg.trainer.deterministic
-        self.buffer = ReplayBuffer(
-            cfg.rollout.n,
-            self.k,
-            max_staleness=ac.max_staleness,
-            strategy=ac.staleness_strategy,
-            sampler=cfg.trainer.sampler,
-            filter_groups=cfg.algorithm.filter_groups.enable,
-            max_failure_ratio=cfg.reward.max_failure_ratio,
-            timeout_s=ac.timeout_s,
-        )
-        self.stream = GroupStream(
-            ctx,
-            self.buffer,
-            score_on_completion=True,
-            inline_scoring=self.deterministic,
-            max_refills=refill_limit(cfg) if cfg.algorithm.filter_groups.enable else None,
-        )
+        self.stream = off_policy_stream(ctx, inline_scoring=self.deterministic)
+        self.buffer = self.stream.buffer
         if self.deterministic:
             self.stream.on_ready = self._pause_when_ready
         self.ahead = (2 + ac.num_warmup_batches) * self.k  # untrained groups at a step's start

@@ -9,16 +9,14 @@ import os
 import signal
 import subprocess
 import time
-from collections import Counter
 
 import pytest
-from trainer_helpers import metric_rows, train_subprocess
+from trainer_helpers import each_prompt_once_per_epoch, metric_rows, train_subprocess
 
 from postrl.config import ConfigError, load_config
 from postrl.data import generate_addition, write_parquet
 from postrl.rollout import ReplicaDeadError
 from postrl.trainer import RLTrainer, hooks
-from postrl.trainer.ledger import read_ledger
 
 pytest.importorskip("uvicorn")
 
@@ -58,15 +56,8 @@ def _base(tiny_model_dir, epoch_files, digits_reward, run, steps: int = 16) -> l
     ]
 
 
-def _each_prompt_once_per_epoch(run, epochs: int = 2, size: int = 16, per_epoch: int = 8):
-    rows = read_ledger(run)
-    assert [r["step"] for r in rows] == list(range(1, per_epoch * epochs + 1))
-    uids = Counter(u for r in rows for u in r["uid"])
-    assert max(uids.values()) == 1, "a group was trained twice"
-    for e in range(epochs):
-        idx = Counter(i for r in rows if r["epoch"] == e for i in r["index"])
-        assert sorted(idx) == list(range(size)), f"epoch {e}: prompts lost {idx}"
-        assert set(idx.values()) == {1}, f"epoch {e}: prompts duplicated {idx}"
+def _each_prompt_once_per_epoch(run, epochs: int = 2, size: int = 16) -> None:
+    each_prompt_once_per_epoch(run, epochs, size, steps_per_epoch=8)
 
 
 def test_fully_async_trains_each_prompt_once_within_the_staleness_bound(

@@ -7,12 +7,16 @@ from collections import Counter
 
 import pytest
 import torch
-from trainer_helpers import checkpoint_weights, metric_rows, train_subprocess
+from trainer_helpers import (
+    checkpoint_weights,
+    each_prompt_once_per_epoch,
+    metric_rows,
+    train_subprocess,
+)
 
 from postrl.config import ConfigError, load_config
 from postrl.data import generate_addition, write_parquet
 from postrl.trainer import RLTrainer
-from postrl.trainer.ledger import read_ledger
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +52,7 @@ def _base(tiny_model_dir, epoch_files, digits_reward, run) -> list[str]:
 
 
 def _each_prompt_once_per_epoch(run, epochs: int = 2, size: int = 16) -> None:
-    rows = read_ledger(run)
-    assert [r["step"] for r in rows] == list(range(1, 4 * epochs + 1))
-    uids = Counter(u for r in rows for u in r["uid"])
-    assert max(uids.values()) == 1, "a group was trained twice"
-    for e in range(epochs):
-        idx = Counter(i for r in rows if r["epoch"] == e for i in r["index"])
-        assert sorted(idx) == list(range(size)), f"epoch {e}: prompts lost {idx}"
-        assert set(idx.values()) == {1}, f"epoch {e}: prompts duplicated {idx}"
+    each_prompt_once_per_epoch(run, epochs, size, steps_per_epoch=4)
 
 
 def test_one_step_off_trains_each_prompt_once_within_the_staleness_bound(

@@ -62,3 +62,21 @@ def fit_with_snapshots(
     before = actor_params(trainer)
     last = trainer.fit()
     return before, last, actor_params(trainer)
+
+
+def each_prompt_once_per_epoch(run: Path, epochs: int, size: int, steps_per_epoch: int) -> None:
+    """``run``'s ``trained_prompts.jsonl`` has every step once, no group uid twice, and every
+    one of the ``size`` dataset rows exactly once per epoch (async modes: nothing lost or
+    duplicated, across kills and resumes)."""
+    from collections import Counter
+
+    from postrl.trainer.ledger import read_ledger
+
+    rows = read_ledger(run)
+    assert [r["step"] for r in rows] == list(range(1, steps_per_epoch * epochs + 1))
+    uids = Counter(u for r in rows for u in r["uid"])
+    assert max(uids.values()) == 1, "a group was trained twice"
+    for e in range(epochs):
+        idx = Counter(i for r in rows if r["epoch"] == e for i in r["index"])
+        assert sorted(idx) == list(range(size)), f"epoch {e}: prompts lost {idx}"
+        assert set(idx.values()) == {1}, f"epoch {e}: prompts duplicated {idx}"
