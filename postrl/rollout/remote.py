@@ -3,13 +3,17 @@
 ``spawn_replica(model_path, ...)`` starts ``python -m postrl.rollout.remote``: a process that
 loads one rollout backend with its own torch thread count and serves it with the token routes
 of ``postrl.rollout.server`` (``/v1/generate``, ``/v1/abort``, ``/v1/weights/bucket``,
-``/health``, ...). The returned :class:`HTTPRolloutReplica` has the surface of
+``/health``, ...) plus a multiplexed JSON-lines TCP stream for generate/abort (one
+connection carries every in-flight request, each line tagged with an id; both ports bind
+127.0.0.1 and are printed by the child). The returned :class:`HTTPRolloutReplica` has the
+surface of
 :class:`~postrl.rollout.client.RolloutReplica` (``load``, ``policy_version``, async
 ``generate``, ``abort``, ``pause``/``resume``, ``receive_bucket``, ``update_weights``), so the
 load balancer, the resuming client and the weight-sync backends drive it unchanged.
 
-Failure is explicit. A replica whose process died (connection refused or reset) or that stops
-answering ``/health`` within ``health_timeout_s`` (:class:`ReplicaWatchdog`) is marked
+Failure is explicit. A replica whose process died (connection refused or reset) or that has
+not answered ``/health`` for ``timeout_s`` (:class:`ReplicaWatchdog`; one failed ping or a
+transport error on a live process is retried on a fresh connection first) is marked
 **dead**: every request waiting on it fails at once with :class:`ReplicaDeadError`, which the
 :class:`~postrl.rollout.client.RolloutClient` answers by re-issuing the request (prompt plus
 the tokens of its earlier segments) to a live replica. Nothing received is unpickled: requests
