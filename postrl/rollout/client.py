@@ -121,15 +121,7 @@ class RolloutReplica:
         """
         new = self.policy_version + 1 if version is None else int(version)
         if self._swaps:
-            if not self._swap_open:
-                self.backend.begin_weight_swap()
-                self._swap_open = True
-            try:
-                self.backend.update_weights(weights)
-            except BaseException:
-                self._close_swap(self.policy_version)  # the swap closes, the version stays
-                raise
-            self._close_swap(new)
+            self._load_in_swap(weights, close_at=new)
         elif self._accepts_version(self.backend.update_weights):
             self.backend.update_weights(weights, version=new)
         else:
@@ -154,18 +146,24 @@ class RolloutReplica:
         if not self._swaps:
             self.backend.update_weights(items)
         else:
-            if not self._swap_open:
-                self.backend.begin_weight_swap()
-                self._swap_open = True
-            try:
-                self.backend.update_weights(items)
-            except BaseException:
-                self._close_swap(self.policy_version)
-                raise
-            if last:
-                self._close_swap(new)
+            self._load_in_swap(items, close_at=new if last else None)
         if last:
             self.policy_version = new
+
+    def _load_in_swap(self, weights: Iterable[WeightItem], close_at: int | None) -> None:
+        """Copy ``weights`` inside this replica's swap (opened if none is), then close it at
+        version ``close_at`` (None: leave it open for the update's next bucket). A load that
+        raises closes the swap at the current version, then re-raises."""
+        if not self._swap_open:
+            self.backend.begin_weight_swap()
+            self._swap_open = True
+        try:
+            self.backend.update_weights(weights)
+        except BaseException:
+            self._close_swap(self.policy_version)  # the swap closes, the version stays
+            raise
+        if close_at is not None:
+            self._close_swap(close_at)
 
     def _close_swap(self, version: int) -> None:
         """End the swap this replica opened at ``version``; keep its metrics in ``last_swap``."""
