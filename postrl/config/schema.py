@@ -448,6 +448,14 @@ class TrainerConfig:
     """Epochs over the training set when total_steps is 0."""
     test_freq: int = 5
     """Validate every this many steps (0 = only at the end)."""
+    time_budget_s: float = 0.0
+    """Stop after this many seconds of training (0 = no limit): the sum of the steps' wall
+    times (``perf/train_time_s``), validation and checkpoints excluded, carried across resumes. The
+    step that crosses it is the last (validated, and saved if ``save_freq``). ``total_steps``
+    still caps the run and sets the LR schedule's horizon."""
+    test_at_s: list[float] = field(default_factory=list)
+    """Also validate at the first step whose ``perf/train_time_s`` reaches each of these seconds of
+    training (e.g. ``[120, 300, 600]``: accuracy at 2, 5 and 10 minutes of training)."""
     val_before_train: bool = True
     """Validate once before the first step."""
     save_freq: int = 0

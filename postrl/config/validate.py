@@ -219,6 +219,14 @@ def validate_config(
             f"trainer.total_steps={t.total_steps} must be >= 0 and "
             f"trainer.total_epochs={t.total_epochs} >= 1"
         )
+    if t.time_budget_s < 0:
+        e.append(f"trainer.time_budget_s={t.time_budget_s} must be >= 0 (0 = no time limit)")
+    bad_marks = [s for s in t.test_at_s if not s > 0]
+    if bad_marks:
+        e.append(
+            f"trainer.test_at_s={t.test_at_s}: every mark must be > 0 seconds of training "
+            f"(got {bad_marks})"
+        )
 
     e.extend(async_errors(cfg))
     if check_registries:

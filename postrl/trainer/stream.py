@@ -139,10 +139,10 @@ class GroupStream:
         task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
-        if task.cancelled() or task.exception() is None:
-            return
-        if self._error is None:
+        if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = task.exception()
+        # every end re-checks the take: the last trajectory of a kept group, finishing with the
+        # refill budget spent, leaves it starved with nothing else left to wake it
         self._poke()
 
     async def _run(self, uid: str, k: int) -> None:
@@ -316,6 +316,9 @@ class GroupStream:
                 if starved and len(ready) < k:
                     self._check_stalled()
                     sample.cancel()
+                    # the budget is per take: evictions it could not refill (already counted
+                    # as dropped) are not owed to the next one, whose own batch fills the cap
+                    self._owed = 0
                     return await self._take_short(len(ready))
                 self._wake = loop.create_future()
                 await asyncio.wait({sample, self._wake}, return_when=asyncio.FIRST_COMPLETED)

@@ -111,6 +111,7 @@ class RLTrainer:
             or self.loader.steps_per_epoch * cfg.trainer.total_epochs * per_batch
         )
         self.global_step = 0
+        self.train_time_s = 0.0  # summed step wall times (trainer.time_budget_s)
         self.trained: list[tuple[str, int]] = []  # (uid, dataset index) of the last step's groups
 
         roles_needed = needs.roles_needed(cfg)  # from the declared needs, never by name
@@ -203,6 +204,7 @@ class RLTrainer:
         )
         ledger = TrainedLedger(self.run_dir, start_step=start + 1)
         last: dict[str, float] = {}
+        marks = sorted(s for s in tc.test_at_s if s > self.train_time_s)
         try:
             if start == 0 and tc.val_before_train and self.val_set is not None:
                 self.tracker.log(self.validate(), 0)
@@ -210,9 +212,15 @@ class RLTrainer:
                 self.global_step = step
                 metrics = self.step(step)
                 metrics.update(self.health.check(metrics, step))
-                is_last = step == self.total_steps
+                self.train_time_s += metrics["timing_s/step"]
+                metrics["perf/train_time_s"] = self.train_time_s
+                out_of_time = 0 < tc.time_budget_s <= self.train_time_s
+                is_last = step == self.total_steps or out_of_time
+                at_mark = bool(marks) and self.train_time_s >= marks[0]
+                while marks and self.train_time_s >= marks[0]:
+                    marks.pop(0)
                 if self.val_set is not None and (
-                    (tc.test_freq and step % tc.test_freq == 0) or is_last
+                    (tc.test_freq and step % tc.test_freq == 0) or is_last or at_mark
                 ):
                     with timer("testing", metrics):
                         metrics.update(self.validate())
@@ -222,6 +230,14 @@ class RLTrainer:
                     self.save(step)
                 fire(f"step{step}:end")
                 last = metrics
+                if out_of_time:
+                    logger.info(
+                        "trainer.time_budget_s=%g reached after %.1f s of training (step %d)",
+                        tc.time_budget_s,
+                        self.train_time_s,
+                        step,
+                    )
+                    break
         finally:
             self.tracker.close()
             ledger.close()
@@ -255,6 +271,7 @@ class RLTrainer:
             "total_steps": self.total_steps,
             "policy_version": int(self.ctx.fleet.version),
             "health": self.health.state_dict(),
+            "train_time_s": self.train_time_s,
         }
 
         def write(tmp: Path) -> None:
@@ -278,6 +295,7 @@ class RLTrainer:
         self.mode.load_state_dict(state.get("mode") or {"loader": state["loader"]})
         self.kl_ctrl.value = state["kl_ctrl"]["value"]
         self.health.load_state_dict(state.get("health"))  # absent in older checkpoints
+        self.train_time_s = float(state.get("train_time_s", 0.0))
         # fit's first push re-creates the checkpoint's policy version (same weights, same number)
         self.ctx.fleet.version = int(state.get("policy_version", 1)) - 1
         logger.info("resumed from %s (step %d)", ckpt, state["step"])
