@@ -155,3 +155,53 @@ def test_train_main_reports_bad_data_without_a_traceback(
     code = train_main(None, [*small_overrides, "data.max_prompt_length=4"])
     assert code == 2
     assert "max_prompt_length" in caplog.text
+
+
+def test_time_budget_stops_and_validates_at_the_marks(small_overrides, digits_reward, tmp_path):
+    """``trainer.time_budget_s`` ends the run at the first step whose summed step time reaches
+    it (that step is validated and saved); ``test_at_s`` validates where each mark is crossed;
+    a resume keeps counting from the checkpoint's training time."""
+    run = tmp_path / "run"
+    over = small_overrides + [
+        f"reward.custom_function.path={digits_reward}",
+        "trainer.total_steps=10000",
+        "trainer.test_freq=0",
+        "trainer.save_freq=10000",
+    ]
+    trainer = RLTrainer(
+        load_config(None, over + ["trainer.time_budget_s=1.5", "trainer.test_at_s=[0.5]"])
+    )
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    rows = [r for r in _rows(run) if r["step"] > 0]
+    times = [r["perf/train_time_s"] for r in rows]
+    assert times == sorted(times) and times[-1] >= 1.5 > times[-2]
+    assert times == pytest.approx(
+        [sum(r["timing_s/step"] for r in rows[: i + 1]) for i in range(len(rows))]
+    )
+    validated = [r["step"] for r in rows if "val/acc/mean" in r]
+    first_past_mark = next(r["step"] for r in rows if r["perf/train_time_s"] >= 0.5)
+    assert validated == [first_past_mark, rows[-1]["step"]]
+    assert (run / "checkpoints" / f"step_{rows[-1]['step']:06d}").is_dir()
+
+    # resumed with a larger budget: training time continues from the checkpoint's
+    trainer = RLTrainer(load_config(None, over + ["trainer.time_budget_s=2.5"]))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    more = [r for r in _rows(run) if r["step"] > rows[-1]["step"]]
+    assert more and more[0]["perf/train_time_s"] > times[-1]
+    assert more[-1]["perf/train_time_s"] >= 2.5
+    assert len(more) == 1 or more[-2]["perf/train_time_s"] < 2.5
+
+
+def test_time_budget_settings_are_validated(small_overrides):
+    from postrl.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=r"trainer.time_budget_s=-1.0 must be >= 0"):
+        validate_config(load_config(None, small_overrides + ["trainer.time_budget_s=-1"]))
+    with pytest.raises(ConfigError, match=r"trainer.test_at_s=\[60.0, 0.0\].*got \[0.0\]"):
+        validate_config(load_config(None, small_overrides + ["trainer.test_at_s=[60,0]"]))
