@@ -282,6 +282,20 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class DownsampleConfig:
+    enable: bool = False
+    """Rollout down-sampling (PODS, Xu et al. 2025, arXiv 2504.13818): generate ``rollout.n``
+    responses per prompt, train on ``size`` of them (advantages are computed on the subset). The
+    update costs ``size``/``rollout.n`` of a full group's; the generation stays cheap."""
+    size: int = 0
+    """Responses kept per group, ``2 <= size < rollout.n``; mini-batches count
+    ``ppo_mini_batch_size × size`` responses."""
+    rule: str = "max_variance"
+    """``max_variance`` (PODS: the subset whose rewards vary most, e.g. every correct answer
+    plus as many wrong ones) or ``random`` (the control arm)."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Registered advantage estimator (``docs/algorithms.md``)."""
@@ -306,6 +320,8 @@ class AlgorithmConfig:
     """Training/inference mismatch correction."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO dynamic sampling."""
+    downsample: DownsampleConfig = field(default_factory=DownsampleConfig)
+    """Train on a subset of each group's responses (PODS)."""
 
 
 @dataclass
@@ -497,3 +513,10 @@ class PostRLConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def train_group_size(self) -> int:
+        """Responses per group that reach the update: ``algorithm.downsample.size`` when
+        down-sampling, else ``rollout.n``."""
+        ds = self.algorithm.downsample
+        return ds.size if ds.enable else self.rollout.n

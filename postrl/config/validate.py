@@ -158,13 +158,28 @@ def validate_config(
             f"divisor of "
             f"{d.train_batch_size} (e.g. {math.gcd(d.train_batch_size, a.ppo_mini_batch_size)})"
         )
+    from postrl.algos.downsample import DOWNSAMPLE_RULES  # lazily: torch
+
+    dsc = cfg.algorithm.downsample
+    if dsc.enable and not 2 <= dsc.size < r.n:
+        e.append(
+            f"algorithm.downsample.size={dsc.size} must be in [2, rollout.n={r.n}): a group needs "
+            f"two responses for a relative advantage and fewer than it generated; raise rollout.n "
+            f"or set algorithm.downsample.enable=false"
+        )
+    if dsc.rule not in DOWNSAMPLE_RULES:
+        e.append(
+            f"algorithm.downsample.rule={dsc.rule!r}: expected one of {list(DOWNSAMPLE_RULES)}"
+        )
     dp = t.num_workers if t.backend == "ray" else 1
-    if dp > 1 and a.ppo_mini_batch_size >= 1 and r.n >= 1:
-        per_mini = a.ppo_mini_batch_size * r.n
+    group = cfg.train_group_size
+    if dp > 1 and a.ppo_mini_batch_size >= 1 and group >= 1:
+        per_mini = a.ppo_mini_batch_size * group
         if per_mini % dp:
-            step = dp // math.gcd(r.n, dp)
+            step = dp // math.gcd(group, dp)
+            what = "algorithm.downsample.size" if dsc.enable else "rollout.n"
             e.append(
-                f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} × rollout.n={r.n} = {per_mini} "
+                f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} × {what}={group} = {per_mini} "
                 f"responses per mini-batch "
                 f"is not divisible by trainer.num_workers={dp}: set actor.ppo_mini_batch_size to a "
                 f"multiple of {step}"

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "advantage_stage",
+    "downsample_stage",
     "concat_rollouts",
     "step_metrics",
     "compute_advantage_stage",
@@ -154,6 +155,34 @@ def advantage_stage(batch: DataProto, ctx: Any, kl_ctrl: Any) -> tuple[DataProto
     batch, cm = rollout_correction_stage(batch, algo.rollout_correction)
     metrics.update(cm)
     return compute_advantage_stage(batch, algo), metrics
+
+
+def downsample_stage(batch: DataProto, cfg: Any, step: int) -> tuple[DataProto, dict[str, float]]:
+    """After the reward: keep ``algorithm.downsample.size`` responses of each group (PODS,
+    ``algos/downsample.py``), so the log-prob recomputes, the advantage and the update see only
+    them. A no-op unless ``algorithm.downsample.enable``. Metrics ``downsample/*``: samples in
+    and kept, the mean score of all generated and of the kept responses, and the share of kept
+    groups whose rewards still differ (a group with any signal keeps it)."""
+    ds = cfg.algorithm.downsample
+    if not ds.enable:
+        return batch, {}
+    from postrl.algos.downsample import downsample_groups
+    from postrl.algos.utils import group_ids
+
+    scores = batch.batch["token_level_scores"].sum(-1)
+    valid = batch.batch.get("sample_valid")
+    inv, g = group_ids(np.asarray(batch.non_tensor_batch["uid"]))
+    gen = torch.Generator().manual_seed(int(cfg.trainer.seed) * 1_000_003 + step)
+    rows = downsample_groups(scores, inv, g, ds.size, ds.rule, valid=valid, generator=gen)
+    kept = batch[rows]
+    ks = scores[rows].reshape(g, ds.size)
+    return kept, {
+        "downsample/generated_samples": float(len(batch)),
+        "downsample/kept_samples": float(len(kept)),
+        "downsample/score_mean_generated": float(scores.float().mean()),
+        "downsample/score_mean_kept": float(ks.float().mean()),
+        "downsample/groups_with_signal": float((ks.amax(1) > ks.amin(1)).float().mean()),
+    }
 
 
 def step_metrics(batch: DataProto, cfg: Any, step_seconds: float, dp_size: int) -> dict[str, float]:

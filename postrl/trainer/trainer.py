@@ -173,6 +173,7 @@ class RLTrainer:
         m.update(gm)
         fire(f"step{step}:after_gen")
         batch = run("reward", ctx.reward.finish, batch)  # 2. reward
+        batch = run(None, stages.downsample_stage, batch, cfg, step)  # (PODS: a subset trains)
         batch = run(None, roles.balance, batch)  # 3. balance
         batch.meta_info.update(temperature=cfg.rollout.temperature, global_step=step)
         batch = run("old_log_prob", roles.old_log_probs, batch)  # 4. old / ref log-probs

@@ -71,7 +71,7 @@ class ActorWorker(Worker):
             batch=batch_spec(cfg.actor),
             loss=policy_loss_spec(cfg.actor),
             optim=optim_spec(cfg.actor.optim),
-            rollout_n=cfg.rollout.n,
+            rollout_n=cfg.train_group_size,
             share_prefix=share_prefix(cfg),
             device=self.dev,
             group=self.group,

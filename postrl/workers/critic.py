@@ -39,7 +39,7 @@ class CriticWorker(Worker):
             optim=optim_spec(cfg.critic.optim),
             cliprange_value=cfg.critic.cliprange_value,
             loss_agg_mode=cfg.critic.loss_agg_mode,
-            rollout_n=cfg.rollout.n,
+            rollout_n=cfg.train_group_size,
             device=self.dev,
             group=self.group,
             total_steps=total_steps,

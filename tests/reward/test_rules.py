@@ -45,6 +45,28 @@ def test_addition(response, truth, score):
     assert out == {"score": score, "acc": score}
 
 
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("1044", "1044", 1.0),  # exact: full score whatever the partial weight
+        ("1034", "1044", 0.5 * 3 / 4),  # three of four digits
+        ("44", "1044", 0.5 * 2 / 4),  # missing digits are wrong
+        ("21044", "1044", 0.5 * 4 / 5),  # an extra digit is wrong
+        ("-1044", "1044", 0.0),  # wrong sign
+        ("none", "1044", 0.0),
+    ],
+)
+def test_addition_partial_credit(response, truth, score):
+    out = default_compute_score("addition", response, truth, partial_credit=0.5)
+    assert out["score"] == pytest.approx(score)
+    assert out["acc"] == float(score == 1.0)
+
+
+def test_addition_partial_credit_range_is_checked():
+    with pytest.raises(ValueError, match=r"partial_credit=1.0 must be in \[0, 1\)"):
+        default_compute_score("addition", "1", "1", partial_credit=1.0)
+
+
 CD = {"target": 24, "numbers": [2, 3, 4]}
 
 

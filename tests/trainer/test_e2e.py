@@ -205,3 +205,72 @@ def test_time_budget_settings_are_validated(small_overrides):
         validate_config(load_config(None, small_overrides + ["trainer.time_budget_s=-1"]))
     with pytest.raises(ConfigError, match=r"trainer.test_at_s=\[60.0, 0.0\].*got \[0.0\]"):
         validate_config(load_config(None, small_overrides + ["trainer.test_at_s=[60,0]"]))
+
+
+def test_downsampled_groups_reach_the_update_with_their_max_variance_subset(
+    small_overrides, digits_reward
+):
+    """PODS: 8 responses generated per prompt, the 4 of each group whose rewards vary most are
+    the only ones the update sees (mini-batches of ppo_mini_batch_size × 4 responses)."""
+    import itertools
+
+    cfg = load_config(
+        None,
+        [
+            *small_overrides,
+            f"reward.custom_function.path={digits_reward}",
+            "rollout.n=8",
+            "algorithm.downsample.enable=true",
+            "algorithm.downsample.size=4",
+            "trainer.total_steps=1",
+        ],
+    )
+    trainer = RLTrainer(cfg)
+    seen: dict[str, list] = {}
+    from postrl.trainer import stages
+
+    real_stage, real_update = stages.downsample_stage, trainer.roles.update_actor
+
+    def spy_stage(batch, cfg, step):
+        seen["generated"] = batch
+        return real_stage(batch, cfg, step)
+
+    def spy_update(batch):
+        seen["trained"] = batch
+        return real_update(batch)
+
+    stages.downsample_stage, trainer.roles.update_actor = spy_stage, spy_update
+    try:
+        trainer.fit()
+    finally:
+        stages.downsample_stage = real_stage
+        trainer.close()
+    gen, kept = seen["generated"], seen["trained"]
+    assert len(gen) == 32 and len(kept) == 16
+    g_scores = gen.batch["token_level_scores"].sum(-1)
+    k_scores = kept.batch["token_level_scores"].sum(-1)
+    for uid in set(gen.non_tensor_batch["uid"]):
+        g = g_scores[torch.as_tensor(gen.non_tensor_batch["uid"] == uid)].double()
+        k = k_scores[torch.as_tensor(kept.non_tensor_batch["uid"] == uid)].double()
+        assert len(k) == 4
+        best = max(g[list(c)].var(unbiased=False) for c in itertools.combinations(range(8), 4))
+        assert float(k.var(unbiased=False)) == pytest.approx(float(best), abs=1e-9)
+    rows = _rows(Path(cfg.trainer.run_dir))
+    step1 = next(r for r in rows if r["step"] == 1)
+    assert step1["downsample/generated_samples"] == 32 and step1["downsample/kept_samples"] == 16
+
+
+def test_downsample_size_is_validated(small_overrides):
+    from postrl.config import ConfigError, validate_config
+
+    over = [*small_overrides, "algorithm.downsample.enable=true"]
+    with pytest.raises(
+        ConfigError, match=r"algorithm.downsample.size=4 must be in \[2, rollout.n=4\)"
+    ):
+        validate_config(load_config(None, over + ["algorithm.downsample.size=4"]))
+    with pytest.raises(ConfigError, match=r"algorithm.downsample.rule='top'"):
+        validate_config(
+            load_config(
+                None, over + ["algorithm.downsample.size=2", "algorithm.downsample.rule=top"]
+            )
+        )

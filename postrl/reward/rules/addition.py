@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["compute_score", "last_integer"]
+__all__ = ["compute_score", "digit_agreement", "last_integer"]
 
 _INT = re.compile(r"(?<!\d)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)")
 
@@ -25,13 +25,31 @@ def last_integer(text: str) -> int | None:
     return int(matches[-1].replace(",", ""))
 
 
+def digit_agreement(answer: int | None, target: int) -> float:
+    """Share of digit positions, aligned from the units, where ``answer`` has ``target``'s digit,
+    over the longer of the two (so extra or missing digits count as wrong); 0.0 for no answer
+    or a sign mismatch."""
+    if answer is None or (answer < 0) != (target < 0):
+        return 0.0
+    a, t = str(abs(answer))[::-1], str(abs(target))[::-1]
+    return sum(x == y for x, y in zip(a, t)) / max(len(a), len(t))
+
+
 def compute_score(
     data_source: str,
     solution_str: str,
     ground_truth: Any,
     extra_info: dict[str, Any] | None = None,
+    partial_credit: float = 0.0,
 ) -> dict[str, float]:
-    """1.0 when the last integer of ``solution_str`` equals ``ground_truth``, else 0.0."""
+    """1.0 when the last integer of ``solution_str`` equals ``ground_truth``; otherwise
+    ``partial_credit × digit_agreement`` (0.0 by default: exact match only). ``acc`` is always
+    the exact match. Pass it as ``reward.reward_kwargs.partial_credit`` (e.g. 0.5): a dense
+    reward under which more GRPO groups differ (the digits right), for hard sums."""
+    if not 0.0 <= partial_credit < 1.0:
+        raise ValueError(f"addition reward: partial_credit={partial_credit} must be in [0, 1)")
     target = int(str(ground_truth).strip().replace(",", ""))
-    acc = float(last_integer(solution_str) == target)
-    return {"score": acc, "acc": acc}
+    answer = last_integer(solution_str)
+    acc = float(answer == target)
+    score = acc if acc or not partial_credit else partial_credit * digit_agreement(answer, target)
+    return {"score": score, "acc": acc}
