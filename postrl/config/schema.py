@@ -69,6 +69,13 @@ class DataConfig:
     """Column holding the chat messages."""
     max_val_samples: int = 0
     """Use at most this many validation rows (0 = all)."""
+    sampler: str = "sequential"
+    """Prompt sampler (``postrl.data.samplers.PROMPT_SAMPLERS`` name or ``module:Class``):
+    ``sequential`` (each prompt once per epoch) or ``difficulty`` (also replays prompts whose
+    measured success rate is in the learnable band; ``sampler/*`` metrics)."""
+    sampler_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the sampler (``difficulty``: ``replay_fraction``, ``low``,
+    ``high``, ``ema``, ``max_replays``, ``success_threshold``)."""
 
 
 @dataclass

@@ -32,6 +32,8 @@ def _registry_checks(cfg: PostRLConfig) -> list[str]:
         ),
         ("postrl.trainer", "TRAINER_MODES", "trainer.mode", cfg.trainer.mode),
     ]
+    if ":" not in cfg.data.sampler:
+        checks.append(("postrl.data.samplers", "PROMPT_SAMPLERS", "data.sampler", cfg.data.sampler))
     import importlib
 
     for module, attr, key, value in checks:

@@ -199,6 +199,9 @@ class PromptLoader:
     shuffle: bool = True
     epoch: int = 0
     position: int = 0
+    sampler: Any = None
+    """A :class:`~postrl.data.samplers.PromptSampler` adding replays to each draw (None: the
+    permutation only)."""
 
     def __post_init__(self) -> None:
         if self.batch_size > len(self.dataset):
@@ -231,20 +234,39 @@ class PromptLoader:
         exact number of groups it evicted."""
         if not 0 < k <= len(self.dataset):
             raise DatasetError(f"next_prompts({k}): k must be in [1, {len(self.dataset)}]")
-        if self.position + k > len(self.dataset):
+        replays = self.sampler.replays(k) if self.sampler is not None else []
+        fresh = k - len(replays)
+        if self.position + fresh > len(self.dataset):
             self.epoch += 1
             self.position = 0
-        idx = self._order(self.epoch)[self.position : self.position + k]
-        self.position += k
-        out = self.dataset.batch(idx)
+        idx = self._order(self.epoch)[self.position : self.position + fresh]
+        self.position += fresh
+        out = self.dataset.batch(np.concatenate([idx, np.asarray(replays, dtype=idx.dtype)]))
         out.meta_info["epoch"] = self.epoch
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+    def observe(self, index: Any, uid: Any, scores: Any) -> None:
+        """Report a scored batch to the sampler: rows grouped by ``uid``, each group's
+        dataset ``index`` and response ``scores`` (a no-op without a sampler)."""
+        if self.sampler is None:
+            return
+        groups: dict[Any, tuple[int, list[float]]] = {}
+        for i, u, s in zip(np.asarray(index).tolist(), np.asarray(uid).tolist(), scores):
+            groups.setdefault(u, (int(i), []))[1].append(float(s))
+        self.sampler.observe([g[0] for g in groups.values()], [g[1] for g in groups.values()])
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, position and seed (plus the sampler's state when it has one)."""
+        state: dict[str, Any] = {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+        if self.sampler is not None and (sampler_state := self.sampler.state_dict()):
+            state["sampler"] = sampler_state
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        if self.sampler is not None and "sampler" in state:
+            self.sampler.load_state_dict(state["sampler"])
 
 
 def load_tokenizer(path: str | Path):

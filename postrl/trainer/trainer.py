@@ -36,6 +36,7 @@ import torch
 from postrl.algos import AdaptiveKLController, FixedKLController
 from postrl.config import PostRLConfig, dump_config, validate_config
 from postrl.data import PromptLoader, RLDataset, load_tokenizer
+from postrl.data.samplers import build_prompt_sampler
 from postrl.protocol import DataProto
 from postrl.trainer import needs, stages
 from postrl.trainer.checkpoint import find_latest_checkpoint, load_trainer_state, save_checkpoint
@@ -86,7 +87,13 @@ class RLTrainer:
             d.train_files, self.tokenizer, d.max_prompt_length, d.truncation, d.prompt_key
         )
         self.loader = PromptLoader(
-            self.train_set, d.train_batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle
+            self.train_set,
+            d.train_batch_size,
+            seed=cfg.trainer.seed,
+            shuffle=d.shuffle,
+            sampler=build_prompt_sampler(
+                d.sampler, len(self.train_set), cfg.trainer.seed, d.sampler_kwargs
+            ),
         )
         self.val_set = (
             RLDataset(
@@ -173,6 +180,12 @@ class RLTrainer:
         m.update(gm)
         fire(f"step{step}:after_gen")
         batch = run("reward", ctx.reward.finish, batch)  # 2. reward
+        self.loader.observe(  # the prompt sampler learns each group's success
+            batch.non_tensor_batch["index"],
+            batch.non_tensor_batch["uid"],
+            batch.batch["token_level_scores"].sum(-1).tolist(),
+        )
+        m.update(self.loader.sampler.metrics())
         batch = run(None, stages.downsample_stage, batch, cfg, step)  # (PODS: a subset trains)
         batch = run(None, roles.balance, batch)  # 3. balance
         batch.meta_info.update(temperature=cfg.rollout.temperature, global_step=step)

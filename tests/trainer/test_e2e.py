@@ -274,3 +274,32 @@ def test_downsample_size_is_validated(small_overrides):
                 None, over + ["algorithm.downsample.size=2", "algorithm.downsample.rule=top"]
             )
         )
+
+
+def test_difficulty_sampler_replays_in_a_run_and_resumes(small_overrides, digits_reward):
+    """``data.sampler=difficulty``: groups with signal come back (``sampler/replayed``), fresh
+    prompts still follow the permutation, and the sampler's state survives a checkpoint."""
+    over = [
+        *small_overrides,
+        f"reward.custom_function.path={digits_reward}",
+        "data.sampler=difficulty",
+        "data.sampler_kwargs={replay_fraction: 0.5, success_threshold: 0.05}",
+        "trainer.test_freq=0",
+        "trainer.save_freq=3",
+    ]
+    trainer = RLTrainer(load_config(None, [*over, "trainer.total_steps=3"]))
+    try:
+        trainer.fit()
+        state = trainer.loader.sampler.state_dict()
+    finally:
+        trainer.close()
+    run = Path(small_overrides[-1].split("=", 1)[1])
+    rows = [r for r in _rows(run) if r["step"] > 0]
+    assert all("sampler/pool_size" in r for r in rows)
+    assert sum(r["sampler/replayed"] for r in rows) > 0, "nothing was replayed"
+    trainer = RLTrainer(load_config(None, [*over, "trainer.total_steps=4"]))
+    try:
+        trainer._maybe_resume()
+        assert trainer.loader.sampler.state_dict() == state
+    finally:
+        trainer.close()
