@@ -1,0 +1,202 @@
+"""Which levers turn speed into learning? Held-out accuracy on 3-digit addition by training time.
+
+Every arm starts from the shared warmed model (``../shared/w1/tiny-qwen2-sft``, 5.5 % greedy on
+3-digit sums) and trains for ``--budget-s`` seconds of training time (``trainer.time_budget_s``:
+the steps' wall times summed, validation excluded) on ``--threads`` threads. Held-out greedy
+accuracy (1000 problems of the disjoint test split) is measured at each ``--marks`` second
+(``trainer.test_at_s``). Arms run one after another, seed-major (arm 1 seed 0, arm 2 seed 0, ...,
+arm 1 seed 1, ...), each in a fresh process, and the table gives the mean over seeds at each mark.
+
+The arms (``--arms``; each is ``examples/grpo_addition_3digit.yaml`` plus overrides):
+
+* ``w1``: the W1 shape, the issue's baseline (16 prompts × 8, lr 1e-4, plain GRPO);
+* ``dapo``: + dynamic sampling with exact refill (``algorithm.filter_groups``);
+* ``pods``: 32 responses generated per prompt, the max-variance 8 trained
+  (``algorithm.downsample``);
+* ``difficulty``: + replay of prompts in the learnable band (``data.sampler=difficulty``);
+* ``partial``: + digit-level partial credit in the reward (``reward.reward_kwargs``);
+* ``reuse``: 4 PPO epochs per batch (``actor.ppo_epochs``);
+* ``lr3e-4``, ``entropy``: a larger step, with and without an entropy bonus;
+* ``recipe``: the shipped recipe as it is.
+
+    python benchmarks/learning.py --arms w1 recipe --seeds 0 1              # 2 × 2 × 10 min
+    python benchmarks/learning.py --budget-s 120 --marks 60 120 --seeds 0   # a 2-minute screen
+
+Data is written under ``--work-dir`` if missing (``postrl data addition --max-digits 3``).
+Results go to ``WORK_DIR/results.json`` and the curves to ``WORK_DIR/learning.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT.parent / "shared" / "w1" / "tiny-qwen2-sft"
+RECIPE = ROOT / "examples" / "grpo_addition_3digit.yaml"
+
+# the W1 shape on top of the recipe file: every lever of the recipe switched off
+W1 = [
+    "rollout.n=8",
+    "actor.optim.lr=1e-4",
+    "actor.ppo_epochs=1",
+    "actor.entropy_coeff=0",
+    "algorithm.filter_groups.enable=false",
+    "algorithm.downsample.enable=false",
+    "data.sampler=sequential",
+    "reward.reward_kwargs={}",
+]
+ARMS: dict[str, list[str]] = {
+    "w1": W1,
+    "dapo": [*W1, "algorithm.filter_groups.enable=true"],
+    "pods": [
+        *W1,
+        "rollout.n=32",
+        "algorithm.downsample.enable=true",
+        "algorithm.downsample.size=8",
+    ],
+    "difficulty": [
+        *W1,
+        "data.sampler=difficulty",
+        "data.sampler_kwargs={replay_fraction: 0.5}",
+    ],
+    "partial": [*W1, "reward.reward_kwargs={partial_credit: 0.5}"],
+    "reuse": [*W1, "actor.ppo_epochs=4"],
+    "lr3e-4": [*W1, "actor.optim.lr=3e-4"],
+    "entropy": [*W1, "actor.optim.lr=3e-4", "actor.entropy_coeff=0.01"],
+    "recipe": [],
+}
+
+
+def _data(work: Path, n_train: int, n_test: int) -> tuple[Path, Path]:
+    train = work / "data" / f"train{n_train}.parquet"
+    test = work / "data" / f"test{n_test}.parquet"
+    from postrl.data import generate_addition, write_parquet
+
+    train.parent.mkdir(parents=True, exist_ok=True)
+    if not train.exists():
+        write_parquet(generate_addition(n_train, seed=0, max_digits=3), train)
+    if not test.exists():
+        write_parquet(generate_addition(n_test, seed=1, split="test", max_digits=3), test)
+    return train, test
+
+
+def _run(arm: str, seed: int, a: argparse.Namespace, train: Path, test: Path) -> dict:
+    out = Path(a.work_dir) / f"{arm}-s{seed}"
+    marks = ",".join(str(m) for m in a.marks)
+    cmd = [
+        sys.executable,
+        "-m",
+        "postrl.cli",
+        "train",
+        str(RECIPE),
+        f"model.path={a.model}",
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{test}]",
+        f"trainer.run_dir={out}",
+        f"trainer.seed={seed}",
+        f"trainer.time_budget_s={a.budget_s}",
+        f"trainer.test_at_s=[{marks}]",
+        f"trainer.num_threads={a.threads}",
+        "trainer.resume_mode=disable",
+        "trainer.loggers=[jsonl]",
+        *ARMS[arm],
+        *a.extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-3000:])
+        raise SystemExit(f"arm {arm} seed {seed} failed (exit {proc.returncode})")
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    curve = [
+        (r.get("perf/train_time_s", 0.0), r["val/acc/mean"]) for r in rows if "val/acc/mean" in r
+    ]
+    steps = [r for r in rows if r["step"] > 0]
+    signal = [
+        r["dynamic_sampling/num_kept_groups"] / r["dynamic_sampling/num_groups"]
+        for r in steps
+        if r.get("dynamic_sampling/num_groups")
+    ]
+    return {
+        "curve": curve,
+        "steps": len(steps),
+        "entropy_last": steps[-1].get("actor/entropy") if steps else None,
+        "kept_group_share": sum(signal) / len(signal) if signal else None,
+    }
+
+
+def _at(curve: list[tuple[float, float]], mark: float) -> float:
+    """Accuracy of the first validation at or after ``mark`` seconds of training."""
+    return next((acc for t, acc in curve if t >= mark), curve[-1][1])
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for arm, seeds in results.items():
+        for i, r in enumerate(seeds.values()):
+            t, acc = zip(*r["curve"])
+            ax.plot(
+                [x / 60 for x in t],
+                acc,
+                marker="o",
+                label=arm if i == 0 else None,
+                color=f"C{list(results).index(arm)}",
+                alpha=0.9 if i == 0 else 0.5,
+            )
+    ax.set_xlabel("training time (min, 2 threads)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title("3-digit addition from the warmed tiny model")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the arms (see the module docstring) and print the table."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arms", nargs="+", default=["w1", "recipe"], choices=list(ARMS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--budget-s", type=float, default=600.0)
+    p.add_argument("--marks", type=float, nargs="+", default=[120.0, 300.0, 600.0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", default=str(MODEL))
+    p.add_argument("--work-dir", default="runs/learning")
+    p.add_argument("--train-size", type=int, default=20000, help="training prompts")
+    p.add_argument("--test-size", type=int, default=1000, help="held-out prompts")
+    p.add_argument("--extra", nargs="*", default=[], help="overrides applied to every arm")
+    a = p.parse_args(argv)
+    train, test = _data(Path(a.work_dir), a.train_size, a.test_size)
+    results: dict[str, dict[int, dict]] = {arm: {} for arm in a.arms}
+    for seed in a.seeds:
+        for arm in a.arms:
+            sys.stderr.write(f"==> {arm}, seed {seed}\n")
+            results[arm][seed] = _run(arm, seed, a, train, test)
+    marks = [0.0, *a.marks]
+    print(f"held-out greedy accuracy ({a.test_size} problems) by training time, seeds {a.seeds}")
+    print(f"{'arm':>12} " + " ".join(f"{m:>6.0f}s" for m in marks) + "   steps  kept-groups")
+    for arm, seeds in results.items():
+        accs = [sum(_at(r["curve"], m) for r in seeds.values()) / len(seeds) for m in marks]
+        steps = sum(r["steps"] for r in seeds.values()) / len(seeds)
+        kept = [r["kept_group_share"] for r in seeds.values() if r["kept_group_share"]]
+        share = f"{sum(kept) / len(kept):.2f}" if kept else "-"
+        print(f"{arm:>12} " + " ".join(f"{x:>7.3f}" for x in accs) + f"  {steps:>6.0f}  {share:>6}")
+    work = Path(a.work_dir)
+    (work / "results.json").write_text(json.dumps({"args": vars(a), "runs": results}, indent=1))
+    _plot(results, work / "learning.png")
+    print(f"results: {work / 'results.json'}, curves: {work / 'learning.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""``benchmarks/learning.py``: every arm is a valid config, and a seconds-long run of two arms
+writes the table's inputs (curves by training time) and the plot. Correctness, never timing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from postrl.config import load_config, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_learning", ROOT / "benchmarks" / "learning.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_arm_is_a_valid_config(bench, tmp_path, tiny_model_dir):
+    data = tmp_path / "d.parquet"
+    from postrl.data import generate_addition, write_parquet
+
+    write_parquet(generate_addition(8, max_digits=3), data)
+    for arm, over in bench.ARMS.items():
+        cfg = load_config(
+            bench.RECIPE,
+            [
+                f"model.path={tiny_model_dir}",
+                f"data.train_files=[{data}]",
+                f"data.val_files=[{data}]",
+                *over,
+            ],
+        )
+        validate_config(cfg, check_registries=True)
+        assert cfg.trainer.time_budget_s == 600 and cfg.trainer.test_at_s, arm
+
+
+def test_accuracy_at_a_mark_is_the_first_validation_past_it(bench):
+    curve = [(0.0, 0.05), (61.0, 0.07), (119.0, 0.08), (121.0, 0.09)]
+    assert bench._at(curve, 60) == 0.07 and bench._at(curve, 120) == 0.09
+    assert bench._at(curve, 900) == 0.09  # past the end: the last one
+
+
+@pytest.mark.slow
+def test_two_arms_run_and_write_curves_and_a_plot(bench, tiny_model_dir, tmp_path, capsys):
+    work = tmp_path / "work"
+    args = ["--arms", "w1", "pods", "--seeds", "0", "--budget-s", "1.5", "--marks", "0.5"]
+    args += ["--model", str(tiny_model_dir), "--work-dir", str(work)]
+    args += ["--train-size", "64", "--test-size", "16"]
+    args += ["--extra", "rollout.response_length=4", "data.train_batch_size=4"]
+    args += ["actor.ppo_mini_batch_size=4", "trainer.test_at_s=[0.5]"]
+    assert bench.main(args) == 0
+    res = json.loads((work / "results.json").read_text())
+    for arm in ("w1", "pods"):
+        curve = res["runs"][arm]["0"]["curve"]
+        times = [t for t, _ in curve]
+        assert times[0] == 0.0 and times[-1] >= 1.5 and len(curve) >= 2  # start, ..., end
+        assert all(0.0 <= acc <= 1.0 for _, acc in curve)
+    assert (work / "learning.png").stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "w1" in table and "pods" in table
