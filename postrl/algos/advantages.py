@@ -231,6 +231,8 @@ def compute_grpo_outcome_advantage(
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
     sample_mask: Any = None,
+    positive_weight: float = 1.0,
+    negative_weight: float = 1.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO group-relative advantage (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300).
@@ -238,13 +240,25 @@ def compute_grpo_outcome_advantage(
     ``A_i = (s_i - mean_g) / (std_g + epsilon)`` with the unbiased std of the group's valid
     scores; ``norm_adv_by_std_in_grpo=False`` gives Dr. GRPO's ``A_i = s_i - mean_g``
     (Liu et al. 2025, arXiv 2503.20783). Returns equal advantages (as verl).
+
+    ``positive_weight`` / ``negative_weight`` scale ``A_i > 0`` / ``A_i < 0``: the objective
+    splits into positive- and negative-sample reinforcement (PSR / NSR), and weighting them
+    trades pass@1 (PSR sharpens) against pass@k (NSR keeps the distribution's spread); Zhu et
+    al. 2025, arXiv 2506.01347 (W-REINFORCE: ``positive_weight = 0.1``). Both 1.0 = GRPO.
     """
+    if positive_weight < 0 or negative_weight < 0:
+        raise ValueError(
+            f"grpo: positive_weight={positive_weight} and negative_weight={negative_weight} "
+            f"must be >= 0"
+        )
     scores, valid = _scores_and_valid(token_level_rewards, sample_mask)
     inv, g = group_ids(index, scores.device)
     count, mean, std = group_count_mean_std(scores, inv, g, valid)
     adv = scores - mean
     if norm_adv_by_std_in_grpo:
         adv = adv / (std + epsilon)
+    if positive_weight != 1.0 or negative_weight != 1.0:
+        adv = adv * torch.where(adv > 0, positive_weight, negative_weight)
     adv = torch.where(valid & (count > 1), adv, torch.zeros_like(adv))
     out = _broadcast(adv, response_mask)
     return out, out

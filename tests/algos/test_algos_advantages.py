@@ -58,6 +58,20 @@ def test_grpo_hand():
         token_level_rewards=r, response_mask=m, index=idx, norm_adv_by_std_in_grpo=False
     )
     assert seq_adv(adv, m)[:4] == pytest.approx([0.5, -0.5, 0.5, -0.5])
+    # PSR / NSR weights: positive and negative advantages scaled separately
+    adv, _ = get_adv_estimator("grpo")(
+        token_level_rewards=r,
+        response_mask=m,
+        index=idx,
+        norm_adv_by_std_in_grpo=False,
+        positive_weight=2.0,
+        negative_weight=0.1,
+    )
+    assert seq_adv(adv, m)[:4] == pytest.approx([1.0, -0.05, 1.0, -0.05])
+    with pytest.raises(ValueError, match="negative_weight=-1 must be >= 0"):
+        get_adv_estimator("grpo")(
+            token_level_rewards=r, response_mask=m, index=idx, negative_weight=-1
+        )
 
 
 def test_rloo_hand():
