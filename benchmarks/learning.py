@@ -16,7 +16,10 @@ The arms (``--arms``; each is ``examples/grpo_addition_3digit.yaml`` plus overri
 * ``difficulty``: + replay of prompts in the learnable band (``data.sampler=difficulty``);
 * ``partial``: + digit-level partial credit in the reward (``reward.reward_kwargs``);
 * ``reuse``: 4 PPO epochs per batch (``actor.ppo_epochs``);
-* ``lr3e-4``, ``entropy``: a larger step, with and without an entropy bonus;
+* ``lr2e-4``, ``lr3e-4``, ``entropy``: larger steps (the last with an entropy bonus);
+* ``psr``: negative advantages at half weight (``algorithm.adv_estimator_kwargs``);
+* ``mini8``: two optimizer steps per batch (``actor.ppo_mini_batch_size=8``);
+* ``batch8``: 8 prompts per step (twice the steps per second);
 * ``recipe``: the shipped recipe as it is.
 
     python benchmarks/learning.py --arms w1 recipe --seeds 0 1              # 2 × 2 × 10 min
@@ -49,6 +52,7 @@ W1 = [
     "algorithm.downsample.enable=false",
     "data.sampler=sequential",
     "reward.reward_kwargs={}",
+    "algorithm.adv_estimator_kwargs={}",
 ]
 ARMS: dict[str, list[str]] = {
     "w1": W1,
@@ -66,8 +70,12 @@ ARMS: dict[str, list[str]] = {
     ],
     "partial": [*W1, "reward.reward_kwargs={partial_credit: 0.5}"],
     "reuse": [*W1, "actor.ppo_epochs=4"],
+    "lr2e-4": [*W1, "actor.optim.lr=2e-4"],
     "lr3e-4": [*W1, "actor.optim.lr=3e-4"],
     "entropy": [*W1, "actor.optim.lr=3e-4", "actor.entropy_coeff=0.01"],
+    "psr": [*W1, "algorithm.adv_estimator_kwargs={negative_weight: 0.5}"],
+    "mini8": [*W1, "actor.ppo_mini_batch_size=8"],
+    "batch8": [*W1, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"],
     "recipe": [],
 }
 
