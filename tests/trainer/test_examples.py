@@ -45,6 +45,11 @@ EXPECTED_KEYS: dict[str, set[str]] = {
         "dynamic_sampling/num_dropped_groups",
         "reward/overlong_penalty/mean",
     },
+    "grpo_addition_3digit": {
+        "dynamic_sampling/num_groups",
+        "dynamic_sampling/num_kept_groups",
+        "perf/train_time_s",
+    },
     "rloo_addition": {"actor/kl_loss"},
     "reinforce_pp_addition": {"actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"},
     "gspo_addition": set(),
