@@ -120,6 +120,22 @@ class Registry(Generic[T]):
         """All registered names, sorted."""
         return sorted(set(self._eager) | set(self._lazy))
 
+    def get_or_import(self, name: str, key: str) -> T:
+        """A registered entry, or for ``"module:attr"`` (not itself registered) that attribute
+        imported — how a config key names a user's class without registering it. An import
+        failure raises ``ValueError`` naming ``key``; an unknown plain name, :meth:`get`'s
+        error."""
+        if ":" not in name or name in self:
+            return self.get(name)
+        module_name, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(
+                f"{key}={name!r}: cannot import {attr!r} from {module_name!r} ({e}); give "
+                f"'module:Class' of an importable class or one of {self.names()}"
+            ) from e
+
     def check(self, name: str) -> str | None:
         """Return an error message if ``name`` is unknown, else None (for config validation)."""
         return None if name in self else self._unknown_message(name)

@@ -27,7 +27,6 @@ or give ``data.sampler=module:Class``.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -219,17 +218,7 @@ def build_prompt_sampler(
 ) -> PromptSampler:
     """A sampler from a registered name or a ``module:Class`` path, as
     ``cls(size, seed, **kwargs)``; a bad name or keyword raises naming ``data.sampler``."""
-    if ":" in name and name not in PROMPT_SAMPLERS:
-        module_name, _, attr = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(
-                f"data.sampler={name!r}: cannot import {attr!r} from {module_name!r} ({e}); "
-                f"give 'module:Class' or one of {PROMPT_SAMPLERS.names()}"
-            ) from e
-    else:
-        cls = PROMPT_SAMPLERS.get(name)
+    cls = PROMPT_SAMPLERS.get_or_import(name, "data.sampler")
     try:
         return cls(size, seed, **(kwargs or {}))
     except TypeError as e:

@@ -17,7 +17,6 @@ it: ``@SAMPLERS.register("longest_first")``.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -48,17 +47,7 @@ class OldestFirstSampler:
 
 def build_sampler(name: str) -> Sampler:
     """A sampler instance from a registered name or a ``module:Class`` import path."""
-    if ":" in name and name not in SAMPLERS:
-        module_name, _, attr = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(
-                f"trainer.sampler={name!r}: cannot import {attr!r} from {module_name!r} ({e}); "
-                f"give 'module:Class' of an importable class or one of {SAMPLERS.names()}"
-            ) from e
-    else:
-        cls = SAMPLERS.get(name)
+    cls = SAMPLERS.get_or_import(name, "trainer.sampler")
     sampler = cls()
     if not callable(getattr(sampler, "select", None)):
         raise TypeError(
