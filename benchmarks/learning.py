@@ -183,27 +183,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-size", type=int, default=20000, help="training prompts")
     p.add_argument("--test-size", type=int, default=1000, help="held-out prompts")
     p.add_argument("--extra", nargs="*", default=[], help="overrides applied to every arm")
+    p.add_argument(
+        "--report",
+        nargs="+",
+        default=None,
+        metavar="RESULTS_JSON",
+        help="run nothing: merge these results.json files (arm -> seed -> curve), print the "
+        "table at --marks and plot to --work-dir/learning.png",
+    )
     a = p.parse_args(argv)
-    train, test = _data(Path(a.work_dir), a.train_size, a.test_size)
-    results: dict[str, dict[int, dict]] = {arm: {} for arm in a.arms}
-    for seed in a.seeds:
-        for arm in a.arms:
-            sys.stderr.write(f"==> {arm}, seed {seed}\n")
-            results[arm][seed] = _run(arm, seed, a, train, test)
-    marks = [0.0, *a.marks]
-    print(f"held-out greedy accuracy ({a.test_size} problems) by training time, seeds {a.seeds}")
-    print(f"{'arm':>12} " + " ".join(f"{m:>6.0f}s" for m in marks) + "   steps  kept-groups")
-    for arm, seeds in results.items():
-        accs = [sum(_at(r["curve"], m) for r in seeds.values()) / len(seeds) for m in marks]
-        steps = sum(r["steps"] for r in seeds.values()) / len(seeds)
-        kept = [r["kept_group_share"] for r in seeds.values() if r["kept_group_share"]]
-        share = f"{sum(kept) / len(kept):.2f}" if kept else "-"
-        print(f"{arm:>12} " + " ".join(f"{x:>7.3f}" for x in accs) + f"  {steps:>6.0f}  {share:>6}")
     work = Path(a.work_dir)
-    (work / "results.json").write_text(json.dumps({"args": vars(a), "runs": results}, indent=1))
+    work.mkdir(parents=True, exist_ok=True)
+    if a.report:
+        results: dict[str, dict] = {}
+        for f in a.report:
+            for arm, seeds in json.loads(Path(f).read_text())["runs"].items():
+                results.setdefault(arm, {}).update(seeds)
+    else:
+        train, test = _data(work, a.train_size, a.test_size)
+        results = {arm: {} for arm in a.arms}
+        for seed in a.seeds:
+            for arm in a.arms:
+                sys.stderr.write(f"==> {arm}, seed {seed}\n")
+                results[arm][str(seed)] = _run(arm, seed, a, train, test)
+        (work / "results.json").write_text(json.dumps({"args": vars(a), "runs": results}, indent=1))
+    _table(results, [0.0, *a.marks])
     _plot(results, work / "learning.png")
     print(f"results: {work / 'results.json'}, curves: {work / 'learning.png'}")
     return 0
+
+
+def _table(results: dict, marks: list[float]) -> None:
+    """Mean held-out accuracy over seeds at each mark (a run shorter than a mark shows '-')."""
+    print("held-out greedy accuracy by training time (mean over seeds)")
+    print(f"{'arm':>12} " + " ".join(f"{m:>6.0f}s" for m in marks) + "  seeds   steps  kept-groups")
+    for arm, seeds in results.items():
+        cells = []
+        for m in marks:
+            have = [r for r in seeds.values() if r["curve"][-1][0] >= m - 1.0]
+            acc = sum(_at(r["curve"], m) for r in have) / len(have) if have else None
+            cells.append(f"{acc:>7.3f}" if acc is not None else f"{'-':>7}")
+        steps = sum(r["steps"] for r in seeds.values()) / len(seeds)
+        kept = [r["kept_group_share"] for r in seeds.values() if r["kept_group_share"]]
+        share = f"{sum(kept) / len(kept):.2f}" if kept else "-"
+        print(f"{arm:>12} " + " ".join(cells) + f"  {len(seeds):>5}  {steps:>6.0f}  {share:>6}")
 
 
 if __name__ == "__main__":
