@@ -139,10 +139,12 @@ class GroupStream:
         task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
-        if not task.cancelled() and task.exception() is not None and self._error is None:
+        if task.cancelled():
+            return  # whoever cancelled (eviction, checkpoint drop) re-dispatches and wakes
+        if task.exception() is not None and self._error is None:
             self._error = task.exception()
-        # every end re-checks the take: the last trajectory of a kept group, finishing with the
-        # refill budget spent, leaves it starved with nothing else left to wake it
+        # every finished trajectory re-checks the take: the last one of a kept group, ending
+        # with the refill budget spent, leaves it starved with nothing else left to wake it
         self._poke()
 
     async def _run(self, uid: str, k: int) -> None:
