@@ -424,6 +424,10 @@ class AsyncConfig:
     replica_health_timeout_s: float = 5.0
     """``fully_async``: a replica that does not answer a ping within this is declared dead
     (its in-flight requests go to the others)."""
+    max_replica_restarts: int = 2
+    """``fully_async``: how many dead rollout replicas the run starts again (over the whole
+    run; 0 = never). A restart begins at the first weight push after the death, in the
+    background, and the new replica joins at a later push with that push's weights."""
 
 
 @dataclass

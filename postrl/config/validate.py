@@ -335,10 +335,10 @@ def _fully_async_errors(cfg: PostRLConfig) -> list[str]:
             f"concurrently with training, so the interleaving is not reproducible; use "
             f"trainer.mode=one_step_off for bit-exact async runs"
         )
-    if t.backend != "local":
+    if ac.max_replica_restarts < 0:
         e.append(
-            f"trainer.mode={t.mode} runs with trainer.backend=local (rollout replicas in "
-            f"processes of their own, training in this one); Ray placement is not wired yet"
+            f"trainer.async.max_replica_restarts={ac.max_replica_restarts} must be >= 0 "
+            f"(0: a dead rollout replica is not started again)"
         )
     return e
 

@@ -228,6 +228,11 @@ class LoadBalancer:
                 self._sticky.popitem(last=False)
         return idx
 
+    def replace(self, idx: int, replica: Any) -> None:
+        """Route to ``replica`` in slot ``idx`` from now on (a restarted replica in place of a
+        dead one; requests still counted against the old one release as they fail)."""
+        self.replicas[idx] = replica
+
     def acquire(self, idx: int) -> None:
         """Count a request routed to replica ``idx`` (before it reaches the replica)."""
         self._assigned[idx] += 1

@@ -21,13 +21,27 @@ class RolloutFleet:
         replicas: :class:`~postrl.rollout.client.RolloutReplica` (or Ray replica) objects.
         weight_sync: a weight-sync backend (``sync_weights(source, receivers, version)``
             returning stats with ``metrics()``).
+        balancer: the ``LoadBalancer`` routing to ``replicas`` (told when :meth:`install`
+            puts a restarted replica in a slot).
+        on_close: callables run after :meth:`close` closed the replicas (e.g. releasing their
+            placement group).
     """
 
-    def __init__(self, replicas: list[Any], weight_sync: Any) -> None:
+    def __init__(
+        self,
+        replicas: list[Any],
+        weight_sync: Any,
+        balancer: Any = None,
+        on_close: tuple[Callable[[], None], ...] = (),
+    ) -> None:
         self.replicas = replicas
         self.weight_sync = weight_sync
+        self.balancer = balancer
         self.version = 0
         self.paused = False
+        self.restarts = 0
+        """Replicas put back by :meth:`install` so far."""
+        self._on_close = on_close
 
     @property
     def live(self) -> list[Any]:
@@ -82,11 +96,30 @@ class RolloutFleet:
                 if not any(getattr(r, "dead", False) for r in live):
                     raise
 
+    def install(self, slot: int, replica: Any, open_source: Callable[[int], Any]) -> None:
+        """Put ``replica`` (a restart of the dead one in ``slot``) in service: deliver the
+        current version's weights to it first (``open_source`` as for :meth:`sync_weights`;
+        the source must hold exactly that version's weights, i.e. call this right after a
+        push), then route to it. ``ReplicaDeadError`` if it dies during the push (the slot
+        stays dead)."""
+        if self.version:
+            self.weight_sync.sync_weights(
+                open_source(self.version), [replica], version=self.version
+            )
+        self.replicas[slot] = replica
+        if self.balancer is not None:
+            self.balancer.replace(slot, replica)
+        self.restarts += 1
+
     def close(self) -> None:
         """Close every replica (a remote one: its process) or its backend (idempotent for
-        backends that allow it)."""
-        for r in self.replicas:
-            if hasattr(r, "close"):
-                r.close()
-            elif hasattr(r.backend, "close"):
-                r.backend.close()
+        backends that allow it), then run the ``on_close`` callables."""
+        try:
+            for r in self.replicas:
+                if hasattr(r, "close"):
+                    r.close()
+                elif hasattr(r.backend, "close"):
+                    r.backend.close()
+        finally:
+            for fn in self._on_close:
+                fn()

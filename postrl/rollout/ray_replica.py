@@ -1,30 +1,57 @@
 """Ray actor variant of ``RolloutReplica`` (the ``ray`` controller backend).
 
 ``RayRolloutReplica.create(backend, model_path, **options)`` starts one actor that owns a
-backend; the returned handle has the same surface as ``RolloutReplica`` (``load``,
+backend; the returned handle has the surface of ``RolloutReplica`` (``load``,
 ``policy_version``, async ``generate``, ``abort``, ``pause``/``resume``, ``update_weights``,
-``receive_bucket``, ``sleep``/``wake_up``), so ``LoadBalancer`` and ``RolloutClient`` work
-unchanged. Weights cross the process boundary as ``postrl.weights`` bucket frames (raw bytes +
-JSON header), never as pickled tensors. Ray is imported only when this module is used.
+``receive_bucket``, ``sleep``/``wake_up``) plus what an out-of-process replica needs in
+``fully_async`` (``dead`` / ``mark_dead`` / ``race`` from
+:class:`~postrl.rollout.liveness.Liveness`, async ``health``, ``process_gone``, ``busy_s``,
+``last_swap``, ``kill``), so ``LoadBalancer``, ``RolloutClient``, the weight-sync backends and
+the :class:`~postrl.rollout.remote.ReplicaWatchdog` drive it unchanged.
+
+Placement is the caller's: ``actor_options`` go to ``ActorClass.options`` (a
+``PlacementGroupSchedulingStrategy`` puts the replica on a bundle of a placement group of its
+own; the trainer layer builds it from a ``ResourcePool``). Weights cross the process boundary
+as ``postrl.weights`` bucket frames (raw bytes + JSON header), never as pickled tensors; the
+weights are swapped in atomically at an update's last frame while the actor keeps serving (the
+native engine's in-flight swap, as in the HTTP replica). A call that finds the actor dead
+(``RayActorError``) or that misses its deadline declares the replica dead. Ray is imported only
+when this module is used.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Iterable
 from typing import Any
 
-from postrl.rollout.types import SamplingParams, TokenOutput, WeightItem
+from postrl.rollout.liveness import Liveness
+from postrl.rollout.types import (
+    ReplicaDeadError,
+    RolloutTimeoutError,
+    SamplingParams,
+    TokenOutput,
+    WeightItem,
+)
 
 __all__ = ["RayRolloutReplica"]
 
 
 class _ReplicaActor:
-    """Body of the Ray actor: a ``RolloutReplica`` around a freshly created backend."""
+    """Body of the Ray actor: a ``RolloutReplica`` around a freshly created backend, with
+    ``threads`` torch threads."""
 
-    def __init__(self, backend: str, model_path: str, replica_id: int, options: dict) -> None:
+    def __init__(
+        self, backend: str, model_path: str, replica_id: int, options: dict, threads: int = 0
+    ) -> None:
         from postrl.rollout.base import create_rollout_backend
         from postrl.rollout.client import RolloutReplica
 
+        if threads > 0:
+            import torch
+
+            torch.set_num_threads(threads)
         self.replica = RolloutReplica(
             create_rollout_backend(backend, model_path, **options), replica_id
         )
@@ -34,27 +61,63 @@ class _ReplicaActor:
     ) -> TokenOutput:
         return await self.replica.generate(prompt_ids, sampling, request_id)
 
-    def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, *args: Any) -> Any:
         return getattr(self.replica, method)(*args)
 
-    def policy_version(self) -> int:
+    async def receive_bucket(self, frame: bytes) -> dict[str, Any]:
+        from postrl.rollout.server import bucket_is_last
+
+        self.replica.receive_bucket(frame)
+        out: dict[str, Any] = {"policy_version": self.replica.policy_version}
+        if self.replica.last_swap and bucket_is_last(frame):
+            out["swap"] = dict(self.replica.last_swap)
+        return out
+
+    async def health(self) -> dict[str, Any]:
+        be = self.replica.backend
+        return {
+            "status": "ok",
+            "policy_version": self.replica.policy_version,
+            "running": int(getattr(be, "num_running", 0)),
+            "waiting": int(getattr(be, "num_waiting", 0)),
+            "busy_s": float(getattr(be, "busy_s", 0.0)),
+            "pid": os.getpid(),
+        }
+
+    async def policy_version(self) -> int:
         return self.replica.policy_version
 
 
-class RayRolloutReplica:
+class RayRolloutReplica(Liveness):
     """Handle to a replica running in a Ray actor (see module docstring).
 
     Args:
         actor: the Ray actor handle; use ``create`` to build one.
-        timeout_s: deadline of blocking control calls.
+        replica_id: index in logs and errors.
+        timeout_s: deadline of blocking control calls (a replica that misses it is dead).
+        request_timeout_s: deadline of one generate request.
     """
 
-    def __init__(self, actor: Any, replica_id: int = 0, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        actor: Any,
+        replica_id: int = 0,
+        timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+    ) -> None:
+        Liveness.__init__(self)
         self.actor = actor
         self.replica_id = replica_id
         self.timeout_s = timeout_s
+        self.request_timeout_s = request_timeout_s
         self.policy_version = 0
+        self.last_swap: dict[str, float] = {}
+        self.busy_s = 0.0
+        """The replica engine's seconds in steps, as of the last health ping."""
+        self.pid = 0
+        """The actor's process id (from the first health answer)."""
         self._inflight = 0
+        self._gone: str | None = None
 
     @classmethod
     def create(
@@ -64,47 +127,124 @@ class RayRolloutReplica:
         replica_id: int = 0,
         num_cpus: float = 1,
         num_gpus: float = 0,
+        *,
+        threads: int = 0,
+        actor_options: dict[str, Any] | None = None,
+        timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+        startup_timeout_s: float | None = None,
         **options: Any,
     ) -> RayRolloutReplica:
-        """Start the actor (``ray.init`` must have been called)."""
+        """Start the actor (``ray.init`` must have been called) and wait until it answers
+        ``health`` (``startup_timeout_s``, default ``timeout_s``; ``RolloutError`` naming the
+        replica otherwise). ``threads``: torch threads in the actor (0: Ray's default, one
+        per reserved CPU); ``actor_options``: extra ``.options(...)`` such as a
+        ``scheduling_strategy``; ``options``: the backend's constructor options."""
         import ray
 
-        actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1024)(
-            _ReplicaActor
+        from postrl.rollout.types import RolloutError
+
+        actor_cls = ray.remote(_ReplicaActor).options(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            max_concurrency=1024,
+            max_restarts=0,
+            max_task_retries=0,
+            **(actor_options or {}),
         )
-        return cls(actor_cls.remote(backend, model_path, replica_id, options), replica_id)
+        actor = actor_cls.remote(backend, model_path, replica_id, options, threads)
+        rep = cls(actor, replica_id, timeout_s=timeout_s, request_timeout_s=request_timeout_s)
+        wait = timeout_s if startup_timeout_s is None else startup_timeout_s
+        try:
+            d = ray.get(actor.health.remote(), timeout=wait)
+        except Exception as e:
+            ray.kill(actor, no_restart=True)
+            raise RolloutError(
+                f"rollout replica {replica_id} (Ray actor, backend {backend!r}) did not come up "
+                f"within {wait}s: {type(e).__name__}: {e}"
+            ) from e
+        rep.policy_version, rep.pid = int(d["policy_version"]), int(d["pid"])
+        return rep
 
     @property
     def load(self) -> int:
         """In-flight requests sent through this handle."""
         return self._inflight
 
-    def _get(self, ref: Any) -> Any:
-        import ray
+    def process_gone(self) -> str | None:
+        """Why the actor is gone (Ray reported it dead), or None while it may still run."""
+        return self._gone
 
-        return ray.get(ref, timeout=self.timeout_s)
+    def _died(self, e: BaseException) -> ReplicaDeadError:
+        self._gone = self._gone or f"Ray actor died ({type(e).__name__}: {str(e)[:300]})"
+        self.mark_dead(self._gone)
+        return ReplicaDeadError(self.replica_id, self._gone)
+
+    def _get(self, ref: Any, what: str) -> Any:
+        """``ray.get`` with the control deadline; a dead or silent actor is declared dead."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        self.check_alive()
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except RayActorError as e:
+            raise self._died(e) from e
+        except GetTimeoutError as e:  # a hung replica is dead too
+            reason = f"{what} got no answer within {self.timeout_s}s"
+            self.mark_dead(reason)
+            raise ReplicaDeadError(self.replica_id, reason) from e
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
     ) -> TokenOutput:
-        """Run one request in the actor."""
+        """Run one request in the actor; :class:`ReplicaDeadError` when it dies meanwhile."""
         self._inflight += 1
         try:
-            return await self.actor.generate.remote(list(prompt_ids), sampling, request_id)
+            return await self.race(self._generate(list(prompt_ids), sampling, request_id))
         finally:
             self._inflight -= 1
 
+    async def _generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> TokenOutput:
+        from ray.exceptions import RayActorError
+
+        ref = self.actor.generate.remote(prompt_ids, sampling, request_id)
+        try:
+            return await asyncio.wait_for(ref, self.request_timeout_s)
+        except RayActorError as e:
+            raise self._died(e) from e
+        except asyncio.TimeoutError as e:
+            raise RolloutTimeoutError(
+                f"replica {self.replica_id}: request {request_id!r} exceeded "
+                f"{self.request_timeout_s}s"
+            ) from e
+
+    async def health(self, timeout_s: float) -> dict[str, Any]:
+        """The actor's health answer within ``timeout_s`` (raises on failure; a dead actor is
+        remembered for :meth:`process_gone`)."""
+        from ray.exceptions import RayActorError
+
+        try:
+            d = await asyncio.wait_for(self.actor.health.remote(), timeout_s)
+        except RayActorError as e:
+            self._gone = self._gone or f"Ray actor died ({type(e).__name__})"
+            raise
+        return d
+
     def abort(self, request_id: str) -> None:
-        """Abort one request."""
-        self._get(self.actor.call.remote("abort", request_id))
+        """Abort one request (fire and forget: its caller gets the partial output)."""
+        if not self.dead:
+            self.actor.call.remote("abort", request_id)
 
     def pause(self) -> None:
         """Abort in-flight requests and hold new ones."""
-        self._get(self.actor.call.remote("pause"))
+        self._get(self.actor.call.remote("pause"), "pause")
 
     def resume(self) -> None:
         """Serve again."""
-        self._get(self.actor.call.remote("resume"))
+        self._get(self.actor.call.remote("resume"), "resume")
 
     def update_weights(
         self,
@@ -119,14 +259,31 @@ class RayRolloutReplica:
             self.receive_bucket(encode_frame(bucket))
 
     def receive_bucket(self, frame: bytes) -> None:
-        """Forward one bucket frame to the actor."""
-        self._get(self.actor.call.remote("receive_bucket", frame))
-        self.policy_version = self._get(self.actor.policy_version.remote())
+        """Forward one bucket frame to the actor; at an update's last frame the actor swaps the
+        weights in (its answer carries the swap's pause and recompute times)."""
+        d = self._get(self.actor.receive_bucket.remote(frame), "weights/bucket")
+        self.policy_version = int(d["policy_version"])
+        if d.get("swap"):
+            self.last_swap = {k: float(v) for k, v in d["swap"].items()}
 
     def sleep(self) -> None:
         """Release the backend's KV cache."""
-        self._get(self.actor.call.remote("sleep"))
+        self._get(self.actor.call.remote("sleep"), "sleep")
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what ``sleep`` released."""
-        self._get(self.actor.call.remote("wake_up", tags))
+        self._get(self.actor.call.remote("wake_up", tags), "wake_up")
+
+    def kill(self) -> None:
+        """Kill the actor (a dead or hung one, before a restart); its resources return to its
+        placement-group bundle."""
+        import ray
+
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 (already gone, or Ray shut down)
+            pass
+
+    def close(self) -> None:
+        """Kill the actor."""
+        self.kill()

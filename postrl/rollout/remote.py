@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from postrl.rollout.liveness import Liveness
 from postrl.rollout.types import (
     ReplicaDeadError,
     RolloutError,
@@ -59,7 +60,7 @@ _LINE_LIMIT = 64 << 20  # longest JSON line on a replica stream (bytes)
 _RETRIES = 2  # transport errors retried (fresh connection) before a live process counts as dead
 
 
-class HTTPRolloutReplica:
+class HTTPRolloutReplica(Liveness):
     """Handle to a replica served over HTTP (see the module docstring).
 
     Args:
@@ -99,15 +100,13 @@ class HTTPRolloutReplica:
         self.last_swap: dict[str, float] = {}
         self.busy_s = 0.0
         """The replica engine's seconds in steps, as of the last health ping."""
-        self.dead_reason: str | None = None
+        Liveness.__init__(self)
         self._inflight = 0
         self._http = httpx.Client(base_url=self.base_url, timeout=control_timeout_s)
         self._aclient: Any = None
         self.stream_port = stream_port
         self._channel: _Channel | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
-        self._dead_futs: list[asyncio.Future[None]] = []
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ state
     @property
@@ -115,30 +114,9 @@ class HTTPRolloutReplica:
         """In-flight requests sent through this handle."""
         return self._inflight
 
-    @property
-    def dead(self) -> bool:
-        """Whether the replica was declared dead (it is never used again)."""
-        return self.dead_reason is not None
-
-    def mark_dead(self, reason: str) -> None:
-        """Declare the replica dead: requests waiting on it fail with :class:`ReplicaDeadError`
-        (thread-safe; the first reason is kept)."""
-        with self._lock:
-            if self.dead_reason is not None:
-                return
-            self.dead_reason = reason
-            futs, self._dead_futs = self._dead_futs, []
-        logger.warning("rollout replica %d declared dead: %s", self.replica_id, reason)
-        for f in futs:
-            loop = f.get_loop()
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(_set_done, f)
-
-    def _check_alive(self) -> None:
-        if self.dead_reason is not None:
-            raise ReplicaDeadError(self.replica_id, self.dead_reason)
-
-    def _process_gone(self) -> str | None:
+    def process_gone(self) -> str | None:
+        """Why the replica's process is gone (its exit code and log), or None while it runs
+        (or when this side did not start it)."""
         if self.process is not None and self.process.poll() is not None:
             return f"process exited with code {self.process.returncode} (log: {self.log_path})"
         return None
@@ -161,34 +139,16 @@ class HTTPRolloutReplica:
         self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
     ) -> TokenOutput:
         """Run one request on the replica; :class:`ReplicaDeadError` when it dies meanwhile."""
-        self._check_alive()
-        loop = asyncio.get_running_loop()
-        dead = loop.create_future()
-        with self._lock:
-            self._dead_futs.append(dead)
-        if self.dead_reason is not None:  # declared dead between the check and the append
-            dead.set_result(None)
         body = {
             "prompt_ids": list(prompt_ids),
             "sampling": _sampling_json(sampling),
             "request_id": request_id,
         }
         self._inflight += 1
-        req = loop.create_task(self._post_generate(body))
         try:
-            await asyncio.wait({req, dead}, return_when=asyncio.FIRST_COMPLETED)
-            if req.done():
-                return req.result()
-            req.cancel()
-            raise ReplicaDeadError(self.replica_id, self.dead_reason or "declared dead")
-        except asyncio.CancelledError:
-            req.cancel()
-            raise
+            return await self.race(self._post_generate(body))
         finally:
             self._inflight -= 1
-            with self._lock:
-                if dead in self._dead_futs:
-                    self._dead_futs.remove(dead)
 
     async def _post_generate(self, body: dict[str, Any]) -> TokenOutput:
         """One generate over the replica's multiplexed stream (``stream_port``) or, without
@@ -218,7 +178,7 @@ class HTTPRolloutReplica:
                     f"{self.request_timeout_s}s"
                 ) from e
             except (httpx.TransportError, ConnectionError, OSError) as e:  # dead, or a lost link
-                gone = self._process_gone()
+                gone = self.process_gone()
                 if gone is None and attempt < _RETRIES:
                     await asyncio.sleep(0.05 * (attempt + 1))
                     continue
@@ -244,13 +204,13 @@ class HTTPRolloutReplica:
     def _post(self, route: str, **kw: Any) -> dict[str, Any]:
         import httpx
 
-        self._check_alive()
+        self.check_alive()
         for attempt in range(_RETRIES + 1):
             try:
                 r = self._http.post(route, **kw)
                 break
             except httpx.TransportError as e:  # timeouts included: a hung replica is dead too
-                gone = self._process_gone()
+                gone = self.process_gone()
                 if (
                     gone is None
                     and attempt < _RETRIES
@@ -345,6 +305,13 @@ class HTTPRolloutReplica:
         r = await self._async_client().get("/health", timeout=timeout_s)
         r.raise_for_status()
         return r.json()
+
+    def kill(self) -> None:
+        """SIGKILL the replica's process (a dead or hung one, before a restart) and close."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.close()
 
     def close(self) -> None:
         """Stop the replica's process (when this side started it) and the HTTP clients."""
@@ -494,7 +461,10 @@ class ReplicaWatchdog:
     agent loops use.
 
     Args:
-        replicas: :class:`HTTPRolloutReplica` handles.
+        replicas: out-of-process replica handles (:class:`HTTPRolloutReplica`,
+            :class:`~postrl.rollout.ray_replica.RayRolloutReplica`: ``dead``, async ``health``,
+            ``process_gone``, ``mark_dead``, ``busy_s``), read afresh each round (a restarted
+            replica joins).
         interval_s: time between two rounds of pings.
         timeout_s: deadline of one ping.
     """
@@ -506,7 +476,7 @@ class ReplicaWatchdog:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.failures = 0
-        self._last_ok: dict[int, float] = {}  # replica id -> monotonic time of its last answer
+        self._last_ok: dict[int, float] = {}  # id(handle) -> monotonic time of its last answer
 
     async def check(self) -> None:
         """One round of pings (concurrent)."""
@@ -516,14 +486,14 @@ class ReplicaWatchdog:
         )
         now = time.monotonic()
         for r, res in zip(live, results, strict=True):
-            last = self._last_ok.setdefault(r.replica_id, now)
+            last = self._last_ok.setdefault(id(r), now)  # a restarted replica: a new handle
             if isinstance(res, dict):
                 r.busy_s = float(res.get("busy_s", r.busy_s))
-                self._last_ok[r.replica_id] = now
+                self._last_ok[id(r)] = now
                 continue
             if isinstance(res, asyncio.CancelledError):
                 continue
-            gone = r._process_gone()
+            gone = r.process_gone()
             if gone is None and now - last < self.timeout_s:
                 continue  # one failed ping (e.g. a connection closed under us) is not death
             r.mark_dead(
@@ -536,11 +506,6 @@ class ReplicaWatchdog:
         while True:
             await self.check()
             await asyncio.sleep(self.interval_s)
-
-
-def _set_done(f: asyncio.Future[None]) -> None:
-    if not f.done():
-        f.set_result(None)
 
 
 def _sampling_json(sp: SamplingParams) -> dict[str, Any]:

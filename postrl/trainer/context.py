@@ -47,6 +47,9 @@ class TrainerContext:
     actor: Any
     remote_actor: bool = False
     total_steps: int = 0
+    replica_spawner: Callable[[int], Any] | None = None
+    """``spawn(slot) -> replica``: start a rollout replica in a slot of the fleet (dedicated
+    modes: a restart of a dead one); None where replicas live in this process."""
     _loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
 
@@ -161,14 +164,19 @@ class TrainerContext:
             seen.setdefault(uid, int(index))
         return self.loader.dataset.batch(list(seen.values()))
 
-    def sync_weights(self) -> dict[str, float]:
-        """Stream the actor's weights into every replica; ``weights/*`` metrics."""
+    def weight_source(self) -> Any:
+        """``open_source(version)`` for the fleet: the actor's current weights as a per-tensor
+        stream (in-process actor) or as bucket frames pulled from its workers (Ray)."""
         from postrl.weights import FrameStream
 
         bucket = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
         if self.remote_actor:
-            return self.fleet.sync_weights(lambda v: FrameStream.from_actor(self.actor, bucket, v))
-        return self.fleet.sync_weights(lambda v: self.actor.get_per_tensor_param())
+            return lambda v: FrameStream.from_actor(self.actor, bucket, v)
+        return lambda v: self.actor.get_per_tensor_param()
+
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the actor's weights into every replica; ``weights/*`` metrics."""
+        return self.fleet.sync_weights(self.weight_source())
 
     def close(self) -> None:
         """Close the fleet, the reward stage and the event loop."""
@@ -224,8 +232,10 @@ def build_context(
     from postrl.trainer.modes import TRAINER_MODES
 
     dedicated = bool(TRAINER_MODES.meta(tc.mode).get("dedicated_rollout"))
-    if dedicated:  # fully_async: every replica in a process of its own
-        replicas = _spawn_replicas(cfg, options)
+    pool: DedicatedReplicas | None = None
+    if dedicated:  # fully_async: every replica in a process (or Ray actor) of its own
+        pool = DedicatedReplicas(cfg, options)
+        replicas = pool.start()
     else:
         replicas = [
             RolloutReplica(
@@ -241,7 +251,8 @@ def build_context(
     if dedicated and "transport" in params:  # frames as they are: one atomic swap per push
         kw["transport"] = _send_frame
     sync = sync_cls(**kw)
-    client = RolloutClient(LoadBalancer(replicas))
+    balancer = LoadBalancer(replicas)
+    client = RolloutClient(balancer)
     agents = AgentLoopManager(client, tokenizer, r.agent, max_model_len=max_len)
     loop = RewardLoop(
         timeout_s=rw.timeout_s,
@@ -269,10 +280,13 @@ def build_context(
         tokenizer,
         loader,
         agents,
-        RolloutFleet(replicas, sync),
+        RolloutFleet(
+            replicas, sync, balancer=balancer, on_close=(pool.close,) if pool is not None else ()
+        ),
         reward,
         actor,
         remote_actor=tc.backend == "ray",
+        replica_spawner=pool.spawn if pool is not None else None,
     )
 
 
@@ -282,9 +296,92 @@ def _send_frame(bucket: Any, receiver: Any) -> None:
     receiver.receive_bucket(encode_frame(bucket))
 
 
-def _spawn_replicas(cfg: PostRLConfig, options: dict[str, Any]) -> list[Any]:
-    """``rollout.num_replicas`` replica processes (``postrl.rollout.remote``) with
-    ``trainer.async.rollout_threads`` threads each; logs in ``RUN_DIR/rollout_replica_<i>.log``."""
+class DedicatedReplicas:
+    """The rollout replicas of a ``dedicated_rollout`` mode (``fully_async``) and how to start
+    one more in a slot (a restart).
+
+    ``trainer.backend=local``: ``rollout.num_replicas`` processes (``postrl.rollout.remote``)
+    with ``trainer.async.rollout_threads`` threads each, logs in
+    ``RUN_DIR/rollout_replica_<i>.log``. ``trainer.backend=ray``: Ray actors on a placement
+    group of their own (``rollout_replicas``: one bundle per replica of
+    ``rollout_threads`` CPUs, plus one GPU each with ``trainer.device=cuda``), apart from the
+    training workers' pool; the group is released by :meth:`close`."""
+
+    def __init__(self, cfg: PostRLConfig, options: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.options = options
+        self._strategies: list[Any] = []
+        self._pool: Any = None
+
+    def start(self) -> list[Any]:
+        """Start every replica (all or none: a failure closes those already started)."""
+        cfg = self.cfg
+        if cfg.trainer.backend == "ray":
+            self._reserve()
+        replicas: list[Any] = []
+        try:
+            for i in range(cfg.rollout.num_replicas):
+                replicas.append(self.spawn(i))
+        except BaseException:
+            for rep in replicas:
+                rep.close()
+            self.close()
+            raise
+        return replicas
+
+    def _reserve(self) -> None:
+        import ray
+
+        from postrl.controller import ResourcePool
+        from postrl.controller.backends.ray import placement_strategies
+
+        if not ray.is_initialized():
+            ray.init()
+        cfg, ac = self.cfg, self.cfg.trainer.async_
+        self._pool = ResourcePool(
+            process_on_nodes=(cfg.rollout.num_replicas,),
+            use_gpu=cfg.trainer.device == "cuda",
+            num_cpus_per_process=float(ac.rollout_threads),
+            num_gpus_per_process=1.0,
+            name=f"rollout_replicas_{id(self)}",
+            strategy="PACK",  # replicas may spread over nodes
+        )
+        self._strategies = placement_strategies(self._pool, timeout_s=ac.timeout_s)
+
+    def spawn(self, slot: int) -> Any:
+        """Start the replica for ``slot`` (the first time, or in place of a dead one: the Ray
+        actor reuses the slot's bundle)."""
+        cfg, ac = self.cfg, self.cfg.trainer.async_
+        control = max(ac.replica_health_timeout_s, 30.0)
+        if cfg.trainer.backend == "ray":
+            from postrl.rollout.ray_replica import RayRolloutReplica
+
+            return RayRolloutReplica.create(
+                cfg.rollout.backend,
+                cfg.model.path,
+                slot,
+                num_cpus=float(ac.rollout_threads),
+                num_gpus=1.0 if self._pool.use_gpu else 0.0,
+                threads=ac.rollout_threads,
+                actor_options={"scheduling_strategy": self._strategies[slot]},
+                timeout_s=control,
+                request_timeout_s=ac.timeout_s,
+                startup_timeout_s=max(ac.timeout_s, 120.0),
+                **self.options,
+            )
+        return _spawn_process(cfg, self.options, slot, control)
+
+    def close(self) -> None:
+        """Release the Ray placement group (the replicas themselves close with the fleet)."""
+        if self._pool is not None:
+            from postrl.controller.backends.ray import release_resource_pool
+
+            release_resource_pool(self._pool)
+            self._pool = None
+
+
+def _spawn_process(cfg: PostRLConfig, options: dict[str, Any], slot: int, control: float) -> Any:
+    """One replica process (``postrl.rollout.remote``) for ``slot``."""
     from pathlib import Path
 
     try:
@@ -300,23 +397,13 @@ def _spawn_replicas(cfg: PostRLConfig, options: dict[str, Any]) -> list[Any]:
 
     ac, run_dir = cfg.trainer.async_, Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    replicas: list[Any] = []
-    try:
-        for i in range(cfg.rollout.num_replicas):
-            replicas.append(
-                spawn_replica(
-                    cfg.model.path,
-                    backend=cfg.rollout.backend,
-                    options=options,
-                    threads=ac.rollout_threads,
-                    replica_id=i,
-                    log_path=run_dir / f"rollout_replica_{i}.log",
-                    request_timeout_s=ac.timeout_s,
-                    control_timeout_s=max(ac.replica_health_timeout_s, 30.0),
-                )
-            )
-    except BaseException:
-        for rep in replicas:
-            rep.close()
-        raise
-    return replicas
+    return spawn_replica(
+        cfg.model.path,
+        backend=cfg.rollout.backend,
+        options=options,
+        threads=ac.rollout_threads,
+        replica_id=slot,
+        log_path=run_dir / f"rollout_replica_{slot}.log",
+        request_timeout_s=ac.timeout_s,
+        control_timeout_s=control,
+    )

@@ -26,7 +26,11 @@ Admission is paced by the buffer: at most ``(max_staleness + 1) × train_batch_s
 are untrained at once, and no more than the run will train. **Replicas may die**: a replica
 whose process exits or that misses a health ping (``replica_health_timeout_s``) is declared
 dead, its waiting requests are re-issued to the live replicas (``rollout/replica_failures``,
-``rollout/reissued_requests``); the run stops with a named error only when none is left.
+``rollout/reissued_requests``); the run stops with a named error only when none is left. A dead
+replica is started again in the background (``trainer.async.max_replica_restarts`` per run)
+and joins at a later weight push, right after it, with exactly that push's weights
+(``rollout/replica_restarts``). With ``trainer.backend=ray`` the replicas are Ray actors on a
+placement group of their own (:class:`~postrl.trainer.context.DedicatedReplicas`).
 
 Checkpoints hold the buffer exactly as ``one_step_off``'s do (finished trajectories with their
 data, in-flight prompts as prompts), so a killed run resumes with every prompt trained once.
@@ -39,6 +43,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from postrl.protocol import DataProto
@@ -46,7 +52,98 @@ from postrl.trainer.modes import off_policy_stream, register_trainer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FullyAsyncMode"]
+__all__ = ["FullyAsyncMode", "ReplicaRestarter"]
+
+
+class ReplicaRestarter:
+    """Starts dead rollout replicas again and puts them back in service at weight pushes.
+
+    :meth:`begin` (any time, on the trainer's thread) kills each newly dead replica and starts
+    its replacement in a background thread, ``budget`` times per run at most; :meth:`install`
+    (right after a weight push, when the actor's weights are exactly the fleet's version)
+    delivers those weights to every replacement that came up and routes to it.
+
+    Args:
+        fleet: the :class:`~postrl.rollout.fleet.RolloutFleet`.
+        spawn: ``spawn(slot) -> replica`` (``DedicatedReplicas.spawn``).
+        budget: restarts allowed over the run.
+    """
+
+    def __init__(self, fleet: Any, spawn: Callable[[int], Any], budget: int) -> None:
+        self.fleet = fleet
+        self.spawn = spawn
+        self.left = budget
+        self.failed = 0
+        """Restarts that did not come up (or died before joining)."""
+        self._pending: dict[int, Future[Any]] = {}
+        # one long-lived thread: a replica process dies with the thread that started it
+        # (PR_SET_PDEATHSIG), so the starter must outlive the replicas it started
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-restart")
+
+    @property
+    def pending(self) -> int:
+        """Replacements starting or up and not yet installed."""
+        return len(self._pending)
+
+    def begin(self) -> None:
+        """Start a replacement for every dead replica not being replaced yet (budget
+        permitting)."""
+        for slot, rep in enumerate(self.fleet.replicas):
+            if self.left <= 0:
+                return
+            if getattr(rep, "dead", False) and slot not in self._pending:
+                self.left -= 1
+                logger.warning(
+                    "restarting rollout replica %d (%s); %d restart(s) left",
+                    slot,
+                    rep.dead_reason,
+                    self.left,
+                )
+                self._pending[slot] = self._pool.submit(self._replace, slot, rep)
+
+    def _replace(self, slot: int, dead: Any) -> Any:
+        dead.kill()  # a hung process or actor holds its cores (and its Ray bundle)
+        return self.spawn(slot)
+
+    def install(self, open_source: Callable[[int], Any]) -> int:
+        """Install every replacement that is up (call right after a push); returns how many."""
+        from postrl.rollout.types import ReplicaDeadError
+
+        n = 0
+        for slot, fut in list(self._pending.items()):
+            if not fut.done():
+                continue
+            del self._pending[slot]
+            try:
+                rep = fut.result()
+            except Exception as e:  # noqa: BLE001 (counted and logged; the slot stays dead)
+                self.failed += 1
+                logger.error(
+                    "rollout replica %d did not restart: %s: %s", slot, type(e).__name__, e
+                )
+                continue
+            try:
+                self.fleet.install(slot, rep, open_source)
+            except ReplicaDeadError as e:
+                self.failed += 1
+                logger.error("restarted rollout replica %d died before joining: %s", slot, e)
+                rep.kill()
+                continue
+            logger.info(
+                "rollout replica %d restarted and serving version %d", slot, self.fleet.version
+            )
+            n += 1
+        return n
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Wait for replacements still starting and close them (they never joined)."""
+        for fut in self._pending.values():
+            try:
+                fut.result(timeout=timeout_s).close()
+            except Exception:  # noqa: BLE001 (closing: a replacement that failed is gone)
+                logger.debug("closing a pending replica restart failed", exc_info=True)
+        self._pending.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 @register_trainer("fully_async", on_policy=False, dedicated_rollout=True, minibatch_steps=True)
@@ -71,6 +168,9 @@ class FullyAsyncMode:
         self.watchdog = ReplicaWatchdog(
             ctx.fleet.replicas, ac.replica_health_interval_s, ac.replica_health_timeout_s
         )
+        self.restarter = ReplicaRestarter(
+            ctx.fleet, ctx.replica_spawner or _no_spawner, ac.max_replica_restarts
+        )
         ctx.start_background()
         self._watch = ctx.run_async(self._start_watchdog())
         self._last_take = time.perf_counter()
@@ -85,6 +185,7 @@ class FullyAsyncMode:
         """Top up admission, then take the next mini-batch as soon as it is complete."""
         self.step = step
         ctx = self.ctx
+        self.restarter.begin()
         t0 = time.perf_counter()
         batch, metrics = ctx.run_async(self._next(step))
         wait = time.perf_counter() - t0
@@ -145,10 +246,13 @@ class FullyAsyncMode:
         if busy and now > t0:  # engine time in steps since the last take, per live replica
             frac = (sum(busy) - b0) / (len(busy) * (now - t0))
             idle["rollout/replica_idle_fraction"] = float(min(1.0, max(0.0, 1.0 - frac)))
+        dead = sum(1 for r in reps if getattr(r, "dead", False))
         return {
             **idle,
-            "rollout/replica_failures": float(sum(1 for r in reps if getattr(r, "dead", False))),
-            "rollout/live_replicas": float(sum(1 for r in reps if not getattr(r, "dead", False))),
+            # deaths so far: the dead still in their slots plus those a restart replaced
+            "rollout/replica_failures": float(dead + self.ctx.fleet.restarts),
+            "rollout/replica_restarts": float(self.ctx.fleet.restarts),
+            "rollout/live_replicas": float(len(reps) - dead),
             "rollout/reissued_requests": float(getattr(client, "reissued", 0)),
         }
 
@@ -162,6 +266,8 @@ class FullyAsyncMode:
         if self.step % self.sync_every:
             return {}
         metrics = self.ctx.sync_weights()  # to the live replicas (a dead one is skipped)
+        self.restarter.install(self.ctx.weight_source())  # restarted ones get the same weights
+        self.restarter.begin()
         live = [r for r in self.ctx.fleet.replicas if not getattr(r, "dead", False)]
         swaps = [r.last_swap for r in live if getattr(r, "last_swap", None)]
         for key in ("pause_s", "recompute_s", "running"):
@@ -212,12 +318,17 @@ class FullyAsyncMode:
         """Stop the watchdog and cancel the trajectories still running."""
         if self.ctx.closed:
             return
+        self.restarter.close()
         self.ctx.run_async(self._close())
 
     async def _close(self) -> None:
         self._watch.cancel()
         await asyncio.gather(self._watch, return_exceptions=True)
         await self.stream.close_async()
+
+
+def _no_spawner(slot: int) -> Any:
+    raise RuntimeError(f"rollout replica {slot}: this context cannot start replicas")
 
 
 register_trainer("separate_async", on_policy=False, dedicated_rollout=True, minibatch_steps=True)(

@@ -185,6 +185,7 @@ def test_killed_and_hung_replicas_lose_nothing(
         "rollout.num_replicas=3",
         "trainer.async.replica_health_interval_s=0.5",
         "trainer.async.replica_health_timeout_s=2",
+        "trainer.async.max_replica_restarts=0",  # the third replica carries the rest
     ]
     trainer = RLTrainer(load_config(None, args))
     reps = trainer.ctx.fleet.replicas
@@ -230,6 +231,8 @@ def test_killed_and_hung_replicas_lose_nothing(
 
 
 def test_no_replica_left_is_a_named_error(tiny_model_dir, epoch_files, digits_reward, tmp_path):
+    """The only replica dies: the run stops with the named error (a restart would join only at
+    a weight push, which needs the batch the dead replica was generating)."""
     trainer = RLTrainer(
         load_config(None, _base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run"))
     )
@@ -240,6 +243,65 @@ def test_no_replica_left_is_a_named_error(tiny_model_dir, epoch_files, digits_re
     finally:
         trainer.close()
     assert "no rollout replica is left" in str(e.value)
+
+
+def test_a_dead_replica_is_restarted_and_serves_the_pushed_weights(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    """Two replicas; one is SIGKILLed at step 3: its requests go to the other, a new process
+    starts in its slot, joins at a later push with exactly that push's weights and serves;
+    every prompt of both epochs is trained once."""
+    run = tmp_path / "run"
+    args = [
+        *_base(tiny_model_dir, epoch_files, digits_reward, run),
+        "rollout.num_replicas=2",
+        "trainer.async.replica_health_interval_s=0.5",
+        "trainer.async.replica_health_timeout_s=2",
+        "trainer.async.max_replica_restarts=1",
+    ]
+    trainer = RLTrainer(load_config(None, args))
+    fleet = trainer.ctx.fleet
+    first = fleet.replicas[0]
+    old_pid = first.process.pid
+    joined: list[tuple[int, int]] = []  # (fleet version, the new replica's version) at install
+    install = fleet.install
+
+    def spy(slot, replica, open_source):
+        install(slot, replica, open_source)
+        joined.append((fleet.version, replica.policy_version))
+
+    fleet.install = spy
+
+    def come_up(t):  # the run is seconds long: let the new process finish starting
+        deadline = time.monotonic() + 60
+        while not first.dead:
+            assert time.monotonic() < deadline, "the killed replica was not declared dead"
+            time.sleep(0.05)
+        t.mode.restarter.begin()  # (a no-op when a step already began the restart)
+        while not all(f.done() for f in t.mode.restarter._pending.values()):
+            assert time.monotonic() < deadline, "the restarted replica did not come up in 60 s"
+            time.sleep(0.05)
+
+    try:
+        _fit_with_faults(
+            trainer,
+            {
+                "step3:after_gen": lambda _: os.kill(old_pid, signal.SIGKILL),
+                "step8:after_gen": come_up,
+            },
+        )
+        new = fleet.replicas[0]
+        assert new is not first and not new.dead and new.process.pid != old_pid
+        busy = new.busy_s
+    finally:
+        trainer.close()
+    assert len(joined) == 1 and joined[0][0] == joined[0][1] > 1, joined
+    assert busy > 0, "the restarted replica never generated"
+    _each_prompt_once_per_epoch(run)
+    last = metric_rows(run)[-1]
+    assert last["rollout/replica_failures"] == 1
+    assert last["rollout/replica_restarts"] == 1
+    assert last["rollout/live_replicas"] == 2
 
 
 def test_fully_async_kill_and_resume_loses_and_duplicates_nothing(

@@ -37,7 +37,7 @@ from postrl.controller.resource_pool import ResourcePool, free_port
 from postrl.controller.worker import RemoteFailure, WorkerContext, invoke, worker_context
 from postrl.controller.worker_group import Timeouts, WorkerGroup
 
-__all__ = ["RayWorkerGroup", "release_resource_pool"]
+__all__ = ["RayWorkerGroup", "placement_strategies", "release_resource_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,20 @@ def _acquire_pool(pool: ResourcePool, timeout_s: float) -> _PoolState:
         state = _POOLS[pool] = _PoolState(pgs)
     state.users += 1
     return state
+
+
+def placement_strategies(pool: ResourcePool, timeout_s: float) -> list[Any]:
+    """Reserve ``pool`` (one placement group per node, shared by every user of the same pool
+    object) and return one ``PlacementGroupSchedulingStrategy`` per bundle, node by node: for
+    actors that are not a worker group (the rollout replicas of ``fully_async``). Pair with
+    :func:`release_resource_pool`; ``ControllerError`` if the cluster cannot place it within
+    ``timeout_s``."""
+    state = _acquire_pool(pool, timeout_s)
+    return [
+        PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=b)
+        for pg, n in zip(state.pgs, pool.process_on_nodes, strict=True)
+        for b in range(n)
+    ]
 
 
 def release_resource_pool(pool: ResourcePool) -> None:
