@@ -419,6 +419,10 @@ class AsyncConfig:
     rollout_threads: int = 1
     """``fully_async``: torch threads of each rollout replica process (the trainer keeps
     ``trainer.num_threads``; 0 there = the cores the replicas leave)."""
+    rollout_nice: int = 0
+    """``fully_async``: niceness added to each rollout replica's process (0-19; ``os.nice``).
+    With the trainer on every core (``trainer.num_threads`` = the cores) a positive value lets
+    the OS run the replicas on the cycles training leaves idle."""
     replica_health_interval_s: float = 1.0
     """``fully_async``: seconds between two health pings of each rollout replica."""
     replica_health_timeout_s: float = 5.0

@@ -335,6 +335,8 @@ def _fully_async_errors(cfg: PostRLConfig) -> list[str]:
             f"concurrently with training, so the interleaving is not reproducible; use "
             f"trainer.mode=one_step_off for bit-exact async runs"
         )
+    if not 0 <= ac.rollout_nice <= 19:
+        e.append(f"trainer.async.rollout_nice={ac.rollout_nice} must be in 0..19 (os.nice)")
     if ac.max_replica_restarts < 0:
         e.append(
             f"trainer.async.max_replica_restarts={ac.max_replica_restarts} must be >= 0 "

@@ -43,11 +43,19 @@ class _ReplicaActor:
     ``threads`` torch threads."""
 
     def __init__(
-        self, backend: str, model_path: str, replica_id: int, options: dict, threads: int = 0
+        self,
+        backend: str,
+        model_path: str,
+        replica_id: int,
+        options: dict,
+        threads: int = 0,
+        nice: int = 0,
     ) -> None:
         from postrl.rollout.base import create_rollout_backend
         from postrl.rollout.client import RolloutReplica
 
+        if nice:
+            os.nice(nice)
         if threads > 0:
             import torch
 
@@ -129,6 +137,7 @@ class RayRolloutReplica(Liveness):
         num_gpus: float = 0,
         *,
         threads: int = 0,
+        nice: int = 0,
         actor_options: dict[str, Any] | None = None,
         timeout_s: float = 600.0,
         request_timeout_s: float = 600.0,
@@ -138,8 +147,9 @@ class RayRolloutReplica(Liveness):
         """Start the actor (``ray.init`` must have been called) and wait until it answers
         ``health`` (``startup_timeout_s``, default ``timeout_s``; ``RolloutError`` naming the
         replica otherwise). ``threads``: torch threads in the actor (0: Ray's default, one
-        per reserved CPU); ``actor_options``: extra ``.options(...)`` such as a
-        ``scheduling_strategy``; ``options``: the backend's constructor options."""
+        per reserved CPU); ``nice``: added to the actor process's niceness;
+        ``actor_options``: extra ``.options(...)`` such as a ``scheduling_strategy``;
+        ``options``: the backend's constructor options."""
         import ray
 
         from postrl.rollout.types import RolloutError
@@ -152,7 +162,7 @@ class RayRolloutReplica(Liveness):
             max_task_retries=0,
             **(actor_options or {}),
         )
-        actor = actor_cls.remote(backend, model_path, replica_id, options, threads)
+        actor = actor_cls.remote(backend, model_path, replica_id, options, threads, nice)
         rep = cls(actor, replica_id, timeout_s=timeout_s, request_timeout_s=request_timeout_s)
         wait = timeout_s if startup_timeout_s is None else startup_timeout_s
         try:
