@@ -21,12 +21,13 @@ from postrl.protocol import DataProto
 __all__ = ["TrainerContext", "build_context", "kv_capacity"]
 
 
-def _single_threaded_torch() -> None:
-    """Run this thread's torch ops on one thread. Each thread that runs a parallel torch op
-    gets an OpenMP team of its own; with the event-loop thread's and the executor threads'
-    teams next to the trainer's, OpenMP has more threads than cores and stops spinning
-    between parallel regions, so the trainer's team sleeps and wakes on every op: measured on
-    W1 in ``fully_async`` (2 cores), the update took 0.23 s instead of 0.12 s."""
+def single_threaded_torch() -> None:
+    """Run this thread's torch ops on one thread (for the trainer's helper threads). Each
+    thread that runs a parallel torch op gets an OpenMP team of its own; with the event-loop
+    thread's and the executor threads' teams next to the trainer's, OpenMP has more threads
+    than cores and stops spinning between parallel regions, so the trainer's team sleeps and
+    wakes on every op: measured on W1 in ``fully_async`` (2 cores), the update took 0.23 s
+    instead of 0.12 s."""
     import torch
 
     torch.set_num_threads(1)
@@ -34,20 +35,20 @@ def _single_threaded_torch() -> None:
 
 def _new_loop() -> asyncio.AbstractEventLoop:
     """The context's event loop; its default executor (reward scoring, ``asyncio.to_thread``
-    tool calls) runs torch single-threaded (:func:`_single_threaded_torch`)."""
+    tool calls) runs torch single-threaded (:func:`single_threaded_torch`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     loop = asyncio.new_event_loop()
     loop.set_default_executor(
         ThreadPoolExecutor(
-            thread_name_prefix="postrl-trainer-exec", initializer=_single_threaded_torch
+            thread_name_prefix="postrl-trainer-exec", initializer=single_threaded_torch
         )
     )
     return loop
 
 
 def _run_single_threaded(loop: asyncio.AbstractEventLoop) -> None:
-    _single_threaded_torch()
+    single_threaded_torch()
     loop.run_forever()
 
 
