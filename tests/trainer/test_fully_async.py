@@ -11,7 +11,13 @@ import subprocess
 import time
 
 import pytest
-from trainer_helpers import each_prompt_once_per_epoch, metric_rows, train_subprocess
+from trainer_helpers import (
+    await_replacement,
+    each_prompt_once_per_epoch,
+    fully_async_overrides,
+    metric_rows,
+    train_subprocess,
+)
 
 from postrl.config import ConfigError, load_config
 from postrl.data import generate_addition, write_parquet
@@ -32,28 +38,7 @@ def epoch_files(tmp_path_factory):
 
 def _base(tiny_model_dir, epoch_files, digits_reward, run, steps: int = 16) -> list[str]:
     train, test = epoch_files
-    return [
-        f"model.path={tiny_model_dir}",
-        f"data.train_files=[{train}]",
-        f"data.val_files=[{test}]",
-        "data.train_batch_size=4",
-        "data.max_prompt_length=48",
-        "actor.ppo_mini_batch_size=2",
-        "actor.optim.lr=1e-4",
-        "actor.policy_loss=decoupled",
-        "rollout.n=4",
-        "rollout.response_length=8",
-        "trainer.mode=fully_async",
-        "trainer.async.parameter_sync_step=2",
-        "trainer.async.max_staleness=1",
-        f"trainer.total_steps={steps}",  # 8 mini-batch steps per epoch
-        "trainer.test_freq=8",
-        "trainer.val_before_train=false",
-        "trainer.loggers=[jsonl]",
-        "trainer.num_threads=1",
-        f"reward.custom_function.path={digits_reward}",
-        f"trainer.run_dir={run}",
-    ]
+    return fully_async_overrides(tiny_model_dir, train, test, digits_reward, run, steps)
 
 
 def _each_prompt_once_per_epoch(run, epochs: int = 2, size: int = 16) -> None:
@@ -272,22 +257,12 @@ def test_a_dead_replica_is_restarted_and_serves_the_pushed_weights(
 
     fleet.install = spy
 
-    def come_up(t):  # the run is seconds long: let the new process finish starting
-        deadline = time.monotonic() + 60
-        while not first.dead:
-            assert time.monotonic() < deadline, "the killed replica was not declared dead"
-            time.sleep(0.05)
-        t.mode.restarter.begin()  # (a no-op when a step already began the restart)
-        while not all(f.done() for f in t.mode.restarter._pending.values()):
-            assert time.monotonic() < deadline, "the restarted replica did not come up in 60 s"
-            time.sleep(0.05)
-
     try:
         _fit_with_faults(
             trainer,
             {
                 "step3:after_gen": lambda _: os.kill(old_pid, signal.SIGKILL),
-                "step8:after_gen": come_up,
+                "step8:after_gen": lambda t: await_replacement(t, first),
             },
         )
         new = fleet.replicas[0]

@@ -10,7 +10,12 @@ import signal
 import time
 
 import pytest
-from trainer_helpers import each_prompt_once_per_epoch, metric_rows
+from trainer_helpers import (
+    await_replacement,
+    each_prompt_once_per_epoch,
+    fully_async_overrides,
+    metric_rows,
+)
 
 from postrl.config import load_config
 from postrl.data import generate_addition, write_parquet
@@ -35,32 +40,14 @@ def test_fully_async_on_ray_places_replicas_apart_and_restarts_a_killed_one(
     test = write_parquet(generate_addition(4, seed=5, split="test"), tmp_path / "test.parquet")
     run = tmp_path / "run"
     args = [
-        f"model.path={tiny_model_dir}",
-        f"data.train_files=[{train}]",
-        f"data.val_files=[{test}]",
-        "data.train_batch_size=4",
-        "data.max_prompt_length=48",
-        "actor.ppo_mini_batch_size=2",
-        "actor.optim.lr=1e-4",
-        "actor.policy_loss=decoupled",
-        "rollout.n=4",
-        "rollout.response_length=8",
+        *fully_async_overrides(tiny_model_dir, train, test, digits_reward, run),
         "rollout.num_replicas=2",
         "rollout.weight_bucket_mb=0.05",  # several frames per push
         "trainer.backend=ray",
         "trainer.num_workers=2",
-        "trainer.mode=fully_async",
-        "trainer.async.parameter_sync_step=2",
         "trainer.async.replica_health_interval_s=0.5",
         "trainer.async.replica_health_timeout_s=2",
         "trainer.async.max_replica_restarts=1",
-        "trainer.total_steps=16",  # 2 epochs of 8 mini-batch steps
-        "trainer.test_freq=8",
-        "trainer.val_before_train=false",
-        "trainer.loggers=[jsonl]",
-        "trainer.num_threads=1",
-        f"reward.custom_function.path={digits_reward}",
-        f"trainer.run_dir={run}",
     ]
     trainer = RLTrainer(load_config(None, args))
     fleet = trainer.ctx.fleet
@@ -78,17 +65,7 @@ def test_fully_async_on_ray_places_replicas_apart_and_restarts_a_killed_one(
     def kill(_):
         os.kill(first[0].pid, signal.SIGKILL)
 
-    def come_up(t):  # the run is seconds long: let the new actor finish starting
-        deadline = time.monotonic() + 60
-        while not first[0].dead:
-            assert time.monotonic() < deadline, "the killed replica was not declared dead"
-            time.sleep(0.05)
-        t.mode.restarter.begin()
-        while not all(f.done() for f in t.mode.restarter._pending.values()):
-            assert time.monotonic() < deadline, "the restarted replica did not come up in 60 s"
-            time.sleep(0.05)
-
-    faults = {"step3:after_gen": kill, "step8:after_gen": come_up}
+    faults = {"step3:after_gen": kill, "step8:after_gen": lambda t: await_replacement(t, first[0])}
 
     def hook(point: str) -> None:
         if point in faults:

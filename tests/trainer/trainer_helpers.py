@@ -80,3 +80,46 @@ def each_prompt_once_per_epoch(run: Path, epochs: int, size: int, steps_per_epoc
         idx = Counter(i for r in rows if r["epoch"] == e for i in r["index"])
         assert sorted(idx) == list(range(size)), f"epoch {e}: prompts lost {idx}"
         assert set(idx.values()) == {1}, f"epoch {e}: prompts duplicated {idx}"
+
+
+def fully_async_overrides(model_dir, train, test, reward, run, steps: int = 16) -> list[str]:
+    """A small ``trainer.mode=fully_async`` run: 4 prompts × 4 samples per version, mini-batches
+    of 2 groups (8 steps per epoch of 16 prompts), decoupled PPO, a push every 2 steps."""
+    return [
+        f"model.path={model_dir}",
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{test}]",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=48",
+        "actor.ppo_mini_batch_size=2",
+        "actor.optim.lr=1e-4",
+        "actor.policy_loss=decoupled",
+        "rollout.n=4",
+        "rollout.response_length=8",
+        "trainer.mode=fully_async",
+        "trainer.async.parameter_sync_step=2",
+        "trainer.async.max_staleness=1",
+        f"trainer.total_steps={steps}",
+        "trainer.test_freq=8",
+        "trainer.val_before_train=false",
+        "trainer.loggers=[jsonl]",
+        "trainer.num_threads=1",
+        f"reward.custom_function.path={reward}",
+        f"trainer.run_dir={run}",
+    ]
+
+
+def await_replacement(trainer: Any, dead: Any, timeout_s: float = 60.0) -> None:
+    """From a fault hook: wait until ``dead`` (a replica handle) is declared dead and its
+    replacement has finished starting (the runs are seconds long; a restart takes a few)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not dead.dead:
+        assert time.monotonic() < deadline, "the killed replica was not declared dead"
+        time.sleep(0.05)
+    restarter = trainer.mode.restarter
+    restarter.begin()  # (a no-op when a step already began the restart)
+    while not all(f.done() for f in restarter._pending.values()):
+        assert time.monotonic() < deadline, f"the restarted replica did not come up in {timeout_s}s"
+        time.sleep(0.05)
