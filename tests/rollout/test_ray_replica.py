@@ -41,3 +41,58 @@ def test_ray_replica_matches_local(tiny_model_factory):
         assert a.token_ids == b.token_ids and a.versions == [(6, 3)]
     finally:
         ray.shutdown()
+
+
+@pytest.mark.skipif(os.environ.get("POSTRL_SKIP_RAY") == "1", reason="POSTRL_SKIP_RAY=1")
+def test_a_hung_ray_replica_is_declared_dead_and_its_requests_reissued(tiny_model_factory):
+    """A SIGSTOPped replica actor misses its health pings: the watchdog declares it dead within
+    its timeout, the requests waiting on it finish on the other replica, and ``kill`` frees its
+    CPU for a replacement on the same resources."""
+    import signal
+    import time
+
+    from postrl.rollout import LoadBalancer, ReplicaDeadError
+    from postrl.rollout.ray_replica import RayRolloutReplica
+    from postrl.rollout.remote import ReplicaWatchdog
+
+    d0 = tiny_model_factory("qwen2")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        reps = [
+            RayRolloutReplica.create(
+                "native", str(d0), i, threads=1, max_num_seqs=4, max_model_len=96
+            )
+            for i in range(2)
+        ]
+        hung, alive = reps
+        client = RolloutClient(LoadBalancer(reps))
+        sp = SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True, seed=3)
+        dog = ReplicaWatchdog(reps, interval_s=0.2, timeout_s=1.5)
+
+        async def run():
+            watch = asyncio.ensure_future(dog.run())
+            await dog.check()
+            assert hung.busy_s >= 0 and not hung.dead
+            os.kill(hung.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            tasks = [
+                asyncio.ensure_future(client.generate([1, 2, 3], sp, f"h{i}", trajectory_id="t"))
+                for i in range(3)
+            ]  # sticky: all routed to the first pick, the hung replica (least loaded, index 0)
+            outs = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            watch.cancel()
+            return outs, time.monotonic() - t0
+
+        outs, took = asyncio.run(run())
+        assert hung.dead and "/health" in hung.dead_reason, hung.dead_reason
+        assert all(len(o.token_ids) == 64 for o in outs)
+        assert client.reissued >= 1 and took < 10
+        with pytest.raises(ReplicaDeadError):
+            hung.pause()
+        hung.kill()
+        again = RayRolloutReplica.create(
+            "native", str(d0), 0, threads=1, startup_timeout_s=60, max_num_seqs=4, max_model_len=96
+        )  # the killed actor's CPU is free again
+        assert again.pid != hung.pid and not again.dead
+    finally:
+        ray.shutdown()
