@@ -22,6 +22,14 @@ The arms (``--arms``; each is ``examples/grpo_addition_3digit.yaml`` plus overri
 * ``batch8``: 8 prompts per step (twice the steps per second);
 * ``recipe``: the shipped recipe as it is.
 
+``--task quickstart`` runs the quickstart's task instead: 1-digit sums from the quickstart's SFT
+model (``runs/quickstart/sft-model``, built by ``make quickstart``), ``examples/grpo_addition.yaml``
+plus the ``qs*`` arms (greedy validation on a disjoint test split): ``qs`` (as it ships),
+``qs-dapo`` (+ dynamic sampling), ``qs-lr4e-4``, ``qs-dapo-lr4e-4``, ``qs-batch8``::
+
+    python benchmarks/learning.py --task quickstart --arms qs qs-dapo --budget-s 45 \
+        --marks 5 10 15 30 45 --test-size 500 --train-size 4000 --work-dir runs/learning-qs
+
     python benchmarks/learning.py --arms w1 recipe --seeds 0 1              # 2 × 2 × 10 min
     python benchmarks/learning.py --budget-s 120 --marks 60 120 --seeds 0   # a 2-minute screen
 
@@ -79,29 +87,46 @@ ARMS: dict[str, list[str]] = {
     "recipe": [],
 }
 
+# the quickstart task (1-digit sums from the quickstart's SFT model), validated greedily
+QUICKSTART = ROOT / "examples" / "grpo_addition.yaml"
+QS_GREEDY = ["rollout.val_kwargs.temperature=0", "rollout.val_kwargs.n=1"]
+QS_ARMS: dict[str, list[str]] = {
+    "qs": QS_GREEDY,  # the quickstart's GRPO settings as they ship
+    "qs-dapo": [*QS_GREEDY, "algorithm.filter_groups.enable=true"],
+    "qs-lr4e-4": [*QS_GREEDY, "actor.optim.lr=4e-4"],
+    "qs-dapo-lr4e-4": [*QS_GREEDY, "algorithm.filter_groups.enable=true", "actor.optim.lr=4e-4"],
+    "qs-batch8": [*QS_GREEDY, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"],
+}
+TASKS = {
+    # task: (recipe file, default model, max digits, arms)
+    "3digit": (RECIPE, MODEL, 3, ARMS),
+    "quickstart": (QUICKSTART, ROOT / "runs" / "quickstart" / "sft-model", 1, QS_ARMS),
+}
 
-def _data(work: Path, n_train: int, n_test: int) -> tuple[Path, Path]:
-    train = work / "data" / f"train{n_train}.parquet"
-    test = work / "data" / f"test{n_test}.parquet"
+
+def _data(work: Path, n_train: int, n_test: int, digits: int = 3) -> tuple[Path, Path]:
+    train = work / "data" / f"train{n_train}-d{digits}.parquet"
+    test = work / "data" / f"test{n_test}-d{digits}.parquet"
     from postrl.data import generate_addition, write_parquet
 
     train.parent.mkdir(parents=True, exist_ok=True)
     if not train.exists():
-        write_parquet(generate_addition(n_train, seed=0, max_digits=3), train)
+        write_parquet(generate_addition(n_train, seed=0, max_digits=digits), train)
     if not test.exists():
-        write_parquet(generate_addition(n_test, seed=1, split="test", max_digits=3), test)
+        write_parquet(generate_addition(n_test, seed=1, split="test", max_digits=digits), test)
     return train, test
 
 
 def _run(arm: str, seed: int, a: argparse.Namespace, train: Path, test: Path) -> dict:
     out = Path(a.work_dir) / f"{arm}-s{seed}"
     marks = ",".join(str(m) for m in a.marks)
+    recipe, _, _, arms = TASKS[a.task]
     cmd = [
         sys.executable,
         "-m",
         "postrl.cli",
         "train",
-        str(RECIPE),
+        str(recipe),
         f"model.path={a.model}",
         f"data.train_files=[{train}]",
         f"data.val_files=[{test}]",
@@ -112,7 +137,7 @@ def _run(arm: str, seed: int, a: argparse.Namespace, train: Path, test: Path) ->
         f"trainer.num_threads={a.threads}",
         "trainer.resume_mode=disable",
         "trainer.loggers=[jsonl]",
-        *ARMS[arm],
+        *arms[arm],
         *a.extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
@@ -143,7 +168,7 @@ def _at(curve: list[tuple[float, float]], mark: float) -> float:
     return next((acc for t, acc in curve if t >= mark), curve[-1][1])
 
 
-def _plot(results: dict, path: Path) -> None:
+def _plot(results: dict, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,7 +188,7 @@ def _plot(results: dict, path: Path) -> None:
             )
     ax.set_xlabel("training time (min, 2 threads)")
     ax.set_ylabel("held-out greedy accuracy")
-    ax.set_title("3-digit addition from the warmed tiny model")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -173,12 +198,21 @@ def _plot(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the arms (see the module docstring) and print the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arms", nargs="+", default=["w1", "recipe"], choices=list(ARMS))
+    p.add_argument(
+        "--task",
+        choices=list(TASKS),
+        default="3digit",
+        help="3digit: the shared warmed model on 3-digit sums; quickstart: 1-digit sums from "
+        "runs/quickstart/sft-model (make quickstart builds it), arms qs*",
+    )
+    p.add_argument(
+        "--arms", nargs="+", default=None, choices=[*ARMS, *QS_ARMS], help="default: w1 recipe"
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--budget-s", type=float, default=600.0)
     p.add_argument("--marks", type=float, nargs="+", default=[120.0, 300.0, 600.0])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--model", default=str(MODEL))
+    p.add_argument("--model", default=None, help="default: the task's starting model")
     p.add_argument("--work-dir", default="runs/learning")
     p.add_argument("--train-size", type=int, default=20000, help="training prompts")
     p.add_argument("--test-size", type=int, default=1000, help="held-out prompts")
@@ -192,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         "table at --marks and plot to --work-dir/learning.png",
     )
     a = p.parse_args(argv)
+    _, model, digits, arms = TASKS[a.task]
+    a.model = a.model or str(model)
+    a.arms = a.arms or (["w1", "recipe"] if a.task == "3digit" else ["qs", "qs-dapo"])
+    wrong = [x for x in a.arms if x not in arms]
+    if wrong:
+        p.error(f"--arms {wrong} are not arms of --task {a.task}; choose from {list(arms)}")
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     if a.report:
@@ -200,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             for arm, seeds in json.loads(Path(f).read_text())["runs"].items():
                 results.setdefault(arm, {}).update(seeds)
     else:
-        train, test = _data(work, a.train_size, a.test_size)
+        train, test = _data(work, a.train_size, a.test_size, digits)
         results = {arm: {} for arm in a.arms}
         for seed in a.seeds:
             for arm in a.arms:
@@ -208,7 +248,12 @@ def main(argv: list[str] | None = None) -> int:
                 results[arm][str(seed)] = _run(arm, seed, a, train, test)
         (work / "results.json").write_text(json.dumps({"args": vars(a), "runs": results}, indent=1))
     _table(results, [0.0, *a.marks])
-    _plot(results, work / "learning.png")
+    title = (
+        "3-digit addition from the warmed tiny model"
+        if a.task == "3digit"
+        else "1-digit addition from the quickstart's SFT model"
+    )
+    _plot(results, work / "learning.png", title)
     print(f"results: {work / 'results.json'}, curves: {work / 'learning.png'}")
     return 0
 

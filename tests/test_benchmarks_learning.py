@@ -43,6 +43,27 @@ def test_every_arm_is_a_valid_config(bench, tmp_path, tiny_model_dir):
         assert cfg.trainer.time_budget_s == 600 and cfg.trainer.test_at_s, arm
 
 
+def test_every_quickstart_arm_is_a_valid_config(bench, tmp_path, tiny_model_dir):
+    data = tmp_path / "d.parquet"
+    from postrl.data import generate_addition, write_parquet
+
+    write_parquet(generate_addition(8, max_digits=1), data)
+    for arm, over in bench.QS_ARMS.items():
+        cfg = load_config(
+            bench.QUICKSTART,
+            [
+                f"model.path={tiny_model_dir}",
+                f"data.train_files=[{data}]",
+                f"data.val_files=[{data}]",
+                *over,
+            ],
+        )
+        validate_config(cfg, check_registries=True)
+        assert cfg.rollout.val_kwargs.temperature == 0 and cfg.rollout.val_kwargs.n == 1, arm
+    with pytest.raises(SystemExit):  # an arm of the other task is refused by name
+        bench.main(["--task", "quickstart", "--arms", "w1", "--work-dir", str(tmp_path / "w")])
+
+
 def test_accuracy_at_a_mark_is_the_first_validation_past_it(bench):
     curve = [(0.0, 0.05), (61.0, 0.07), (119.0, 0.08), (121.0, 0.09)]
     assert bench._at(curve, 60) == 0.07 and bench._at(curve, 120) == 0.09
