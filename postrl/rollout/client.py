@@ -290,12 +290,19 @@ class RolloutClient:
         coro = self._generate(list(prompt_ids), sampling, request_id, trajectory_id)
         if self.timeout_s is None:
             return await coro
+        # not asyncio.wait_for: on Python < 3.12 it swallows a cancellation that lands in the
+        # iteration the request completes, so an evicted trajectory would run on
+        task = asyncio.ensure_future(coro)
         try:
-            return await asyncio.wait_for(coro, self.timeout_s)
-        except asyncio.TimeoutError as e:
-            raise RolloutTimeoutError(
-                f"request {request_id!r} exceeded timeout_s={self.timeout_s}"
-            ) from e
+            done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
+            await asyncio.wait({task})
+            raise RolloutTimeoutError(f"request {request_id!r} exceeded timeout_s={self.timeout_s}")
+        return task.result()
 
     def abort(self, request_id: str) -> None:
         """Abort a request for good: its ``generate`` returns the partial output ("abort")."""

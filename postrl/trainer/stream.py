@@ -59,6 +59,17 @@ class _Group:
     batch: DataProto | None = None  # the scored group (score_on_completion)
 
 
+async def _cancel_sample(sample: asyncio.Task[list[str]]) -> list[str] | None:
+    """Cancel a ``buffer.sample`` task and wait until it has stopped; its uids if it completed
+    first (the groups it took are then this take's), else None. A cancelled sample that kept
+    running would take a later batch that nobody receives."""
+    sample.cancel()
+    await asyncio.wait({sample})
+    if sample.cancelled():
+        return None
+    return sample.result()
+
+
 class GroupStream:
     """Admit prompts, generate and score their groups, take complete ones (module docstring).
 
@@ -317,10 +328,12 @@ class GroupStream:
                 )
                 if starved and len(ready) < k:
                     self._check_stalled()
-                    sample.cancel()
                     # the budget is per take: evictions it could not refill (already counted
                     # as dropped) are not owed to the next one, whose own batch fills the cap
                     self._owed = 0
+                    taken = await _cancel_sample(sample)
+                    if taken is not None:  # it took a full batch as the cancel landed
+                        return taken
                     return await self._take_short(len(ready))
                 self._wake = loop.create_future()
                 await asyncio.wait({sample, self._wake}, return_when=asyncio.FIRST_COMPLETED)

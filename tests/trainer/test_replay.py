@@ -175,6 +175,28 @@ def test_sample_wakes_within_milliseconds_of_the_last_trajectory():
     assert max(latencies) < 1.0, latencies
 
 
+def test_a_sample_cancelled_as_its_batch_completes_takes_nothing():
+    """The group completes and the sampler is cancelled in the same loop iteration (a take
+    that gave up on a short batch): the sampler must stop and leave the group in the buffer.
+    With ``asyncio.wait_for`` (Python < 3.12) the cancellation was swallowed, the sampler took
+    the group anyway, and a later sampler waited for groups that were gone (a DAPO run hung at
+    step 149 of the quickstart task)."""
+
+    async def main() -> None:
+        buf = ReplayBuffer(2, 1)
+        buf.admit(["g"], dispatch_step=0)
+        task = asyncio.create_task(buf.sample(1, current_version=0, timeout_s=30))
+        await asyncio.sleep(0.02)  # blocked on its waiter
+        finish_group(buf, "g", 0)  # resolves the waiter ...
+        task.cancel()  # ... and the cancel lands before the sampler runs again
+        await asyncio.wait({task})
+        assert task.cancelled(), f"the cancelled sampler returned {task.result()}"
+        assert [g.uid for g in buf.groups()] == ["g"], "a cancelled sampler took the group"
+        assert await buf.sample(1, timeout_s=5) == ["g"]  # the next take gets it
+
+    run(main())
+
+
 def test_no_wakeups_without_state_changes():
     """While nothing changes, a waiting sampler evaluates its condition once: no timer loop."""
 

@@ -515,13 +515,14 @@ class ReplayBuffer:
             fut = loop.create_future()  # per wait, on the running loop: any loop may wait
             self._waiters.add(fut)
             try:
-                await asyncio.wait_for(fut, left)
-            except asyncio.TimeoutError:
-                raise ReplayTimeoutError(
-                    f"replay buffer waited {timeout:g}s for {what()}"
-                ) from None
+                # not asyncio.wait_for: on Python < 3.12 it swallows a cancellation that lands
+                # in the iteration the waited future completes, and a cancelled sample() would
+                # live on and later take groups nobody receives
+                done, _ = await asyncio.wait({fut}, timeout=left)
             finally:
                 self._waiters.discard(fut)
+            if not done:
+                raise ReplayTimeoutError(f"replay buffer waited {timeout:g}s for {what()}")
 
     def _tag(self, key: TrajectoryKey) -> tuple[_Group | None, TrajectoryTag]:
         uid, k = str(key[0]), int(key[1])
