@@ -89,7 +89,12 @@ ARMS: dict[str, list[str]] = {
 
 # the quickstart task (1-digit sums from the quickstart's SFT model), validated greedily
 QUICKSTART = ROOT / "examples" / "grpo_addition.yaml"
-QS_GREEDY = ["rollout.val_kwargs.temperature=0", "rollout.val_kwargs.n=1"]
+# (the example stops at 150 steps; here the time budget does)
+QS_GREEDY = [
+    "rollout.val_kwargs.temperature=0",
+    "rollout.val_kwargs.n=1",
+    "trainer.total_steps=1000000",
+]
 QS_ARMS: dict[str, list[str]] = {
     "qs": QS_GREEDY,  # the quickstart's GRPO settings as they ship
     "qs-dapo": [*QS_GREEDY, "algorithm.filter_groups.enable=true"],
