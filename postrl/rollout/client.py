@@ -203,6 +203,10 @@ class LoadBalancer:
             raise ValueError("LoadBalancer needs at least one replica")
         self.replicas = list(replicas)
         self.max_sticky = max_sticky
+        self.restart_expected: Any = None
+        """``() -> bool``, set by whoever restarts replicas: while it is true and no replica
+        is live, requests wait (up to :attr:`restart_wait_s`) instead of failing."""
+        self.restart_wait_s = 300.0
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._assigned = [0] * len(replicas)  # requests routed and not yet released
 
@@ -244,6 +248,17 @@ class LoadBalancer:
     def forget(self, trajectory_id: str) -> None:
         """Drop a finished trajectory's sticky assignment."""
         self._sticky.pop(trajectory_id, None)
+
+
+async def _await_restart(lb: Any, err: ReplicaDeadError) -> None:
+    """No replica is live: return once one is, or raise ``err`` when no restart is expected
+    (``lb.restart_expected``) or none came within ``lb.restart_wait_s``."""
+    expected = getattr(lb, "restart_expected", None)
+    deadline = time.monotonic() + float(getattr(lb, "restart_wait_s", 0.0))
+    while not any(not getattr(r, "dead", False) for r in lb.replicas):
+        if expected is None or not expected() or time.monotonic() >= deadline:
+            raise err
+        await asyncio.sleep(0.1)
 
 
 def _segment_seed(seed: int | None, segment: int) -> int | None:
@@ -324,7 +339,11 @@ class RolloutClient:
         lb = self.balancer
         try:
             for seg in range(self.max_segments):
-                idx = lb.pick(trajectory_id if trajectory_id is not None else request_id)
+                try:
+                    idx = lb.pick(trajectory_id if trajectory_id is not None else request_id)
+                except ReplicaDeadError as e:  # none is left: wait for a restart, if one comes
+                    await _await_restart(lb, e)
+                    continue
                 replica = lb.replicas[idx]
                 sp = dataclasses.replace(
                     sampling,

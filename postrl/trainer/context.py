@@ -123,9 +123,10 @@ class TrainerContext:
             stop_token_ids=stop_ids,
         )
 
-    def run_async(self, coro: Any) -> Any:
+    def run_async(self, coro: Any, poll: Callable[[], None] | None = None) -> Any:
         """Run a coroutine on the context's persistent event loop (in the loop's thread after
-        :meth:`start_background`) and return its result."""
+        :meth:`start_background`) and return its result. ``poll`` (background loop only) is
+        called on this thread about every 0.2 s while it waits."""
         if self._thread is None:
             return self._loop.run_until_complete(coro)
         if threading.current_thread() is self._thread:
@@ -134,10 +135,12 @@ class TrainerContext:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         while True:  # the coroutine's own waits have deadlines; a dead loop thread must not hang us
             try:
-                return fut.result(timeout=1.0)
+                return fut.result(timeout=1.0 if poll is None else 0.2)
             except TimeoutError:
                 if not self._thread.is_alive():
                     raise RuntimeError("the trainer's event-loop thread died") from None
+                if poll is not None:
+                    poll()
 
     def create_task(self, coro: Any) -> asyncio.Task[Any]:
         """Schedule a coroutine on the context's loop (it runs whenever the loop next runs:

@@ -79,6 +79,8 @@ class ReplicaRestarter:
         # one long-lived thread: a replica process dies with the thread that started it
         # (PR_SET_PDEATHSIG), so the starter must outlive the replicas it started
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-restart")
+        if fleet.balancer is not None:  # with none live, requests wait for a replacement
+            fleet.balancer.restart_expected = self.expected
 
     @property
     def pending(self) -> int:
@@ -105,6 +107,14 @@ class ReplicaRestarter:
         dead.kill()  # a hung process or actor holds its cores (and its Ray bundle)
         return self.spawn(slot)
 
+    def expected(self) -> bool:
+        """Whether a replacement may still come (budget left, or one starting)."""
+        return self.left > 0 or bool(self._pending)
+
+    def ready(self) -> bool:
+        """Whether a replacement has finished starting (successfully or not)."""
+        return any(f.done() for f in self._pending.values())
+
     def install(self, open_source: Callable[[int], Any]) -> int:
         """Install every replacement that is up (call right after a push); returns how many."""
         from postrl.rollout.types import ReplicaDeadError
@@ -113,11 +123,11 @@ class ReplicaRestarter:
         for slot, fut in list(self._pending.items()):
             if not fut.done():
                 continue
-            del self._pending[slot]
-            try:
+            try:  # (it stays pending until it serves: requests waiting for it keep waiting)
                 rep = fut.result()
             except Exception as e:  # noqa: BLE001 (counted and logged; the slot stays dead)
                 self.failed += 1
+                del self._pending[slot]
                 logger.error(
                     "rollout replica %d did not restart: %s: %s", slot, type(e).__name__, e
                 )
@@ -126,9 +136,11 @@ class ReplicaRestarter:
                 self.fleet.install(slot, rep, open_source)
             except ReplicaDeadError as e:
                 self.failed += 1
+                del self._pending[slot]
                 logger.error("restarted rollout replica %d died before joining: %s", slot, e)
                 rep.kill()
                 continue
+            del self._pending[slot]
             logger.info(
                 "rollout replica %d restarted and serving version %d", slot, self.fleet.version
             )
@@ -187,7 +199,7 @@ class FullyAsyncMode:
         ctx = self.ctx
         self.restarter.begin()
         t0 = time.perf_counter()
-        batch, metrics = ctx.run_async(self._next(step))
+        batch, metrics = ctx.run_async(self._next(step), poll=self._rescue)
         wait = time.perf_counter() - t0
         since = max(time.perf_counter() - self._last_take, 1e-9)
         self._last_take = time.perf_counter()
@@ -199,6 +211,39 @@ class FullyAsyncMode:
         if not ctx.cfg.algorithm.filter_groups.enable:
             metrics = {k: v for k, v in metrics.items() if not k.startswith("dynamic_sampling/")}
         return batch, metrics
+
+    def _await_replacement(self) -> None:
+        """No replica is live at a push: wait (``restart_wait_s`` at most) until a replacement
+        serves the actor's current weights; ``ReplicaDeadError`` when none comes."""
+        from postrl.rollout.types import ReplicaDeadError
+
+        lb = self.ctx.fleet.balancer
+        deadline = time.monotonic() + (lb.restart_wait_s if lb is not None else 300.0)
+        while not self.ctx.fleet.live:
+            if not self.restarter.expected() or time.monotonic() > deadline:
+                raise ReplicaDeadError(
+                    -1, "no rollout replica is left and none could be restarted in time"
+                )
+            self._rescue()
+            time.sleep(0.1)
+
+    def _rescue(self) -> None:
+        """While the take waits (this thread, every ~0.2 s): start replacements for dead
+        replicas, and when none is live, put one that came up in service at once with the
+        actor's current weights as a new policy version (the usual push would only come
+        after this batch, which no replica is left to generate)."""
+        self.restarter.begin()
+        fleet = self.ctx.fleet
+        if fleet.live or not self.restarter.ready():
+            return
+        fleet.version += 1  # the actor's weights now: a version of their own
+        if not self.restarter.install(self.ctx.weight_source()):
+            fleet.version -= 1  # the replacement failed: nothing was pushed
+            return
+        logger.warning(
+            "no rollout replica was live: a restarted one serves version %d", fleet.version
+        )
+        self.ctx.run_async(self._after_sync())
 
     async def _next(self, step: int) -> tuple[DataProto, dict[str, float]]:
         admitted = self._top_up(step)
@@ -265,6 +310,9 @@ class FullyAsyncMode:
         version makes room for."""
         if self.step % self.sync_every:
             return {}
+        if not self.ctx.fleet.live and self.restarter.expected():
+            self._await_replacement()  # the push goes to the replacement, as a rescue does
+            return {"weights/version": float(self.ctx.fleet.version)}
         metrics = self.ctx.sync_weights()  # to the live replicas (a dead one is skipped)
         self.restarter.install(self.ctx.weight_source())  # restarted ones get the same weights
         self.restarter.begin()

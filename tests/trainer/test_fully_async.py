@@ -216,11 +216,12 @@ def test_killed_and_hung_replicas_lose_nothing(
 
 
 def test_no_replica_left_is_a_named_error(tiny_model_dir, epoch_files, digits_reward, tmp_path):
-    """The only replica dies: the run stops with the named error (a restart would join only at
-    a weight push, which needs the batch the dead replica was generating)."""
-    trainer = RLTrainer(
-        load_config(None, _base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run"))
-    )
+    """The only replica dies and no restart is allowed: the run stops with the named error."""
+    args = [
+        *_base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run"),
+        "trainer.async.max_replica_restarts=0",
+    ]
+    trainer = RLTrainer(load_config(None, args))
     rep = trainer.ctx.fleet.replicas[0]
     try:
         with pytest.raises(ReplicaDeadError) as e:
@@ -277,6 +278,35 @@ def test_a_dead_replica_is_restarted_and_serves_the_pushed_weights(
     assert last["rollout/replica_failures"] == 1
     assert last["rollout/replica_restarts"] == 1
     assert last["rollout/live_replicas"] == 2
+
+
+def test_the_only_replica_dies_and_its_restart_carries_the_run(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    """One replica, SIGKILLed mid-rollout: its requests wait for the restart, which joins at
+    once with the actor's current weights as a new version; the run finishes and every prompt
+    of both epochs is trained once."""
+    run = tmp_path / "run"
+    args = [
+        *_base(tiny_model_dir, epoch_files, digits_reward, run),
+        "trainer.async.replica_health_interval_s=0.5",
+        "trainer.async.replica_health_timeout_s=2",
+        "trainer.async.max_replica_restarts=1",
+    ]
+    trainer = RLTrainer(load_config(None, args))
+    fleet = trainer.ctx.fleet
+    first = fleet.replicas[0]
+    try:
+        _fit_with_faults(trainer, {"step3:after_gen": lambda _: first.process.kill()})
+        new = fleet.replicas[0]
+        assert new is not first and not new.dead
+        assert new.policy_version == fleet.version
+    finally:
+        trainer.close()
+    _each_prompt_once_per_epoch(run)
+    last = metric_rows(run)[-1]
+    assert last["rollout/replica_failures"] == 1 and last["rollout/replica_restarts"] == 1
+    assert last["rollout/live_replicas"] == 1
 
 
 def test_fully_async_kill_and_resume_loses_and_duplicates_nothing(
