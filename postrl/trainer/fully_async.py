@@ -26,11 +26,13 @@ Admission is paced by the buffer: at most ``(max_staleness + 1) × train_batch_s
 are untrained at once, and no more than the run will train. **Replicas may die**: a replica
 whose process exits or that misses a health ping (``replica_health_timeout_s``) is declared
 dead, its waiting requests are re-issued to the live replicas (``rollout/replica_failures``,
-``rollout/reissued_requests``); the run stops with a named error only when none is left. A dead
-replica is started again in the background (``trainer.async.max_replica_restarts`` per run)
-and joins at a later weight push, right after it, with exactly that push's weights
-(``rollout/replica_restarts``). With ``trainer.backend=ray`` the replicas are Ray actors on a
-placement group of their own (:class:`~postrl.trainer.context.DedicatedReplicas`).
+``rollout/reissued_requests``). A dead replica is started again in the background
+(``trainer.async.max_replica_restarts`` per run) and joins at a later weight push, right after
+it, with exactly that push's weights (``rollout/replica_restarts``); when the last one died,
+requests wait for the replacement, which the trainer puts in service as soon as it is up with
+the actor's current weights as a new version. The run stops with a named error only when no
+replica is left and none may be restarted. With ``trainer.backend=ray`` the replicas are Ray
+actors on a placement group of their own (:class:`~postrl.trainer.context.DedicatedReplicas`).
 
 Checkpoints hold the buffer exactly as ``one_step_off``'s do (finished trajectories with their
 data, in-flight prompts as prompts), so a killed run resumes with every prompt trained once.
