@@ -24,41 +24,24 @@ def bench():
     return mod
 
 
-def test_every_arm_is_a_valid_config(bench, tmp_path, tiny_model_dir):
-    data = tmp_path / "d.parquet"
+def _arm_configs(recipe, arms, digits, tmp_path, model_dir):
     from postrl.data import generate_addition, write_parquet
 
-    write_parquet(generate_addition(8, max_digits=3), data)
-    for arm, over in bench.ARMS.items():
-        cfg = load_config(
-            bench.RECIPE,
-            [
-                f"model.path={tiny_model_dir}",
-                f"data.train_files=[{data}]",
-                f"data.val_files=[{data}]",
-                *over,
-            ],
-        )
+    data = write_parquet(generate_addition(8, max_digits=digits), tmp_path / f"d{digits}.parquet")
+    for arm, over in arms.items():
+        paths = [f"model.path={model_dir}", f"data.train_files=[{data}]"]
+        cfg = load_config(recipe, [*paths, f"data.val_files=[{data}]", *over])
         validate_config(cfg, check_registries=True)
+        yield arm, cfg
+
+
+def test_every_arm_is_a_valid_config(bench, tmp_path, tiny_model_dir):
+    for arm, cfg in _arm_configs(bench.RECIPE, bench.ARMS, 3, tmp_path, tiny_model_dir):
         assert cfg.trainer.time_budget_s == 600 and cfg.trainer.test_at_s, arm
 
 
 def test_every_quickstart_arm_is_a_valid_config(bench, tmp_path, tiny_model_dir):
-    data = tmp_path / "d.parquet"
-    from postrl.data import generate_addition, write_parquet
-
-    write_parquet(generate_addition(8, max_digits=1), data)
-    for arm, over in bench.QS_ARMS.items():
-        cfg = load_config(
-            bench.QUICKSTART,
-            [
-                f"model.path={tiny_model_dir}",
-                f"data.train_files=[{data}]",
-                f"data.val_files=[{data}]",
-                *over,
-            ],
-        )
-        validate_config(cfg, check_registries=True)
+    for arm, cfg in _arm_configs(bench.QUICKSTART, bench.QS_ARMS, 1, tmp_path, tiny_model_dir):
         assert cfg.rollout.val_kwargs.temperature == 0 and cfg.rollout.val_kwargs.n == 1, arm
     with pytest.raises(SystemExit):  # an arm of the other task is refused by name
         bench.main(["--task", "quickstart", "--arms", "w1", "--work-dir", str(tmp_path / "w")])

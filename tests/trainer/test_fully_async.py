@@ -41,6 +41,13 @@ def _base(tiny_model_dir, epoch_files, digits_reward, run, steps: int = 16) -> l
     return fully_async_overrides(tiny_model_dir, train, test, digits_reward, run, steps)
 
 
+FAST_HEALTH = [
+    "trainer.async.replica_health_interval_s=0.5",
+    "trainer.async.replica_health_timeout_s=2",
+]
+"""Pings every 0.5 s, dead after 2 s of silence (the runs are seconds long)."""
+
+
 def _each_prompt_once_per_epoch(run, epochs: int = 2, size: int = 16) -> None:
     each_prompt_once_per_epoch(run, epochs, size, steps_per_epoch=8)
 
@@ -241,8 +248,7 @@ def test_a_dead_replica_is_restarted_and_serves_the_pushed_weights(
     args = [
         *_base(tiny_model_dir, epoch_files, digits_reward, run),
         "rollout.num_replicas=2",
-        "trainer.async.replica_health_interval_s=0.5",
-        "trainer.async.replica_health_timeout_s=2",
+        *FAST_HEALTH,
         "trainer.async.max_replica_restarts=1",
     ]
     trainer = RLTrainer(load_config(None, args))
@@ -289,8 +295,7 @@ def test_the_only_replica_dies_and_its_restart_carries_the_run(
     run = tmp_path / "run"
     args = [
         *_base(tiny_model_dir, epoch_files, digits_reward, run),
-        "trainer.async.replica_health_interval_s=0.5",
-        "trainer.async.replica_health_timeout_s=2",
+        *FAST_HEALTH,
         "trainer.async.max_replica_restarts=1",
     ]
     trainer = RLTrainer(load_config(None, args))
