@@ -123,3 +123,31 @@ def test_a_killed_replica_is_detected_and_its_requests_reissued(replicas, tiny_m
     assert lb.pick("t0") == 1  # the sticky trajectory moved to the live replica
     with pytest.raises(ReplicaDeadError):
         asyncio.run(dead.generate(PROMPTS[0], sp, "late"))
+
+
+def test_raw_weight_frames_are_checked_and_the_process_runs_at_its_niceness(
+    tiny_model_dir, tmp_path
+):
+    """Weight frames travel raw on the stream port: a malformed one is refused by name and the
+    same connection then carries a good update; ``nice`` lowers the process's priority."""
+    import psutil
+
+    from postrl.rollout import RolloutError
+    from postrl.rollout.remote import spawn_replica
+
+    rep = spawn_replica(
+        tiny_model_dir,
+        options={"max_num_seqs": 4, "max_model_len": 64},
+        nice=7,
+        log_path=tmp_path / "r.log",
+    )
+    try:
+        assert rep.stream_port, "the replica has no stream port: frames would go over HTTP"
+        assert psutil.Process(rep.process.pid).nice() == psutil.Process().nice() + 7
+        with pytest.raises(RolloutError, match="weights frame rejected"):
+            rep.receive_bucket(b"not a postrl frame")
+        assert not rep.dead and rep.policy_version == 0
+        _push(rep, _versions(_hf(tiny_model_dir), 1)[0], version=4)
+        assert rep.policy_version == 4 and rep.last_swap["pause_s"] > 0
+    finally:
+        rep.close()

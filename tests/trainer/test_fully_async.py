@@ -109,6 +109,11 @@ def test_fully_async_config_errors_name_the_field_and_the_fix(small_overrides):
             )
         )
     assert "trainer.deterministic=true with trainer.mode=fully_async" in str(e.value)
+    bad = ["trainer.async.rollout_nice=25", "trainer.async.max_replica_restarts=-1"]
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(load_config(None, [*base, "trainer.async.parameter_sync_step=2", *bad]))
+    assert "trainer.async.rollout_nice=25 must be in 0..19" in str(e.value)
+    assert "trainer.async.max_replica_restarts=-1 must be >= 0" in str(e.value)
 
 
 def test_separate_async_is_an_alias(small_overrides):
