@@ -430,8 +430,9 @@ class AsyncConfig:
     (its in-flight requests go to the others)."""
     max_replica_restarts: int = 2
     """``fully_async``: how many dead rollout replicas the run starts again (over the whole
-    run; 0 = never). A restart begins at the first weight push after the death, in the
-    background, and the new replica joins at a later push with that push's weights."""
+    run; 0 = never). A restart begins at the next step after the death, in the background,
+    and the new replica joins right after a later push with that push's weights (at once, with
+    the actor's current weights, when no replica is left)."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from postrl.rollout.types import (
@@ -128,8 +128,30 @@ class RolloutReplica:
             self.backend.update_weights(weights)
         self.policy_version = new
 
-    def receive_bucket(self, frame: bytes) -> None:
-        """Load one ``postrl.weights`` bucket frame (raw bytes + JSON header, never unpickled).
+    def status(self) -> dict[str, Any]:
+        """The health answer remote callers get: policy version, running / waiting requests
+        and the engine's busy seconds (what the watchdog reads)."""
+        be = self.backend
+        return {
+            "status": "ok",
+            "policy_version": self.policy_version,
+            "running": int(getattr(be, "num_running", 0)),
+            "waiting": int(getattr(be, "num_waiting", 0)),
+            "busy_s": float(getattr(be, "busy_s", 0.0)),
+        }
+
+    def receive_bucket_report(self, frame: bytes) -> dict[str, Any]:
+        """:meth:`receive_bucket`, then the answer a remote sender gets: the policy version and,
+        at an update's last frame, the swap's metrics (``swap``)."""
+        last = self.receive_bucket(frame)
+        out: dict[str, Any] = {"policy_version": self.policy_version}
+        if last and self.last_swap:
+            out["swap"] = dict(self.last_swap)
+        return out
+
+    def receive_bucket(self, frame: bytes) -> bool:
+        """Load one ``postrl.weights`` bucket frame (raw bytes + JSON header, never unpickled);
+        returns whether it was an update's last frame.
 
         On a swap-capable backend the first bucket of an update opens a swap and the ``last``
         one closes it with the header's ``version`` (default: previous + 1), so the engine never
@@ -149,6 +171,7 @@ class RolloutReplica:
             self._load_in_swap(items, close_at=new if last else None)
         if last:
             self.policy_version = new
+        return last
 
     def _load_in_swap(self, weights: Iterable[WeightItem], close_at: int | None) -> None:
         """Copy ``weights`` inside this replica's swap (opened if none is), then close it at
@@ -203,7 +226,7 @@ class LoadBalancer:
             raise ValueError("LoadBalancer needs at least one replica")
         self.replicas = list(replicas)
         self.max_sticky = max_sticky
-        self.restart_expected: Any = None
+        self.restart_expected: Callable[[], bool] | None = None
         """``() -> bool``, set by whoever restarts replicas: while it is true and no replica
         is live, requests wait (up to :attr:`restart_wait_s`) instead of failing."""
         self.restart_wait_s = 300.0
@@ -219,7 +242,7 @@ class LoadBalancer:
                 self._sticky.move_to_end(trajectory_id)
                 return idx
             del self._sticky[trajectory_id]
-        live = [i for i, r in enumerate(self.replicas) if not getattr(r, "dead", False)]
+        live = self.live
         if not live:
             reasons = "; ".join(
                 f"{i}: {getattr(r, 'dead_reason', '?')}" for i, r in enumerate(self.replicas)
@@ -231,6 +254,11 @@ class LoadBalancer:
             if len(self._sticky) > self.max_sticky:
                 self._sticky.popitem(last=False)
         return idx
+
+    @property
+    def live(self) -> list[int]:
+        """Indices of the replicas not declared dead."""
+        return [i for i, r in enumerate(self.replicas) if not getattr(r, "dead", False)]
 
     def replace(self, idx: int, replica: Any) -> None:
         """Route to ``replica`` in slot ``idx`` from now on (a restarted replica in place of a
@@ -250,12 +278,12 @@ class LoadBalancer:
         self._sticky.pop(trajectory_id, None)
 
 
-async def _await_restart(lb: Any, err: ReplicaDeadError) -> None:
+async def _await_restart(lb: LoadBalancer, err: ReplicaDeadError) -> None:
     """No replica is live: return once one is, or raise ``err`` when no restart is expected
     (``lb.restart_expected``) or none came within ``lb.restart_wait_s``."""
-    expected = getattr(lb, "restart_expected", None)
-    deadline = time.monotonic() + float(getattr(lb, "restart_wait_s", 0.0))
-    while not any(not getattr(r, "dead", False) for r in lb.replicas):
+    expected = lb.restart_expected
+    deadline = time.monotonic() + lb.restart_wait_s
+    while not lb.live:
         if expected is None or not expected() or time.monotonic() >= deadline:
             raise err
         await asyncio.sleep(0.1)

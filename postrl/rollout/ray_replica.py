@@ -73,24 +73,10 @@ class _ReplicaActor:
         return getattr(self.replica, method)(*args)
 
     async def receive_bucket(self, frame: bytes) -> dict[str, Any]:
-        from postrl.rollout.server import bucket_is_last
-
-        self.replica.receive_bucket(frame)
-        out: dict[str, Any] = {"policy_version": self.replica.policy_version}
-        if self.replica.last_swap and bucket_is_last(frame):
-            out["swap"] = dict(self.replica.last_swap)
-        return out
+        return self.replica.receive_bucket_report(frame)
 
     async def health(self) -> dict[str, Any]:
-        be = self.replica.backend
-        return {
-            "status": "ok",
-            "policy_version": self.replica.policy_version,
-            "running": int(getattr(be, "num_running", 0)),
-            "waiting": int(getattr(be, "num_waiting", 0)),
-            "busy_s": float(getattr(be, "busy_s", 0.0)),
-            "pid": os.getpid(),
-        }
+        return {**self.replica.status(), "pid": os.getpid()}
 
     async def policy_version(self) -> int:
         return self.replica.policy_version

@@ -479,7 +479,7 @@ async def _serve_stream(
     line (``{"op": "weights", "id": i, "nbytes": n}``) is followed by ``n`` raw bytes, one
     ``postrl.weights`` frame, loaded into ``replica`` before the next line is read; its answer
     line carries the policy version (and, at an update's last frame, the swap's metrics)."""
-    from postrl.rollout.server import bucket_is_last, sampling_from_json
+    from postrl.rollout.server import sampling_from_json
 
     tasks: set[asyncio.Task[None]] = set()
 
@@ -505,10 +505,7 @@ async def _serve_stream(
                 frame = await reader.readexactly(int(d["nbytes"]))
                 ans: dict[str, Any] = {"id": d["id"]}
                 try:
-                    replica.receive_bucket(frame)
-                    ans["policy_version"] = replica.policy_version
-                    if replica.last_swap and bucket_is_last(frame):
-                        ans["swap"] = dict(replica.last_swap)
+                    ans.update(replica.receive_bucket_report(frame))
                 except ValueError as e:  # a malformed frame: named to the sender
                     ans["error"] = f"{type(e).__name__}: {e}"
                 writer.write(json.dumps(ans).encode() + b"\n")

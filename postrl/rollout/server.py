@@ -275,14 +275,7 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        be = replica.backend
-        return {
-            "status": "ok",
-            "policy_version": replica.policy_version,
-            "running": int(getattr(be, "num_running", 0)),
-            "waiting": int(getattr(be, "num_waiting", 0)),
-            "busy_s": float(getattr(be, "busy_s", 0.0)),
-        }
+        return replica.status()
 
     @app.get("/v1/models")
     async def models():
@@ -370,16 +363,12 @@ def create_app(
     @app.post("/v1/weights/bucket")
     async def weights_bucket(request: Request):
         frame = await request.body()
-        replica.receive_bucket(frame)  # raises ValueError (→ 400) on malformed frames
+        out = replica.receive_bucket_report(frame)  # ValueError (→ 400) on malformed frames
         if top_logprobs is not None:
             from postrl.weights import decode_frame, unpack_bucket
 
             top_logprobs.update(unpack_bucket(decode_frame(frame)))
-        out: dict[str, Any] = {"ok": True, "policy_version": replica.policy_version}
-        swap = getattr(replica, "last_swap", None)
-        if swap and bucket_is_last(frame):
-            out["swap"] = swap
-        return out
+        return {"ok": True, **out}
 
     @app.post("/v1/pause")
     async def pause():
