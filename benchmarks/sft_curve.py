@@ -1,4 +1,4 @@
-"""SFT's own curve: supervised learning on the ground-truth sums, from the same start, by training time.
+"""SFT's own curve: supervised learning on the ground-truth sums from the same start, by time.
 
 The bound that the learning benchmark's RL arms are read against (issue 19: "SFT's own curve on
 the same model"). Starting from the same model as ``benchmarks/learning.py`` (the shared warmed

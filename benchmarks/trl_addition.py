@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer on an addition task, with the validation schedule of ``benchmarks/learning.py``.
+"""TRL's GRPOTrainer on an addition task, with the validation schedule of benchmarks/learning.py.
 
 The side-by-side arm of the learning benchmark: the same model directory, the same training and
 held-out parquet files (``postrl data addition``), the same reward (postrl's ``addition`` rule,

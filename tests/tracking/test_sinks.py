@@ -1,5 +1,6 @@
 import json
 import math
+import time
 
 import pytest
 
@@ -103,7 +104,14 @@ def test_wandb_sink_offline_writes_config_and_verl_metric_names(tmp_path, monkey
     t2 = Tracker(tmp_path, ["wandb"], total_steps=3, config=cfg, start_step=3)
     t2.log({"critic/score/mean": 1.0}, 3)
     t2.close()
-    history, config, runs = _read_wandb_run(tmp_path)
+    # W&B's service process writes the run file; on a loaded 2-core CI machine the resumed run's
+    # last record has been seen to land after finish() returned: wait for it, with a deadline
+    deadline = time.monotonic() + 30
+    while True:
+        history, config, runs = _read_wandb_run(tmp_path)
+        if len(history) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert {r for r in runs} == {("proj", "exp1", run_id)}
     steps = [(h["_step"], h["critic/score/mean"]) for h in history]
     assert steps == [(1, 0.5), (2, 0.75), (3, 1.0)]

@@ -29,10 +29,13 @@ the kernel tests that way.
 
 What the fused path guarantees (tested in ``tests/rollout/test_kernels.py``), on one machine:
 
-- **Bit-equal where the operation order is the same.** ``DecodeStep`` on one thread (or with
+- **The same operations in the same order.** ``DecodeStep`` on one thread (or with
   ``row_split`` off) makes the same ``sgemm_`` calls, on the same shapes and in the same order,
   as the per-op path ``forward.decode_fused`` (``F.linear``/``addmm`` → MKL), and the C ops
-  between them are the same functions: logits and K/V cache writes are bit-equal. Every kernel
+  between them are the same functions. The per-op path reaches BLAS through torch (its threads,
+  its entry point), the step calls ``sgemm_`` itself, and MKL picks kernel and blocking by ISA
+  and thread count: logits and K/V writes are bit-equal on AVX-512 machines and differ in the
+  last bits on AVX2-only Zen 3, so the tested bound is the tolerance below. Every kernel
   is row-local with a fixed loop order (OpenMP ``schedule(static)`` splits over rows, no
   reductions across threads, no atomics), so a step is deterministic run to run at a fixed
   thread count, and so is the row split (rows ``B·t/threads ..``).
