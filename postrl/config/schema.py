@@ -428,6 +428,11 @@ class AsyncConfig:
     replica_health_timeout_s: float = 5.0
     """``fully_async``: a replica that does not answer a ping within this is declared dead
     (its in-flight requests go to the others)."""
+    idle_switch: str = "never"
+    """``fully_async``: the trainer's cores generate while it would wait for samples (verl's
+    ``hybrid_rollout``). ``never``; ``auto``: switch at a step whose batch is not complete when
+    the predicted wait (moving average of measured waits) exceeds the measured cost of a switch
+    in and out; ``always``: whenever the batch is not complete. Local backend only."""
     max_replica_restarts: int = 2
     """``fully_async``: how many dead rollout replicas the run starts again (over the whole
     run; 0 = never). A restart begins at the next step after the death, in the background,

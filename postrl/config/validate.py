@@ -272,6 +272,12 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
         e.append(f"trainer.health.min_ess_ratio={h.min_ess_ratio} must be in [0, 1] (0 = off)")
     if h.staleness_alert_steps < 0:
         e.append(f"trainer.health.staleness_alert_steps={h.staleness_alert_steps} must be >= 0")
+    if t.mode not in FULLY_ASYNC_MODES and ac.idle_switch != "never":
+        e.append(
+            f"trainer.async.idle_switch={ac.idle_switch} with trainer.mode={t.mode}: the idle "
+            f"switch lends the trainer's cores to generation in trainer.mode=fully_async (in "
+            f"{t.mode} the trainer's devices generate anyway); set trainer.async.idle_switch=never"
+        )
     if t.mode == "one_step_off":
         if ac.max_staleness < 1 + max(ac.num_warmup_batches, 0):
             e.append(
@@ -341,6 +347,15 @@ def _fully_async_errors(cfg: PostRLConfig) -> list[str]:
         e.append(
             f"trainer.async.max_replica_restarts={ac.max_replica_restarts} must be >= 0 "
             f"(0: a dead rollout replica is not started again)"
+        )
+    if ac.idle_switch not in ("never", "auto", "always"):
+        e.append(f"trainer.async.idle_switch={ac.idle_switch!r} must be one of never, auto, always")
+    elif ac.idle_switch != "never" and t.backend != "local":
+        e.append(
+            f"trainer.async.idle_switch={ac.idle_switch} with trainer.backend={t.backend}: the "
+            f"idle switch loads the actor's weights into a replica in the trainer process, "
+            f"which needs the in-process actor; set trainer.backend=local or "
+            f"trainer.async.idle_switch=never"
         )
     return e
 

@@ -57,6 +57,11 @@ class RolloutReplica:
         self.replica_id = replica_id
         self.policy_version = 0
         self.pause_timeout_s = pause_timeout_s
+        self.standby = False
+        """Out of service without being dead: the load balancer routes nothing to it, and a
+        request that still reaches it comes back at once as ``"abort"`` with no tokens (the
+        client re-issues it elsewhere). The trainer's idle switch keeps its in-process replica
+        so between two switches."""
         self.last_swap: dict[str, float] = {}
         """Metrics of the last atomic weight swap (``pause_s``, ``recompute_s``, ``running``)."""
         self._inflight: set[str] = set()
@@ -79,6 +84,8 @@ class RolloutReplica:
         ``out.versions``: the backend's segments when it supports swaps and they cover every
         token, else one segment with the replica's version at request start.
         """
+        if self.standby:
+            return TokenOutput([], [], "abort", None, [])
         deadline = time.monotonic() + self.pause_timeout_s
         while self._paused:
             if time.monotonic() > deadline:
@@ -238,7 +245,7 @@ class LoadBalancer:
         least loaded live one (``ReplicaDeadError`` when every replica is dead)."""
         if trajectory_id is not None and trajectory_id in self._sticky:
             idx = self._sticky[trajectory_id]
-            if not getattr(self.replicas[idx], "dead", False):
+            if _serving(self.replicas[idx]):
                 self._sticky.move_to_end(trajectory_id)
                 return idx
             del self._sticky[trajectory_id]
@@ -257,8 +264,15 @@ class LoadBalancer:
 
     @property
     def live(self) -> list[int]:
-        """Indices of the replicas not declared dead."""
-        return [i for i, r in enumerate(self.replicas) if not getattr(r, "dead", False)]
+        """Indices of the replicas that take requests: not declared dead, not on standby."""
+        return [i for i, r in enumerate(self.replicas) if _serving(r)]
+
+    def add(self, replica: Any) -> int:
+        """Route to one more replica from now on (e.g. the trainer's idle-switch replica, kept
+        on ``standby`` between switches); returns its index."""
+        self.replicas.append(replica)
+        self._assigned.append(0)
+        return len(self.replicas) - 1
 
     def replace(self, idx: int, replica: Any) -> None:
         """Route to ``replica`` in slot ``idx`` from now on (a restarted replica in place of a
@@ -276,6 +290,11 @@ class LoadBalancer:
     def forget(self, trajectory_id: str) -> None:
         """Drop a finished trajectory's sticky assignment."""
         self._sticky.pop(trajectory_id, None)
+
+
+def _serving(replica: Any) -> bool:
+    """Whether ``replica`` takes new requests (not ``dead``, not on ``standby``)."""
+    return not getattr(replica, "dead", False) and not getattr(replica, "standby", False)
 
 
 async def _await_restart(lb: LoadBalancer, err: ReplicaDeadError) -> None:
@@ -318,7 +337,7 @@ class RolloutClient:
         self.max_segments = max_segments
         self.timeout_s = timeout_s
         self._cancelled: set[str] = set()
-        self._current: dict[str, tuple[Any, str]] = {}
+        self._current: dict[str, tuple[Any, str, str]] = {}  # request → (replica, seg, sticky)
         self.reissued = 0
         """Requests re-issued to another replica after theirs died."""
 
@@ -354,6 +373,19 @@ class RolloutClient:
         if cur is not None:
             cur[0].abort(cur[1])
 
+    def shed(self, share: float, exclude: Any = None) -> int:
+        """Move ``share`` of the in-flight requests (those not on ``exclude``) to wherever the
+        balancer routes now — e.g. a replica just put in service: the most recently started
+        segments (the least generated) are aborted on their replicas with their sticky
+        assignment dropped, and each resumes from the tokens it has (partial rollout) on the
+        least loaded replica. Returns how many were moved."""
+        cands = [c for c in self._current.values() if c[0] is not exclude]
+        n = int(round(len(cands) * share))
+        for replica, seg_id, key in cands[len(cands) - n :]:
+            self.balancer.forget(key)
+            replica.abort(seg_id)
+        return n
+
     async def _generate(
         self,
         prompt: list[int],
@@ -367,8 +399,12 @@ class RolloutClient:
         lb = self.balancer
         try:
             for seg in range(self.max_segments):
+                if request_id in self._cancelled:  # aborted for good before it (re)started: a
+                    # server's stream can deliver the abort ahead of the generate it targets
+                    return TokenOutput(tokens, logps, "abort", None, versions)
+                key = trajectory_id if trajectory_id is not None else request_id
                 try:
-                    idx = lb.pick(trajectory_id if trajectory_id is not None else request_id)
+                    idx = lb.pick(key)
                 except ReplicaDeadError as e:  # none is left: wait for a restart, if one comes
                     await _await_restart(lb, e)
                     continue
@@ -379,7 +415,7 @@ class RolloutClient:
                     seed=_segment_seed(sampling.seed, seg),
                 )
                 seg_id = request_id if seg == 0 else f"{request_id}#resume{seg}"
-                self._current[request_id] = (replica, seg_id)
+                self._current[request_id] = (replica, seg_id, key)
                 lb.acquire(idx)
                 try:
                     out = await replica.generate(prompt + tokens, sp, seg_id)

@@ -81,6 +81,10 @@ class TrainerContext:
     replica_spawner: Callable[[int], Any] | None = None
     """``spawn(slot) -> replica``: start a rollout replica in a slot of the fleet (dedicated
     modes: a restart of a dead one); None where replicas live in this process."""
+    rollout_options: dict[str, Any] = field(default_factory=dict)
+    """The options every rollout backend of the run was created with (slots, KV length,
+    device, ``rollout.engine_kwargs``): an in-process replica made later (the idle switch)
+    gets the same."""
     _loop: asyncio.AbstractEventLoop = field(default_factory=_new_loop, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
 
@@ -321,6 +325,7 @@ def build_context(
         actor,
         remote_actor=tc.backend == "ray",
         replica_spawner=pool.spawn if pool is not None else None,
+        rollout_options=options,
     )
 
 

@@ -50,6 +50,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from postrl.protocol import DataProto
+from postrl.trainer.idle_switch import IdleSwitch
 from postrl.trainer.modes import off_policy_stream, register_trainer
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,9 @@ class FullyAsyncMode:
         self.restarter = ReplicaRestarter(
             ctx.fleet, ctx.replica_spawner or _no_spawner, ac.max_replica_restarts
         )
+        self.switch: IdleSwitch | None = None
+        if ac.idle_switch != "never":  # made before the loop thread starts: it loads weights
+            self.switch = IdleSwitch(ctx, ac.idle_switch)
         ctx.start_background()
         self._watch = ctx.run_async(self._start_watchdog())
         self._last_take = time.perf_counter()
@@ -209,6 +213,8 @@ class FullyAsyncMode:
         self.trained += kept
         metrics["async/trainer_wait_s"] = wait
         metrics["async/trainer_idle_fraction"] = min(1.0, wait / since)
+        if self.switch is not None:
+            self.switch.observe_wait(wait)
         metrics.update(self._fleet_metrics())
         if not ctx.cfg.algorithm.filter_groups.enable:
             metrics = {k: v for k, v in metrics.items() if not k.startswith("dynamic_sampling/")}
@@ -249,7 +255,24 @@ class FullyAsyncMode:
 
     async def _next(self, step: int) -> tuple[DataProto, dict[str, float]]:
         admitted = self._top_up(step)
-        batch, metrics = await self.stream.take_async(self.mini, step, self.ctx.loader.next_prompts)
+        switch, switched = self.switch, False
+        if switch is not None:  # the actor's weights are the fleet's right after a push
+            switched = switch.begin(
+                ready_groups=len(self.buffer.ready()),
+                needed_groups=self.mini,
+                weights_current=(step - 1) % self.sync_every == 0,
+            )
+        try:
+            batch, metrics = await self.stream.take_async(
+                self.mini, step, self.ctx.loader.next_prompts
+            )
+        finally:
+            if switched:
+                switch_metrics = await switch.end()  # type: ignore[union-attr]
+        if switch is not None:
+            metrics.update(switch.metrics(switched))
+            if switched:
+                metrics.update(switch_metrics)
         admitted += self._top_up(step)  # the groups taken leave room at once
         metrics["async/admitted_groups"] = float(admitted)
         metrics["async/in_flight_groups"] = float(len(self.buffer.groups()))
@@ -370,6 +393,8 @@ class FullyAsyncMode:
             return
         self.restarter.close()
         self.ctx.run_async(self._close())
+        if self.switch is not None:
+            self.switch.close()
 
     async def _close(self) -> None:
         self._watch.cancel()

@@ -576,17 +576,17 @@ _parameter_sync_step.why = f"read only with {_SEPARATE}"  # type: ignore[attr-de
 
 
 def _hybrid_rollout(v, view):
-    """verl's idle switch (trainer workers generate while they wait): postrl has none yet."""
-    if view.get("trainer.v1.trainer_mode") != "separate_async" or not v:
+    """verl's idle switch (trainer workers generate while they would wait): postrl's
+    ``trainer.async.idle_switch=auto`` (switch when the measured wait exceeds the measured
+    switch cost)."""
+    if view.get("trainer.v1.trainer_mode") != "separate_async":
         return {}
-    raise Unsupported(
-        "postrl's fully_async has no idle switch yet: the trainer's workers never generate",
-        "leave trainer.v1.separate_async.hybrid_rollout.enable=False",
-    )
+    return {"trainer.async.idle_switch": "auto" if v else "never"}
 
 
 _hybrid_rollout.why = (  # type: ignore[attr-defined]
-    f"off, or not {_SEPARATE}: nothing to switch"
+    f"read only with {_SEPARATE}: true → auto (the decision from measured wait and switch "
+    f"cost), false → never"
 )
 
 

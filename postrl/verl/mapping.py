@@ -709,13 +709,14 @@ RULES: list[Rule] = [
         "else refused with the fix; how verl itself handles other batch sizes is not known "
         "here"),
     M("trainer.v1.separate_async.hybrid_rollout.enable", False,
-        "(rejected when true with separate_async)", _hybrid_rollout,
-        why="verl's idle switch (trainer workers generate while they wait); postrl's "
-        "fully_async has none yet, leave it off (verl's own should_switch_to_rollout() "
-        "is hard-coded False at verl commit cfacd76a0bdd)"),
+        "trainer.async.idle_switch", _hybrid_rollout,
+        why="verl's idle switch (trainer workers generate while they would wait): true → "
+        "auto, postrl's decision from the measured wait and the measured switch cost (verl's "
+        "own should_switch_to_rollout() is hard-coded False at verl commit cfacd76a0bdd); "
+        "postrl runs it with trainer.backend=local"),
     NOOP_TREE("trainer.v1.separate_async.hybrid_rollout",
-        "options of the idle switch, which postrl does not have (hybrid_rollout.enable is "
-        "refused); verl's individual keys here are not known to this table"),
+        "options of verl's idle switch; postrl's decides from measured costs and has no "
+        "thresholds to set (verl's individual keys here are not known to this table)"),
     M("trainer.v1.sampler.max_off_policy_threshold", 8, "trainer.async.max_staleness",
         _async_only(_to("trainer.async.max_staleness")),
         why="async modes only; counted from the tokens' policy versions, not the dispatch step"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -333,3 +334,97 @@ def test_fully_async_kill_and_resume_loses_and_duplicates_nothing(
     assert not _replica_pids(tiny_model_dir), "a rollout replica outlived its killed trainer"
     assert train_subprocess(args, threads=1) == 0
     _each_prompt_once_per_epoch(run)
+
+
+def test_idle_switch_decision():
+    from postrl.trainer.idle_switch import should_switch
+
+    kw = dict(ready_groups=0, needed_groups=2, weights_current=True, cost_s=0.05)
+    assert should_switch("never", predicted_wait_s=9.0, **kw) == (False, "never")
+    assert should_switch("auto", predicted_wait_s=None, **kw) == (False, "unmeasured")
+    assert should_switch("auto", predicted_wait_s=0.04, **kw) == (False, "cheap_wait")
+    assert should_switch("auto", predicted_wait_s=0.06, **kw) == (True, "pays")
+    assert should_switch("always", predicted_wait_s=None, **kw) == (True, "forced")
+    assert should_switch("always", predicted_wait_s=9.0, **{**kw, "ready_groups": 2}) == (
+        False,
+        "ready",
+    )
+    assert should_switch("always", predicted_wait_s=9.0, **{**kw, "weights_current": False}) == (
+        False,
+        "weights",
+    )
+    with pytest.raises(ValueError, match="not one of"):
+        should_switch("sometimes", predicted_wait_s=1.0, **kw)
+
+
+def test_idle_switch_config_errors_name_the_field_and_the_fix(small_overrides):
+    fa = [*small_overrides, "trainer.mode=fully_async", "trainer.async.parameter_sync_step=2"]
+    with pytest.raises(ConfigError, match="trainer.async.idle_switch='maybe' must be one of"):
+        RLTrainer(load_config(None, [*fa, "trainer.async.idle_switch=maybe"]))
+    with pytest.raises(ConfigError, match="set trainer.backend=local or trainer.async.idle_sw"):
+        RLTrainer(load_config(None, [*fa, "trainer.async.idle_switch=auto", "trainer.backend=ray"]))
+    with pytest.raises(ConfigError, match="idle_switch=always with trainer.mode=sync"):
+        RLTrainer(load_config(None, [*small_overrides, "trainer.async.idle_switch=always"]))
+
+
+def test_idle_switch_generates_on_the_trainers_cores_and_loses_nothing(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    """``idle_switch=always``: at every step right after a push whose batch is not complete, the
+    trainer's in-process replica serves with exactly the pushed version; at the switch-out its
+    requests are resumed on the dedicated replica; every prompt is trained once, every token
+    within the staleness bound and no newer than the fleet's version."""
+    run = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [
+            *_base(tiny_model_dir, epoch_files, digits_reward, run),
+            "trainer.async.idle_switch=always",
+            "rollout.response_length=64",  # generation outlasts the update: the trainer waits
+            "trainer.async.max_staleness=2",  # slack for the starved replica: no group dropped
+        ],
+    )
+    trainer = RLTrainer(cfg)
+    switch = trainer.mode.switch
+    assert switch is not None and switch.replica.standby and switch.cost_s > 0
+    seen = []
+    update = trainer.roles.update_actor
+
+    def spy(batch):
+        v = batch.batch["rollout_policy_version"]
+        mask = batch.batch["response_mask"].bool()
+        assert switch.replica.standby and switch.replica.load == 0, "trained while switched in"
+        seen.append((trainer.ctx.fleet.version, v[mask].min().item(), v[mask].max().item()))
+        return update(batch)
+
+    trainer.roles.update_actor = spy
+    # the dedicated replica runs a third of the time (SIGSTOP 20 ms / SIGCONT 10 ms): it cannot
+    # keep up, so the trainer waits at the steps after a push
+    pid, stop = trainer.ctx.fleet.replicas[0].process.pid, threading.Event()
+
+    def throttle():
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.02)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
+
+    th = threading.Thread(target=throttle, daemon=True)
+    th.start()
+    try:
+        trainer.fit()
+    finally:
+        stop.set()
+        th.join()
+        os.kill(pid, signal.SIGCONT)
+        trainer.close()
+    rows = metric_rows(run)
+    assert not any(r.get("replay/evicted/stale") for r in rows), "raise max_staleness here"
+    _each_prompt_once_per_epoch(run)
+    for current, oldest, newest in seen:
+        assert current - oldest <= 2 and newest <= current
+    switched = [r for r in rows if r["async/switch/switched"] == 1.0]
+    assert switched, "the batch was never incomplete at a step after a push"
+    assert all(r["step"] % 2 == 1 for r in switched), "switched while the actor was ahead"
+    assert sum(r["async/switch/gen_s"] for r in switched) > 0, "the local replica never ran"
+    assert all(r["async/switch/in_s"] > 0 and r["async/switch/out_s"] >= 0 for r in switched)

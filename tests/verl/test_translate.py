@@ -373,11 +373,9 @@ def test_separate_async_batch_sizes_must_match_parameter_sync_step():
         translate([*SEPARATE, f"{A}.ppo_mini_batch_size=32"])  # verl's default step 4
 
 
-def test_separate_async_hybrid_rollout_is_refused_when_enabled():
-    with pytest.raises(VerlConfigError) as e:
-        translate([*SEPARATE, "trainer.v1.separate_async.hybrid_rollout.enable=True"])
-    assert "no idle switch" in str(e.value)
-    assert "leave trainer.v1.separate_async.hybrid_rollout.enable=False" in str(e.value)
+def test_separate_async_hybrid_rollout_maps_to_the_idle_switch():
+    on = translate([*SEPARATE, "trainer.v1.separate_async.hybrid_rollout.enable=True"])
+    assert on.config.trainer.async_.idle_switch == "auto"
     off = translate(
         [
             *SEPARATE,
@@ -386,6 +384,7 @@ def test_separate_async_hybrid_rollout_is_refused_when_enabled():
         ]
     )
     assert off.config.trainer.mode == "fully_async"
+    assert off.config.trainer.async_.idle_switch == "never"
 
 
 def test_sync_and_colocate_async_ignore_the_separate_async_keys():
@@ -396,6 +395,7 @@ def test_sync_and_colocate_async_ignore_the_separate_async_keys():
     ]
     sync = translate([*MICRO, *keys]).config.trainer
     assert sync.mode == "sync" and sync.async_.parameter_sync_step == 1
+    assert sync.async_.idle_switch == "never"
     colocate = translate([*MICRO, "trainer.v1.trainer_mode=colocate_async", *keys]).config
     assert colocate.trainer.mode == "one_step_off"
     assert colocate.trainer.async_.parameter_sync_step == 1
