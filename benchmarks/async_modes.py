@@ -111,8 +111,11 @@ from postrl.tools.base import ToolResponse, register_tool
 logger = logging.getLogger("async_modes")
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("sync", "one_step_off", "fully_async")
-"""Every mode the benchmark knows; ``--modes`` picks (``sync`` always runs: the baseline)."""
+MODES = ("sync", "one_step_off", "fully_async", "fully_async_switch")
+"""Every arm the benchmark knows; ``--modes`` picks (``sync`` always runs: the baseline).
+``fully_async_switch`` is ``fully_async`` with ``trainer.async.idle_switch=auto``."""
+SWITCH_ARMS = {"fully_async_switch": ("fully_async", ["trainer.async.idle_switch=auto"])}
+"""Arms that are a registered mode plus overrides: name → (trainer.mode, overrides)."""
 WORKLOADS = ("w1", "tools")
 TOOL_NAME = "latency_calculator"  # registry name; the model still calls the function `calculator`
 _EVICTED = ("replay/evicted/stale", "replay/evicted/filtered", "replay/evicted/failed")
@@ -129,6 +132,7 @@ _KEEP = (
     "replay/refills",
     "async/interrupted_trajectories",
     "async/trainer_idle_fraction",
+    "async/switch/switched",
     "rollout/replica_idle_fraction",
     "weights/pause_s",
     "async/in_flight_groups",
@@ -324,6 +328,8 @@ def mode_overrides(
     process ``split[1]`` torch threads and the trainer ``split[0]`` (default: the cores of
     ``trainer.num_threads`` split in half), pushes weights after every batch
     (``parameter_sync_step=1``, so it takes as many optimizer steps per sample as ``sync``)."""
+    if mode in SWITCH_ARMS:
+        return [*mode_overrides(SWITCH_ARMS[mode][0], overrides, split), *SWITCH_ARMS[mode][1]]
     if mode != "fully_async":
         return []
     threads = next(
@@ -360,7 +366,7 @@ def run_once(
             [
                 *overrides,
                 *mode_overrides(mode, overrides, split),
-                f"trainer.mode={mode}",
+                f"trainer.mode={SWITCH_ARMS.get(mode, (mode,))[0]}",
                 f"trainer.total_steps={steps}",
                 f"trainer.run_dir={run}",
             ],
@@ -422,6 +428,7 @@ def summarize_run(rows: list[dict]) -> dict[str, Any]:
         "tool_calls_per_traj": _mean(w, "agent/num_tool_calls"),
         "trainer_idle": _mean(w, "async/trainer_idle_fraction"),
         "replica_idle": _mean(w, "rollout/replica_idle_fraction"),
+        "switched": _mean(w, "async/switch/switched"),
         "swap_pause_s": _mean(w, "weights/pause_s"),
         "response_length": _mean(w, "response_length/mean"),
         "score": _mean(w, "critic/score/mean"),
@@ -492,6 +499,7 @@ _COLS = (
     ("calls/traj", "tool_calls_per_traj", "{:.2f}"),
     ("trainer_idle", "trainer_idle", "{:.2f}"),
     ("replica_idle", "replica_idle", "{:.2f}"),
+    ("switched", "switched", "{:.2f}"),
 )
 
 
