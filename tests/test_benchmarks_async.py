@@ -66,6 +66,14 @@ def test_window_skips_warm_up_and_drain(bench):
     assert s["staleness_mean"] is None and s["drop_rate"] is None  # not logged: n/a
 
 
+def test_the_switch_arm_is_fully_async_with_the_idle_switch(bench):
+    base = bench.mode_overrides("fully_async", ["trainer.num_threads=2"])
+    arm = bench.mode_overrides("fully_async_switch", ["trainer.num_threads=2"])
+    assert arm == [*base, "trainer.async.idle_switch=auto"]
+    assert "fully_async_switch" not in bench.parse_args([]).modes  # asked for by name
+    assert "fully_async_switch" in bench.parse_args(["--modes=fully_async_switch"]).modes
+
+
 @pytest.mark.slow
 def test_benchmark_main_writes_every_mode_for_both_workloads(bench, tiny_model_dir, tmp_path):
     out = tmp_path / "results.json"
