@@ -251,7 +251,7 @@ class HTTPRolloutReplica(Liveness):
 
         if self.stream_port:
             try:
-                self._stream().send({"op": "abort", "request_id": request_id})
+                await self._stream().send({"op": "abort", "request_id": request_id})
             except (ConnectionError, OSError):
                 pass  # the watchdog decides whether the replica is dead
             return
@@ -458,10 +458,13 @@ class _Channel:
         finally:
             self._pending.pop(rid, None)
 
-    def send(self, msg: dict[str, Any]) -> None:
-        """Send ``msg`` without waiting for an answer (abort)."""
+    async def send(self, msg: dict[str, Any]) -> None:
+        """Send ``msg`` without waiting for an answer (abort). Waits for the connection to
+        open like :meth:`call` (an abort sent while the first generate calls were still
+        opening it used to be dropped: the request then ran to its end)."""
+        await self._ensure()
         if self._writer is None or self.broken:
-            raise ConnectionError("replica stream not open")
+            raise ConnectionError("replica stream closed")
         self._writer.write(json.dumps({"id": 0, **msg}).encode() + b"\n")
 
     def close(self) -> None:

@@ -151,3 +151,25 @@ def test_raw_weight_frames_are_checked_and_the_process_runs_at_its_niceness(
         assert rep.policy_version == 4 and rep.last_swap["pause_s"] > 0
     finally:
         rep.close()
+
+
+def test_an_abort_is_never_lost_to_the_stream_opening_or_to_overtaking(replicas):
+    """An abort sent while the loop's stream connection is still opening (the generate that
+    opens it is waiting) reaches the replica; one that arrives before the generate it targets
+    ends that generate at once. Both used to be dropped: the request ran to its end."""
+    rep = replicas[0]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=110, ignore_eos=True, seed=3)
+
+    async def go():
+        t = asyncio.create_task(rep.generate(PROMPTS[0], sp, "open-race"))
+        await asyncio.sleep(0)  # the generate runs until it waits for the connection to open
+        rep.abort("open-race")
+        first = await asyncio.wait_for(t, 60)
+        rep.abort("overtaken")  # reaches the replica ahead of its generate
+        await asyncio.sleep(0.2)
+        second = await asyncio.wait_for(rep.generate(PROMPTS[1], sp, "overtaken"), 60)
+        return first, second
+
+    first, second = asyncio.run(go())  # a new loop: a new stream connection
+    assert first.finish_reason == "abort" and len(first.token_ids) < 110
+    assert second.finish_reason == "abort" and second.token_ids == []
