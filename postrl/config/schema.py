@@ -405,8 +405,9 @@ class AsyncConfig:
     the oldest version among its tokens (not the step it was dispatched at). 0 = on-policy
     (``sync``); ``one_step_off`` needs at least 1."""
     staleness_strategy: str = "drop"
-    """``drop``: evict complete groups older than the bound (whole groups, one refill prompt
-    each); ``wait``: never drop — the update waits for groups it can train within the bound."""
+    """``drop``: evict complete groups older than the bound (whole groups; each prompt is
+    generated again on the current weights, so it is still trained once in its epoch);
+    ``wait``: never drop — the update waits for groups it can train within the bound."""
     num_warmup_batches: int = 0
     """Extra batches kept in flight beyond the next one (``1 + num_warmup_batches`` batches are
     generated ahead of training; needs ``max_staleness >= 1 + num_warmup_batches``)."""

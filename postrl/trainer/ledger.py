@@ -1,7 +1,8 @@
 """``RUN_DIR/trained_prompts.jsonl``: which prompts every step trained on.
 
-One line per completed step, ``{"step": s, "epoch": e, "uid": [...], "index": [...]}`` — the
-group uids of the step's batch and their dataset row indices, in batch order. A resumed run
+One line per completed step, ``{"step": s, "epoch": e, "uid": [...], "index": [...],
+"epochs": [...]}`` — the group uids of the step's batch, their dataset row indices and the
+epoch each group was drawn in, in batch order (``epoch``: the oldest of them). A resumed run
 truncates the file to the steps before it (as ``metrics.jsonl``), so the file always says what
 the run as a whole trained: counting the indices of an epoch shows every prompt trained exactly
 once, in every mode, across kills and resumes (the tests do exactly that).
@@ -41,10 +42,20 @@ class TrainedLedger:
         truncate_steps(self.path, start_step)
         self._fh = self.path.open("a")
 
-    def log(self, step: int, epoch: int, groups: list[tuple[str, int]]) -> None:
-        """Record step ``step``'s groups."""
-        row = {"step": step, "epoch": epoch, "uid": [u for u, _ in groups]}
+    def log(
+        self,
+        step: int,
+        epoch: int,
+        groups: list[tuple[str, int]],
+        group_epochs: dict[str, int] | None = None,
+    ) -> None:
+        """Record step ``step``'s groups; ``group_epochs`` (uid → epoch, when the batch came
+        from the replay buffer) adds ``epochs``, each group's own epoch (a stale group's retry
+        may train next to groups of the next epoch)."""
+        row: dict[str, Any] = {"step": step, "epoch": epoch, "uid": [u for u, _ in groups]}
         row["index"] = [i for _, i in groups]
+        if group_epochs:
+            row["epochs"] = [int(group_epochs.get(u, epoch)) for u, _ in groups]
         self._fh.write(json.dumps(row) + "\n")
         self._fh.flush()
 

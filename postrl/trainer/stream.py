@@ -106,6 +106,7 @@ class GroupStream:
         self._groups: dict[str, _Group] = {}
         self._tasks: dict[tuple[str, int], asyncio.Task[Any]] = {}
         self._owed = 0  # refill prompts owed (evictions not yet refilled)
+        self._retry: list[tuple[int, int]] = []  # (dataset index, epoch) of stale groups
         self._refills = 0  # refill prompts admitted during the current take
         self._dropped_batch: DataProto | None = None  # a filtered group (all-masked fallback)
         self._error: BaseException | None = None
@@ -232,20 +233,30 @@ class GroupStream:
                 task.cancel()
         if e.reason == "filtered" and g is not None and g.batch is not None:
             self._dropped_batch = g.batch
+        if e.reason == "stale" and g is not None:  # too old to train, not a bad prompt: its
+            self._retry.append((g.index, g.epoch))  # refill is itself, on the current weights
         self._counts[e.reason] += 1
         self._owed += 1
         self._poke()
 
     def refill(self, step: int, draw: Callable[[int], DataProto]) -> int:
-        """Admit one prompt (``draw(1)``) per eviction not yet refilled, within
-        ``max_refills``; returns how many were admitted."""
+        """Admit one prompt per eviction not yet refilled, within ``max_refills``; returns how
+        many were admitted. A group evicted as stale is refilled with its own prompt (same
+        dataset row, same epoch: every prompt of an epoch is still trained once); a filtered or
+        failed one with the next prompt (``draw(1)``)."""
         n = 0
         while self._owed and (self.max_refills is None or self._refills < self.max_refills):
             self._owed -= 1
             self._refills += 1
-            self.admit(draw(1), step)
+            self.admit(self._retry_prompt() if self._retry else draw(1), step)
             n += 1
         return n
+
+    def _retry_prompt(self) -> DataProto:
+        index, epoch = self._retry.pop(0)
+        prompts = self.ctx.loader.dataset.batch([index])
+        prompts.meta_info["epoch"] = epoch
+        return prompts
 
     # ------------------------------------------------------------------ taking
     def take(
@@ -286,6 +297,7 @@ class GroupStream:
         else:
             batch = self._assemble(taken)
         batch.meta_info["epoch"] = min((g.epoch for g in taken), default=0)
+        batch.meta_info["group_epochs"] = {g.uid: g.epoch for g in taken}
         batch.meta_info["timing_s/agent_loop"] = time.perf_counter() - t0
         if self._parts:  # every group scored since the last take, kept or evicted
             parts, self._parts = self._parts, []
@@ -427,6 +439,7 @@ class GroupStream:
         return {
             "buffer": self.buffer.state_dict(),
             "owed": self._owed,
+            "retry": [[i, e] for i, e in self._retry],
             "parts": [[n, m] for n, m in self._parts],
             "groups": [
                 {
@@ -468,6 +481,7 @@ class GroupStream:
         self.buffer.load_state_dict(state["buffer"], payloads)
         self.buffer.on_evict = on_evict
         self._owed = int(state["owed"])
+        self._retry = [(int(i), int(e)) for i, e in state.get("retry", [])]
         self._parts = [(int(n), dict(m)) for n, m in state.get("parts", [])]
         for g in self._groups.values():
             if len(g.outputs) == self.n and self.score_on_completion:

@@ -120,6 +120,7 @@ class RLTrainer:
         self.global_step = 0
         self.train_time_s = 0.0  # summed step wall times (trainer.time_budget_s)
         self.trained: list[tuple[str, int]] = []  # (uid, dataset index) of the last step's groups
+        self.trained_epochs: dict[str, int] | None = None  # their epochs (replay-buffer batches)
 
         roles_needed = needs.roles_needed(cfg)  # from the declared needs, never by name
         self.use_critic = "critic" in roles_needed
@@ -203,6 +204,7 @@ class RLTrainer:
         m.update(stages.step_metrics(batch, cfg, t["timing_s/step"], roles.dp_size))
         m["training/epoch"] = float(batch.meta_info.get("epoch", 0))
         self.trained = [] if m.get("dynamic_sampling/skipped_update") else trained_groups(batch)
+        self.trained_epochs = batch.meta_info.get("group_epochs")
         return reduce_metrics(m)
 
     # ------------------------------------------------------------------ the loop
@@ -239,7 +241,7 @@ class RLTrainer:
                     with timer("testing", metrics):
                         metrics.update(self.validate())
                 self.tracker.log(metrics, step)
-                ledger.log(step, int(metrics["training/epoch"]), self.trained)
+                ledger.log(step, int(metrics["training/epoch"]), self.trained, self.trained_epochs)
                 if tc.save_freq and (step % tc.save_freq == 0 or is_last):
                     self.save(step)
                 fire(f"step{step}:end")

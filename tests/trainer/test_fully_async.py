@@ -336,6 +336,47 @@ def test_fully_async_kill_and_resume_loses_and_duplicates_nothing(
     _each_prompt_once_per_epoch(run)
 
 
+def _fit_throttled(trainer) -> None:
+    """Fit with the (one) dedicated replica running a seventh of the time (SIGSTOP 30 ms,
+    SIGCONT 5 ms), then close the trainer."""
+    pid, stop = trainer.ctx.fleet.replicas[0].process.pid, threading.Event()
+
+    def throttle():
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.03)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.005)
+
+    th = threading.Thread(target=throttle, daemon=True)
+    th.start()
+    try:
+        trainer.fit()
+    finally:
+        stop.set()
+        th.join()
+        os.kill(pid, signal.SIGCONT)
+        trainer.close()
+
+
+def test_a_starved_replica_makes_groups_stale_and_their_prompts_are_retried(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    """Groups older than ``max_staleness`` are evicted (counted) and refilled with their own
+    prompt, regenerated on the current weights: every prompt of an epoch is still trained
+    exactly once (the ledger records each group's own epoch)."""
+    run = tmp_path / "run"
+    overrides = [
+        *_base(tiny_model_dir, epoch_files, digits_reward, run),
+        "rollout.response_length=64",
+        "trainer.async.idle_switch=always",  # switch-outs hand requests back: more go stale
+    ]
+    _fit_throttled(RLTrainer(load_config(None, overrides)))
+    # groups went stale in 3 runs of 4 here (before the retry, each such run lost a prompt of
+    # its epoch to a fresh one); the check holds whether or not any did
+    _each_prompt_once_per_epoch(run)
+
+
 def test_idle_switch_decision():
     from postrl.trainer.idle_switch import should_switch
 
@@ -398,26 +439,8 @@ def test_idle_switch_generates_on_the_trainers_cores_and_loses_nothing(
         return update(batch)
 
     trainer.roles.update_actor = spy
-    # the dedicated replica runs a seventh of the time (SIGSTOP 30 ms / SIGCONT 5 ms): it cannot
-    # keep up, so the trainer waits at the steps after a push
-    pid, stop = trainer.ctx.fleet.replicas[0].process.pid, threading.Event()
-
-    def throttle():
-        while not stop.is_set():
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.03)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(0.005)
-
-    th = threading.Thread(target=throttle, daemon=True)
-    th.start()
-    try:
-        trainer.fit()
-    finally:
-        stop.set()
-        th.join()
-        os.kill(pid, signal.SIGCONT)
-        trainer.close()
+    # the dedicated replica cannot keep up: the trainer waits at the steps after a push
+    _fit_throttled(trainer)
     rows = metric_rows(run)
     assert not any(r.get("replay/evicted/stale") for r in rows), "raise max_staleness here"
     _each_prompt_once_per_epoch(run)

@@ -76,8 +76,12 @@ def each_prompt_once_per_epoch(run: Path, epochs: int, size: int, steps_per_epoc
     assert [r["step"] for r in rows] == list(range(1, steps_per_epoch * epochs + 1))
     uids = Counter(u for r in rows for u in r["uid"])
     assert max(uids.values()) == 1, "a group was trained twice"
+
+    def drawn_in(r: dict) -> list[int]:  # each group's own epoch where the ledger has it
+        return r.get("epochs") or [r["epoch"]] * len(r["index"])
+
     for e in range(epochs):
-        idx = Counter(i for r in rows if r["epoch"] == e for i in r["index"])
+        idx = Counter(i for r in rows for i, ge in zip(r["index"], drawn_in(r)) if ge == e)
         assert sorted(idx) == list(range(size)), f"epoch {e}: prompts lost {idx}"
         assert set(idx.values()) == {1}, f"epoch {e}: prompts duplicated {idx}"
 
