@@ -377,6 +377,26 @@ def test_a_starved_replica_makes_groups_stale_and_their_prompts_are_retried(
     _each_prompt_once_per_epoch(run)
 
 
+def test_the_wait_strategy_takes_mini_batches_within_the_bound(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    """``staleness_strategy=wait`` with mini-batch steps (4 groups per version taken as two
+    takes of 2): nothing is dropped, every prompt is trained once within the bound (the
+    feasibility check counts what the current version can still take; it used to assume a
+    whole batch per take and raise StalenessBoundError at the first version)."""
+    run = tmp_path / "run"
+    overrides = [
+        *_base(tiny_model_dir, epoch_files, digits_reward, run),
+        "rollout.response_length=64",
+        "trainer.async.staleness_strategy=wait",
+    ]
+    _fit_throttled(RLTrainer(load_config(None, overrides)))
+    rows = metric_rows(run)
+    assert not any(r.get("replay/evicted/stale") for r in rows)
+    assert max(r["replay/staleness/max"] for r in rows) <= 1
+    _each_prompt_once_per_epoch(run)
+
+
 def test_idle_switch_decision():
     from postrl.trainer.idle_switch import should_switch
 

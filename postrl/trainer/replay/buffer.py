@@ -604,11 +604,16 @@ class ReplayBuffer:
 
     def _feasible(self, chosen: set[str], v: int) -> bool:
         """After taking ``chosen`` at version ``v``, can every other group still be trained
-        within the bound, one update of ``batch_groups`` per version, earliest deadline first?"""
+        within the bound, ``batch_groups`` per version, earliest deadline first? What version
+        ``v`` has left counts too: a mode that takes a version's groups in several mini-batch
+        takes (``fully_async``) may still take ``batch_groups`` − (taken at ``v``) at it."""
+        left_now = max(0, self.batch_groups - self._consumed_at_version - len(chosen))
         deadlines = sorted(
             g.oldest_version + self.max_staleness for g in self.groups() if g.uid not in chosen
         )
-        return all(i + 1 <= (d - v) * self.batch_groups for i, d in enumerate(deadlines))
+        return all(
+            i + 1 <= left_now + (d - v) * self.batch_groups for i, d in enumerate(deadlines)
+        )
 
     def _sample_waiting_for(self, k: int, v: int) -> str:
         gs = self.groups()
