@@ -611,9 +611,7 @@ class ReplayBuffer:
         deadlines = sorted(
             g.oldest_version + self.max_staleness for g in self.groups() if g.uid not in chosen
         )
-        return all(
-            i + 1 <= left_now + (d - v) * self.batch_groups for i, d in enumerate(deadlines)
-        )
+        return all(i + 1 <= left_now + (d - v) * self.batch_groups for i, d in enumerate(deadlines))
 
     def _sample_waiting_for(self, k: int, v: int) -> str:
         gs = self.groups()
