@@ -359,24 +359,6 @@ def _fit_throttled(trainer) -> None:
         trainer.close()
 
 
-def test_a_starved_replica_makes_groups_stale_and_their_prompts_are_retried(
-    tiny_model_dir, epoch_files, digits_reward, tmp_path
-):
-    """Groups older than ``max_staleness`` are evicted (counted) and refilled with their own
-    prompt, regenerated on the current weights: every prompt of an epoch is still trained
-    exactly once (the ledger records each group's own epoch)."""
-    run = tmp_path / "run"
-    overrides = [
-        *_base(tiny_model_dir, epoch_files, digits_reward, run),
-        "rollout.response_length=64",
-        "trainer.async.idle_switch=always",  # switch-outs hand requests back: more go stale
-    ]
-    _fit_throttled(RLTrainer(load_config(None, overrides)))
-    # groups went stale in 3 runs of 4 here (before the retry, each such run lost a prompt of
-    # its epoch to a fresh one); the check holds whether or not any did
-    _each_prompt_once_per_epoch(run)
-
-
 def test_the_wait_strategy_takes_mini_batches_within_the_bound(
     tiny_model_dir, epoch_files, digits_reward, tmp_path
 ):
@@ -433,8 +415,9 @@ def test_idle_switch_generates_on_the_trainers_cores_and_loses_nothing(
 ):
     """``idle_switch=always``: at every step right after a push whose batch is not complete, the
     trainer's in-process replica serves with exactly the pushed version; at the switch-out its
-    requests are resumed on the dedicated replica; every prompt is trained once, every token
-    within the staleness bound and no newer than the fleet's version."""
+    requests are resumed on the dedicated replica; every prompt is trained once (groups gone
+    stale are generated again), every token within the staleness bound and no newer than the
+    fleet's version."""
     run = tmp_path / "run"
     cfg = load_config(
         None,
@@ -442,7 +425,6 @@ def test_idle_switch_generates_on_the_trainers_cores_and_loses_nothing(
             *_base(tiny_model_dir, epoch_files, digits_reward, run),
             "trainer.async.idle_switch=always",
             "rollout.response_length=64",  # generation outlasts the update: the trainer waits
-            "trainer.async.max_staleness=3",  # slack for the starved replica: no group dropped
         ],
     )
     trainer = RLTrainer(cfg)
@@ -462,10 +444,12 @@ def test_idle_switch_generates_on_the_trainers_cores_and_loses_nothing(
     # the dedicated replica cannot keep up: the trainer waits at the steps after a push
     _fit_throttled(trainer)
     rows = metric_rows(run)
-    assert not any(r.get("replay/evicted/stale") for r in rows), "raise max_staleness here"
+    # the starved replica makes groups stale in most runs (switch-outs hand requests back):
+    # each is evicted and its own prompt generated again, so every prompt of an epoch is still
+    # trained once (before the retry, such a run lost the prompt to a fresh one)
     _each_prompt_once_per_epoch(run)
     for current, oldest, newest in seen:
-        assert current - oldest <= 3 and newest <= current
+        assert current - oldest <= 1 and newest <= current
     switched = [r for r in rows if r["async/switch/switched"] == 1.0]
     assert switched, "the batch was never incomplete at a step after a push"
     assert all(r["step"] % 2 == 1 for r in switched), "switched while the actor was ahead"
