@@ -85,6 +85,7 @@ ARMS: dict[str, list[str]] = {
     "mini8": [*W1, "actor.ppo_mini_batch_size=8"],
     "batch8": [*W1, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"],
     "recipe": [],
+    "recipe-n16": ["rollout.n=16"],  # larger groups: more of them hold a right answer
 }
 
 # the quickstart task (1-digit sums from the quickstart's SFT model), validated greedily

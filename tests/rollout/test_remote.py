@@ -153,11 +153,24 @@ def test_raw_weight_frames_are_checked_and_the_process_runs_at_its_niceness(
         rep.close()
 
 
-def test_an_abort_is_never_lost_to_the_stream_opening_or_to_overtaking(replicas):
+def test_an_abort_is_never_lost_to_the_stream_opening_or_to_overtaking(tiny_model_dir, tmp_path):
     """An abort sent while the loop's stream connection is still opening (the generate that
     opens it is waiting) reaches the replica; one that arrives before the generate it targets
     ends that generate at once. Both used to be dropped: the request ran to its end."""
-    rep = replicas[0]
+    from postrl.rollout.remote import spawn_replica
+
+    rep = spawn_replica(  # its own: the module's replicas may have been killed by now
+        tiny_model_dir,
+        options={"max_num_seqs": 8, "max_model_len": 128},
+        log_path=tmp_path / "r.log",
+    )
+    try:
+        _abort_races(rep)
+    finally:
+        rep.close()
+
+
+def _abort_races(rep) -> None:
     sp = SamplingParams(temperature=1.0, max_new_tokens=110, ignore_eos=True, seed=3)
 
     async def go():
