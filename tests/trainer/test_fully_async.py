@@ -368,7 +368,7 @@ def test_the_wait_strategy_takes_mini_batches_within_the_bound(
     whole batch per take and raise StalenessBoundError at the first version)."""
     run = tmp_path / "run"
     overrides = [
-        *_base(tiny_model_dir, epoch_files, digits_reward, run),
+        *_base(tiny_model_dir, epoch_files, digits_reward, run, steps=8),  # one epoch
         "rollout.response_length=64",
         "trainer.async.staleness_strategy=wait",
     ]
@@ -376,7 +376,7 @@ def test_the_wait_strategy_takes_mini_batches_within_the_bound(
     rows = metric_rows(run)
     assert not any(r.get("replay/evicted/stale") for r in rows)
     assert max(r["replay/staleness/max"] for r in rows) <= 1
-    _each_prompt_once_per_epoch(run)
+    _each_prompt_once_per_epoch(run, epochs=1)
 
 
 def test_idle_switch_decision():
