@@ -130,6 +130,8 @@ class IdleSwitch:
         against the dedicated replicas' threads."""
         self._moved_in = 0
         self.predicted_wait_s: float | None = None
+        self.reason = "unmeasured"
+        """Why the last decision switched or not (:func:`should_switch`'s reason)."""
         self.switches = 0
         self.active = False
         self._gen_mark = 0.0
