@@ -123,18 +123,15 @@ class IdleSwitch:
         backend = create_rollout_backend(cfg.rollout.backend, cfg.model.path, **ctx.rollout_options)
         self.replica = RolloutReplica(backend, replica_id=len(ctx.fleet.replicas))
         self.replica.standby = True
-        self.index = ctx.fleet.balancer.add(self.replica)
+        ctx.fleet.balancer.add(self.replica)
         ac = cfg.trainer.async_
         self.share = 1.0 / (1.0 + len(ctx.fleet.replicas) * ac.rollout_threads)
         """The share of the in-flight requests moved to it at a switch-in: one torch thread
         against the dedicated replicas' threads."""
         self._moved_in = 0
         self.predicted_wait_s: float | None = None
-        self.reason = "unmeasured"
-        """Why the last decision switched or not (:func:`should_switch`'s reason)."""
-        self.switches = 0
-        self.active = False
-        self._gen_mark = 0.0
+        self._gen_mark = 0.0  # the replica's engine seconds at the switch-in
+        self._in_s = 0.0  # how long the switch-in took
         # the cost of one switch, measured now on the model's own weights (version 0)
         t0 = time.perf_counter()
         self._load(0)
@@ -170,7 +167,7 @@ class IdleSwitch:
             predicted_wait_s=self.predicted_wait_s,
             cost_s=self.cost_s,
         )
-        self.reason = reason
+        logger.debug("idle switch: %s (%s)", "in" if ok else "stay out", reason)
         if not ok:
             return False
         t0 = time.perf_counter()
@@ -182,8 +179,6 @@ class IdleSwitch:
         self._moved_in = self.ctx.agents.client.shed(self.share, exclude=self.replica)
         self._in_s = time.perf_counter() - t0
         self._gen_mark = float(getattr(self.replica.backend, "busy_s", 0.0))
-        self.active = True
-        self.switches += 1
         return True
 
     async def end(self) -> dict[str, float]:
@@ -204,7 +199,6 @@ class IdleSwitch:
                 )
             await asyncio.sleep(0.002)
         rep.sleep()
-        self.active = False
         out_s = time.perf_counter() - t0
         cost = self._in_s + out_s
         self.cost_s = self.smoothing * cost + (1 - self.smoothing) * self.cost_s
