@@ -20,12 +20,18 @@ The arms (``--arms``; each is ``examples/grpo_addition_3digit.yaml`` plus overri
 * ``psr``: negative advantages at half weight (``algorithm.adv_estimator_kwargs``);
 * ``mini8``: two optimizer steps per batch (``actor.ppo_mini_batch_size=8``);
 * ``batch8``: 8 prompts per step (twice the steps per second);
-* ``recipe``: the shipped recipe as it is.
+* ``dapo-lr3e-4``: dynamic sampling at lr 3e-4 (collapses);
+* ``psr0``: dynamic sampling with positive-sample reinforcement only (``negative_weight: 0``),
+  lr 1e-4; ``psr0-lr3e-4-nofilter``: PSR at lr 3e-4 without dynamic sampling;
+* ``dapo-n16``: ``dapo`` with 16 responses per prompt (larger groups);
+* ``recipe``: the shipped recipe as it is (dynamic sampling + PSR at lr 3e-4).
 
 ``--task quickstart`` runs the quickstart's task instead: 1-digit sums from the quickstart's SFT
 model (``runs/quickstart/sft-model``, built by ``make quickstart``), ``examples/grpo_addition.yaml``
 plus the ``qs*`` arms (greedy validation on a disjoint test split): ``qs`` (as it ships),
-``qs-dapo`` (+ dynamic sampling), ``qs-lr4e-4``, ``qs-dapo-lr4e-4``, ``qs-batch8``::
+``qs-dapo`` (+ dynamic sampling), ``qs-lr4e-4``, ``qs-dapo-lr4e-4``, ``qs-batch8``, and the
+3-digit recipe's levers: ``qs-psr`` (positive-sample reinforcement), ``qs-psr-lr6e-4``,
+``qs-dapo-psr-lr6e-4``::
 
     python benchmarks/learning.py --task quickstart --arms qs qs-dapo --budget-s 45 \
         --marks 5 10 15 30 45 --test-size 500 --train-size 4000 --work-dir runs/learning-qs
@@ -84,8 +90,21 @@ ARMS: dict[str, list[str]] = {
     "psr": [*W1, "algorithm.adv_estimator_kwargs={negative_weight: 0.5}"],
     "mini8": [*W1, "actor.ppo_mini_batch_size=8"],
     "batch8": [*W1, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"],
+    "dapo-lr3e-4": [*W1, "algorithm.filter_groups.enable=true", "actor.optim.lr=3e-4"],
+    # positive-sample reinforcement: wrong answers get no push-down (negative_weight 0)
+    "psr0": [
+        *W1,
+        "algorithm.filter_groups.enable=true",
+        "algorithm.adv_estimator_kwargs={negative_weight: 0}",
+    ],
+    "psr0-lr3e-4-nofilter": [
+        *W1,
+        "actor.optim.lr=3e-4",
+        "algorithm.adv_estimator_kwargs={negative_weight: 0}",
+    ],
     "recipe": [],
-    "recipe-n16": ["rollout.n=16"],  # larger groups: more of them hold a right answer
+    # the previous recipe (dynamic sampling, lr 1e-4) with 16 responses per prompt
+    "dapo-n16": [*W1, "algorithm.filter_groups.enable=true", "rollout.n=16"],
 }
 
 # the quickstart task (1-digit sums from the quickstart's SFT model), validated greedily
@@ -102,6 +121,19 @@ QS_ARMS: dict[str, list[str]] = {
     "qs-lr4e-4": [*QS_GREEDY, "actor.optim.lr=4e-4"],
     "qs-dapo-lr4e-4": [*QS_GREEDY, "algorithm.filter_groups.enable=true", "actor.optim.lr=4e-4"],
     "qs-batch8": [*QS_GREEDY, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"],
+    # the 3-digit recipe's levers: positive-sample reinforcement (+ dynamic sampling)
+    "qs-psr": [*QS_GREEDY, "algorithm.adv_estimator_kwargs={negative_weight: 0}"],
+    "qs-psr-lr6e-4": [
+        *QS_GREEDY,
+        "algorithm.adv_estimator_kwargs={negative_weight: 0}",
+        "actor.optim.lr=6e-4",
+    ],
+    "qs-dapo-psr-lr6e-4": [
+        *QS_GREEDY,
+        "algorithm.filter_groups.enable=true",
+        "algorithm.adv_estimator_kwargs={negative_weight: 0}",
+        "actor.optim.lr=6e-4",
+    ],
 }
 TASKS = {
     # task: (recipe file, default model, max digits, arms)
