@@ -68,6 +68,13 @@ def test_grpo_hand():
         negative_weight=0.1,
     )
     assert seq_adv(adv, m)[:4] == pytest.approx([1.0, -0.05, 1.0, -0.05])
+    # positive-sample reinforcement only (the 3-digit recipe): a wrong answer's advantage is
+    # exactly 0 on every token, a right one's is GRPO's
+    adv, _ = get_adv_estimator("grpo")(
+        token_level_rewards=r, response_mask=m, index=idx, negative_weight=0.0
+    )
+    assert seq_adv(adv, m)[:4] == pytest.approx([e, 0.0, e, 0.0], abs=1e-6)
+    assert (adv[1] == 0).all() and (adv[3] == 0).all()
     with pytest.raises(ValueError, match="negative_weight=-1 must be >= 0"):
         get_adv_estimator("grpo")(
             token_level_rewards=r, response_mask=m, index=idx, negative_weight=-1
