@@ -24,7 +24,8 @@ The arms (``--arms``; each is ``examples/grpo_addition_3digit.yaml`` plus overri
 * ``psr0``: dynamic sampling with positive-sample reinforcement only (``negative_weight: 0``),
   lr 1e-4; ``psr0-lr3e-4-nofilter``: PSR at lr 3e-4 without dynamic sampling;
 * ``dapo-n16``: ``dapo`` with 16 responses per prompt (larger groups);
-* ``recipe``: the shipped recipe as it is (dynamic sampling + PSR at lr 3e-4).
+* ``recipe``: the shipped recipe as it is (dynamic sampling + PSR at lr 3e-4);
+  ``recipe-cosine``: its step size decayed by a cosine to 10 % over 950 optimizer steps.
 
 ``--task quickstart`` runs the quickstart's task instead: 1-digit sums from the quickstart's SFT
 model (``runs/quickstart/sft-model``, built by ``make quickstart``), ``examples/grpo_addition.yaml``
@@ -103,6 +104,13 @@ ARMS: dict[str, list[str]] = {
         "algorithm.adv_estimator_kwargs={negative_weight: 0}",
     ],
     "recipe": [],
+    # the recipe with the step size decayed by a cosine to 10 % over ~10 minutes of steps here
+    # (~950 optimizer steps on 2 EPYC threads; the schedule counts steps, not seconds)
+    "recipe-cosine": [
+        "actor.optim.lr_scheduler=cosine",
+        "actor.optim.min_lr_ratio=0.1",
+        "trainer.total_steps=950",
+    ],
     # the previous recipe (dynamic sampling, lr 1e-4) with 16 responses per prompt
     "dapo-n16": [*W1, "algorithm.filter_groups.enable=true", "rollout.n=16"],
 }
