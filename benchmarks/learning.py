@@ -69,9 +69,12 @@ W1 = [
     "reward.reward_kwargs={}",
     "algorithm.adv_estimator_kwargs={}",
 ]
+
+DAPO = "algorithm.filter_groups.enable=true"  # dynamic sampling, exact refill
+PSR0 = "algorithm.adv_estimator_kwargs={negative_weight: 0}"  # positive-sample reinforcement
 ARMS: dict[str, list[str]] = {
     "w1": W1,
-    "dapo": [*W1, "algorithm.filter_groups.enable=true"],
+    "dapo": [*W1, DAPO],
     "pods": [
         *W1,
         "rollout.n=32",
@@ -91,18 +94,10 @@ ARMS: dict[str, list[str]] = {
     "psr": [*W1, "algorithm.adv_estimator_kwargs={negative_weight: 0.5}"],
     "mini8": [*W1, "actor.ppo_mini_batch_size=8"],
     "batch8": [*W1, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"],
-    "dapo-lr3e-4": [*W1, "algorithm.filter_groups.enable=true", "actor.optim.lr=3e-4"],
+    "dapo-lr3e-4": [*W1, DAPO, "actor.optim.lr=3e-4"],
     # positive-sample reinforcement: wrong answers get no push-down (negative_weight 0)
-    "psr0": [
-        *W1,
-        "algorithm.filter_groups.enable=true",
-        "algorithm.adv_estimator_kwargs={negative_weight: 0}",
-    ],
-    "psr0-lr3e-4-nofilter": [
-        *W1,
-        "actor.optim.lr=3e-4",
-        "algorithm.adv_estimator_kwargs={negative_weight: 0}",
-    ],
+    "psr0": [*W1, DAPO, PSR0],
+    "psr0-lr3e-4-nofilter": [*W1, "actor.optim.lr=3e-4", PSR0],
     "recipe": [],
     # the recipe with the step size decayed by a cosine to 10 % over ~10 minutes of steps here
     # (~950 optimizer steps on 2 EPYC threads; the schedule counts steps, not seconds)
@@ -112,7 +107,7 @@ ARMS: dict[str, list[str]] = {
         "trainer.total_steps=950",
     ],
     # the previous recipe (dynamic sampling, lr 1e-4) with 16 responses per prompt
-    "dapo-n16": [*W1, "algorithm.filter_groups.enable=true", "rollout.n=16"],
+    "dapo-n16": [*W1, DAPO, "rollout.n=16"],
 }
 
 # the quickstart task (1-digit sums from the quickstart's SFT model), validated greedily
@@ -125,23 +120,14 @@ QS_GREEDY = [
 ]
 QS_ARMS: dict[str, list[str]] = {
     "qs": QS_GREEDY,  # the quickstart's GRPO settings as they ship
-    "qs-dapo": [*QS_GREEDY, "algorithm.filter_groups.enable=true"],
+    "qs-dapo": [*QS_GREEDY, DAPO],
     "qs-lr4e-4": [*QS_GREEDY, "actor.optim.lr=4e-4"],
-    "qs-dapo-lr4e-4": [*QS_GREEDY, "algorithm.filter_groups.enable=true", "actor.optim.lr=4e-4"],
+    "qs-dapo-lr4e-4": [*QS_GREEDY, DAPO, "actor.optim.lr=4e-4"],
     "qs-batch8": [*QS_GREEDY, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"],
     # the 3-digit recipe's levers: positive-sample reinforcement (+ dynamic sampling)
-    "qs-psr": [*QS_GREEDY, "algorithm.adv_estimator_kwargs={negative_weight: 0}"],
-    "qs-psr-lr6e-4": [
-        *QS_GREEDY,
-        "algorithm.adv_estimator_kwargs={negative_weight: 0}",
-        "actor.optim.lr=6e-4",
-    ],
-    "qs-dapo-psr-lr6e-4": [
-        *QS_GREEDY,
-        "algorithm.filter_groups.enable=true",
-        "algorithm.adv_estimator_kwargs={negative_weight: 0}",
-        "actor.optim.lr=6e-4",
-    ],
+    "qs-psr": [*QS_GREEDY, PSR0],
+    "qs-psr-lr6e-4": [*QS_GREEDY, PSR0, "actor.optim.lr=6e-4"],
+    "qs-dapo-psr-lr6e-4": [*QS_GREEDY, DAPO, PSR0, "actor.optim.lr=6e-4"],
 }
 TASKS = {
     # task: (recipe file, default model, max digits, arms)
