@@ -67,7 +67,10 @@ from postrl.algos.policy_losses import (
     policy_loss_hparam_errors,
     register_policy_loss,
 )
-from postrl.algos.rollout_correction import compute_rollout_correction
+from postrl.algos.rollout_correction import (
+    compute_rollout_correction,
+    rollout_correction_with_health,
+)
 from postrl.algos.utils import (
     compute_response_mask,
     group_ids,
@@ -110,6 +113,7 @@ __all__ = [
     "compute_rewards",
     "compute_rloo_outcome_advantage",
     "compute_rollout_correction",
+    "rollout_correction_with_health",
     "compute_value_loss",
     "entropy_from_logits",
     "filter_groups",

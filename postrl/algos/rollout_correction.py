@@ -30,10 +30,11 @@ before rejection; the IS level is ``rollout_is``, sequence level when ``rollout_
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-__all__ = ["compute_rollout_correction"]
+__all__ = ["compute_rollout_correction", "rollout_correction_with_health"]
 
 _IS_MODES = (None, "token", "sequence")
 _RS_MODES = (None, "sequence", "geometric")
@@ -142,3 +143,29 @@ def compute_rollout_correction(
                 (torch.exp(seq_lr) > thr) & nonempty
             ).float().sum() / nseq
     return weights, new_mask.to(response_mask.dtype), metrics
+
+
+def rollout_correction_with_health(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    **correction: Any,
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """:func:`compute_rollout_correction` plus the token-level off-policy health of
+    :func:`~postrl.algos.health.off_policy_health` (ESS/N, χ², KL(μ‖π_prox)), measured before
+    any rejection. ``correction``: ``compute_rollout_correction``'s keyword arguments
+    (``rollout_is``, thresholds, ``rollout_rs`` …).
+
+    Returns ``(is_weights or None, response_mask after rejection, metrics)`` with the health
+    numbers under ``health/*``. One call serves the trainer's stage and the training workers of
+    the object-store data plane, so both report the same numbers.
+    """
+    from postrl.algos.health import off_policy_health
+
+    health = off_policy_health(old_log_probs, rollout_log_probs, response_mask)
+    weights, mask, m = compute_rollout_correction(
+        old_log_probs, rollout_log_probs, response_mask, **correction
+    )
+    metrics = {k: float(v) for k, v in m.items()}
+    metrics.update({f"health/{k}": float(v) for k, v in health.items()})
+    return weights, mask.to(response_mask.dtype), metrics

@@ -18,10 +18,10 @@ from postrl.algos import (
     ADV_ESTIMATORS,
     apply_kl_penalty,
     bind_adv_estimator,
-    compute_rollout_correction,
-    off_policy_health,
+    rollout_correction_with_health,
 )
 from postrl.protocol import DataProto
+from postrl.protocol.layout import concat_rollouts
 from postrl.trainer.metrics import compute_data_metrics, compute_throughput_metrics
 
 logger = logging.getLogger(__name__)
@@ -71,24 +71,23 @@ def rollout_correction_stage(batch: DataProto, rc: Any) -> tuple[DataProto, dict
     b = dict(batch.batch)
     if "rollout_log_probs" not in b or "old_log_probs" not in b:
         return batch, {}
-    # off-policy health (ESS/N, chi2, KL(mu||pi_prox)), token level, before any rejection
-    health = off_policy_health(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
-    weights, mask, m = compute_rollout_correction(
-        b["old_log_probs"],
-        b["rollout_log_probs"],
-        b["response_mask"],
+    weights, b["response_mask"], metrics = rollout_correction_with_health(
+        b["old_log_probs"], b["rollout_log_probs"], b["response_mask"], **correction_kwargs(rc)
+    )
+    if weights is not None:
+        b["rollout_is_weights"] = weights
+    return DataProto(b, batch.non_tensor_batch, batch.meta_info), metrics
+
+
+def correction_kwargs(rc: Any) -> dict[str, Any]:
+    """``compute_rollout_correction``'s keyword arguments from ``algorithm.rollout_correction``."""
+    return dict(
         rollout_is=rc.rollout_is,
         rollout_is_threshold=rc.rollout_is_threshold,
         rollout_rs=rc.rollout_rs,
         rollout_rs_threshold=rc.rollout_rs_threshold,
         rollout_rs_threshold_lower=rc.rollout_rs_threshold_lower,
     )
-    b["response_mask"] = mask.to(b["response_mask"].dtype)
-    if weights is not None:
-        b["rollout_is_weights"] = weights
-    metrics = {k: float(v) for k, v in m.items()}
-    metrics.update({f"health/{k}": v for k, v in health.items()})
-    return DataProto(b, batch.non_tensor_batch, batch.meta_info), metrics
 
 
 def compute_advantage_stage(batch: DataProto, algo: Any) -> DataProto:
@@ -209,39 +208,3 @@ def _agent_metrics(batch: DataProto) -> dict[str, float]:
         reasons = list(nt["finish_reason"])
         out["response/finish_abort_ratio"] = reasons.count("abort") / max(len(reasons), 1)
     return out
-
-
-_PAD_VALUES = {"rollout_policy_version": -1}
-"""Padding values of batch fields whose padding is not 0."""
-
-
-def concat_rollouts(parts: list[DataProto]) -> DataProto:
-    """Concatenate rollout batches of the agent manager's layout (prompts left-padded to their
-    batch's longest prompt P, responses right-padded to its longest response R; fields of width
-    P + R are prompt ‖ response) into one batch padded to the longest of all parts."""
-    if len(parts) == 1:
-        return parts[0]
-    P = max(p.batch["prompts"].shape[1] for p in parts)
-    R = max(p.batch["responses"].shape[1] for p in parts)
-
-    def repad(key: str, t: torch.Tensor, p: int, r: int) -> torch.Tensor:
-        if t.dim() < 2:
-            return t
-        v = _PAD_VALUES.get(key, 0)
-        if key == "prompts":
-            return torch.nn.functional.pad(t, (P - p, 0), value=v)
-        if t.shape[1] == p + r and key != "responses":
-            left = torch.nn.functional.pad(t[:, :p], (P - p, 0), value=v)
-            return torch.cat([left, torch.nn.functional.pad(t[:, p:], (0, R - r), value=v)], 1)
-        if t.shape[1] == r:
-            return torch.nn.functional.pad(t, (0, R - r), value=v)
-        raise ValueError(
-            f"concat_rollouts: field {key!r} has width {t.shape[1]}, not P={p}, R={r} or P+R"
-        )
-
-    padded = []
-    for part in parts:
-        p, r = part.batch["prompts"].shape[1], part.batch["responses"].shape[1]
-        b = {k: repad(k, t, p, r) for k, t in part.batch.items()}
-        padded.append(DataProto(b, part.non_tensor_batch, part.meta_info))
-    return DataProto.concat(padded)
