@@ -434,6 +434,14 @@ class AsyncConfig:
     ``hybrid_rollout``). ``never``; ``auto``: switch at a step whose batch is not complete when
     the predicted wait (moving average of measured waits) exceeds the measured cost of a switch
     in and out; ``always``: whenever the batch is not complete. Local backend only."""
+    data_plane: str = "driver"
+    """``fully_async``: where finished trajectories travel. ``driver``: back to the trainer
+    process, which scores them and builds the batch. ``object_store`` (``trainer.backend=ray``):
+    the rollout replicas run the agent loops and the reward themselves and put each scored
+    trajectory into Ray's object store; the driver keeps references and tags (lengths, score,
+    policy versions) and each training worker fetches and pads its own shard. Needs an outcome
+    advantage estimator and no critic, reference model, reward model or downsampling
+    (``docs/async.md``)."""
     max_replica_restarts: int = 2
     """``fully_async``: how many dead rollout replicas the run starts again (over the whole
     run; 0 = never). A restart begins at the next step after the death, in the background,

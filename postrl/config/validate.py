@@ -348,6 +348,7 @@ def _fully_async_errors(cfg: PostRLConfig) -> list[str]:
             f"trainer.async.max_replica_restarts={ac.max_replica_restarts} must be >= 0 "
             f"(0: a dead rollout replica is not started again)"
         )
+    e.extend(data_plane_errors(cfg))
     if ac.idle_switch not in ("never", "auto", "always"):
         e.append(f"trainer.async.idle_switch={ac.idle_switch!r} must be one of never, auto, always")
     elif ac.idle_switch != "never" and t.backend != "local":
@@ -357,6 +358,55 @@ def _fully_async_errors(cfg: PostRLConfig) -> list[str]:
             f"which needs the in-process actor; set trainer.backend=local or "
             f"trainer.async.idle_switch=never"
         )
+    return e
+
+
+def data_plane_errors(cfg: PostRLConfig) -> list[str]:
+    """Problems with ``trainer.async.data_plane`` (``object_store`` trains from per-trajectory
+    scores and references: what it cannot carry is refused here, with the fix)."""
+    t, ac, a = cfg.trainer, cfg.trainer.async_, cfg.algorithm
+    if ac.data_plane == "driver":
+        return []
+    if ac.data_plane != "object_store":
+        return [f"trainer.async.data_plane={ac.data_plane!r} must be 'driver' or 'object_store'"]
+    e, why = [], "trainer.async.data_plane=object_store"
+    if t.mode not in FULLY_ASYNC_MODES or t.backend != "ray":
+        e.append(
+            f"{why} with trainer.mode={t.mode}, trainer.backend={t.backend}: trajectories live "
+            f"in Ray's object store between rollout replicas of their own and the training "
+            f"workers; set trainer.mode=fully_async and trainer.backend=ray (or "
+            f"trainer.async.data_plane=driver)"
+        )
+    from postrl.algos import ADV_ESTIMATORS
+
+    if a.adv_estimator in ADV_ESTIMATORS:
+        meta = ADV_ESTIMATORS.meta(a.adv_estimator)
+        if not meta.get("outcome") or meta.get("needs") or meta.get("optional"):
+            e.append(
+                f"algorithm.adv_estimator={a.adv_estimator} with {why}: the driver computes "
+                f"advantages from each trajectory's score alone, and this estimator needs "
+                f"token-level inputs; use an outcome estimator (grpo, rloo, opo, gpg, "
+                f"reinforce_plus_plus_baseline, ...) or trainer.async.data_plane=driver"
+            )
+    blockers = {
+        "a critic (GAE)": a.adv_estimator == "gae",
+        "actor.use_kl_loss=true": cfg.actor.use_kl_loss,
+        "algorithm.use_kl_in_reward=true": a.use_kl_in_reward,
+        "ref.enable=true": bool(cfg.ref.enable),
+        "reward.model.enable=true": cfg.reward.model.enable,
+        "algorithm.downsample.enable=true": a.downsample.enable,
+        f"algorithm.rollout_correction.rollout_rs={a.rollout_correction.rollout_rs}": bool(
+            a.rollout_correction.rollout_rs
+        ),
+        f"trainer.async.idle_switch={ac.idle_switch}": ac.idle_switch != "never",
+    }
+    for what, on in blockers.items():
+        if on:
+            e.append(
+                f"{what} with {why}: not carried by the object-store data plane yet (it needs "
+                f"batch tensors on the driver or a model beside the rollout); turn it off or "
+                f"set trainer.async.data_plane=driver"
+            )
     return e
 
 

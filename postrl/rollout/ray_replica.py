@@ -26,6 +26,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from postrl.protocol.traffic import DRIVER_TRAFFIC
 from postrl.rollout.liveness import Liveness
 from postrl.rollout.types import (
     ReplicaDeadError,
@@ -35,12 +36,13 @@ from postrl.rollout.types import (
     WeightItem,
 )
 
-__all__ = ["RayRolloutReplica"]
+__all__ = ["RayRolloutReplica", "ReplicaActor"]
 
 
-class _ReplicaActor:
-    """Body of the Ray actor: a ``RolloutReplica`` around a freshly created backend, with
-    ``threads`` torch threads."""
+class ReplicaActor:
+    """Body of the Ray actor: a ``RolloutReplica`` (``self.replica``) around a freshly created
+    backend, with ``threads`` torch threads. Subclass it to run more in the replica's process
+    (pass the subclass as ``RayRolloutReplica.create(body=...)``)."""
 
     def __init__(
         self,
@@ -128,6 +130,7 @@ class RayRolloutReplica(Liveness):
         timeout_s: float = 600.0,
         request_timeout_s: float = 600.0,
         startup_timeout_s: float | None = None,
+        body: type | None = None,
         **options: Any,
     ) -> RayRolloutReplica:
         """Start the actor (``ray.init`` must have been called) and wait until it answers
@@ -135,12 +138,14 @@ class RayRolloutReplica(Liveness):
         replica otherwise). ``threads``: torch threads in the actor (0: Ray's default, one
         per reserved CPU); ``nice``: added to the actor process's niceness;
         ``actor_options``: extra ``.options(...)`` such as a ``scheduling_strategy``;
-        ``options``: the backend's constructor options."""
+        ``body``: the actor class (default :class:`ReplicaActor`; a subclass adds methods, e.g.
+        the trainer's rollout-side trajectories); ``options``: the backend's constructor
+        options."""
         import ray
 
         from postrl.rollout.types import RolloutError
 
-        actor_cls = ray.remote(_ReplicaActor).options(
+        actor_cls = ray.remote(body or ReplicaActor).options(
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             max_concurrency=1024,
@@ -206,9 +211,12 @@ class RayRolloutReplica(Liveness):
     ) -> TokenOutput:
         from ray.exceptions import RayActorError
 
+        DRIVER_TRAFFIC.count("out", "prompts", (prompt_ids, sampling))
         ref = self.actor.generate.remote(prompt_ids, sampling, request_id)
         try:
-            return await asyncio.wait_for(ref, self.request_timeout_s)
+            out = await asyncio.wait_for(ref, self.request_timeout_s)
+            DRIVER_TRAFFIC.count("in", "rollout.generate", out)
+            return out
         except RayActorError as e:
             raise self._died(e) from e
         except asyncio.TimeoutError as e:
@@ -257,6 +265,7 @@ class RayRolloutReplica(Liveness):
     def receive_bucket(self, frame: bytes) -> None:
         """Forward one bucket frame to the actor; at an update's last frame the actor swaps the
         weights in (its answer carries the swap's pause and recompute times)."""
+        DRIVER_TRAFFIC.count("out", "weights", frame)
         d = self._get(self.actor.receive_bucket.remote(frame), "weights/bucket")
         self.policy_version = int(d["policy_version"])
         if d.get("swap"):

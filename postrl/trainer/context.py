@@ -81,6 +81,10 @@ class TrainerContext:
     replica_spawner: Callable[[int], Any] | None = None
     """``spawn(slot) -> replica``: start a rollout replica in a slot of the fleet (dedicated
     modes: a restart of a dead one); None where replicas live in this process."""
+    trajectories: Any = None
+    """:class:`~postrl.trainer.object_store.RemoteTrajectories` when
+    ``trainer.async.data_plane=object_store`` (trajectories run on the rollout side), else
+    None."""
     rollout_options: dict[str, Any] = field(default_factory=dict)
     """The options every rollout backend of the run was created with (slots, KV length,
     device, ``rollout.engine_kwargs``): an in-process replica made later (the idle switch)
@@ -256,12 +260,11 @@ def build_context(
     import inspect
 
     from postrl.agent import AgentLoopManager
-    from postrl.reward import RewardLoop, RewardStage
     from postrl.rollout import LoadBalancer, RolloutClient, RolloutReplica, create_rollout_backend
     from postrl.rollout.fleet import RolloutFleet
     from postrl.weights import WEIGHT_SYNC_BACKENDS
 
-    r, tc, rw = cfg.rollout, cfg.trainer, cfg.reward
+    r, tc = cfg.rollout, cfg.trainer
     max_len = kv_capacity(cfg, multi_turn)
     options: dict[str, Any] = dict(
         max_num_seqs=r.max_num_seqs, max_model_len=max_len, device=tc.device
@@ -292,6 +295,36 @@ def build_context(
     balancer = LoadBalancer(replicas)
     client = RolloutClient(balancer)
     agents = AgentLoopManager(client, tokenizer, r.agent, max_model_len=max_len)
+    reward = build_reward_stage(cfg, tokenizer, reward_model)
+    fleet = RolloutFleet(
+        replicas, sync, balancer=balancer, on_close=(pool.close,) if pool is not None else ()
+    )
+    trajectories = None
+    if pool is not None and pool.owner is not None:
+        from postrl.trainer.object_store import RemoteTrajectories
+
+        trajectories = RemoteTrajectories(fleet, pool.owner, tc.async_.timeout_s)
+    return TrainerContext(
+        cfg,
+        tokenizer,
+        loader,
+        agents,
+        fleet,
+        reward,
+        actor,
+        remote_actor=tc.backend == "ray",
+        replica_spawner=pool.spawn if pool is not None else None,
+        trajectories=trajectories,
+        rollout_options=options,
+    )
+
+
+def build_reward_stage(cfg: PostRLConfig, tokenizer: Any, reward_model: Any = None) -> Any:
+    """The run's :class:`~postrl.reward.RewardStage` from ``reward.*`` (the trainer's, and in
+    the object-store data plane each rollout replica's own)."""
+    from postrl.reward import RewardLoop, RewardStage
+
+    rw = cfg.reward
     loop = RewardLoop(
         timeout_s=rw.timeout_s,
         num_workers=rw.num_workers,
@@ -302,7 +335,7 @@ def build_context(
         max_failure_ratio=rw.max_failure_ratio,
         isolate_builtin=rw.isolate_builtin,
     )
-    reward = RewardStage(
+    return RewardStage(
         loop,
         tokenizer,
         reward_model=reward_model,
@@ -310,22 +343,8 @@ def build_context(
         rm_weight=rw.model.weight,
         rm_max_length=rw.model.max_length,
         overlong=rw.overlong,
-        max_response_length=r.response_length,
+        max_response_length=cfg.rollout.response_length,
         tool_reward_weight=rw.tool_reward_weight,
-    )
-    return TrainerContext(
-        cfg,
-        tokenizer,
-        loader,
-        agents,
-        RolloutFleet(
-            replicas, sync, balancer=balancer, on_close=(pool.close,) if pool is not None else ()
-        ),
-        reward,
-        actor,
-        remote_actor=tc.backend == "ray",
-        replica_spawner=pool.spawn if pool is not None else None,
-        rollout_options=options,
     )
 
 
@@ -351,6 +370,9 @@ class DedicatedReplicas:
         self.options = options
         self._strategies: list[Any] = []
         self._pool: Any = None
+        self.owner: Any = None
+        """The :class:`~postrl.trainer.object_store.PayloadOwner` actor (object-store data
+        plane), else None."""
 
     def start(self) -> list[Any]:
         """Start every replica (all or none: a failure closes those already started)."""
@@ -386,6 +408,12 @@ class DedicatedReplicas:
             strategy="PACK",  # replicas may spread over nodes
         )
         self._strategies = placement_strategies(self._pool, timeout_s=ac.timeout_s)
+        if ac.data_plane == "object_store":
+            from postrl.trainer.object_store import PayloadOwner
+
+            owner = ray.remote(PayloadOwner).options(num_cpus=0, max_restarts=0, max_concurrency=64)
+            self.owner = owner.remote()
+            ray.get(self.owner.ping.remote(), timeout=ac.timeout_s)
 
     def spawn(self, slot: int) -> Any:
         """Start the replica for ``slot`` (the first time, or in place of a dead one: the Ray
@@ -394,8 +422,9 @@ class DedicatedReplicas:
         control = max(ac.replica_health_timeout_s, 30.0)
         if cfg.trainer.backend == "ray":
             from postrl.rollout.ray_replica import RayRolloutReplica
+            from postrl.trainer.object_store import TrajectoryReplicaActor
 
-            return RayRolloutReplica.create(
+            rep = RayRolloutReplica.create(
                 cfg.rollout.backend,
                 cfg.model.path,
                 slot,
@@ -407,12 +436,31 @@ class DedicatedReplicas:
                 timeout_s=control,
                 request_timeout_s=ac.timeout_s,
                 startup_timeout_s=max(ac.timeout_s, 120.0),
+                body=TrajectoryReplicaActor if self.owner is not None else None,
                 **self.options,
             )
+            if self.owner is not None:  # its agent loops and reward, from the run's config
+                import ray
+
+                try:
+                    ray.get(
+                        rep.actor.setup_trajectories.remote(cfg, self.options["max_model_len"]),
+                        timeout=max(ac.timeout_s, 120.0),
+                    )
+                except BaseException:
+                    rep.kill()
+                    raise
+            return rep
         return _spawn_process(cfg, self.options, slot, control)
 
     def close(self) -> None:
-        """Release the Ray placement group (the replicas themselves close with the fleet)."""
+        """Release the Ray placement group and the payload owner (the replicas themselves close
+        with the fleet)."""
+        if self.owner is not None:
+            import ray
+
+            ray.kill(self.owner, no_restart=True)
+            self.owner = None
         if self._pool is not None:
             from postrl.controller.backends.ray import release_resource_pool
 

@@ -323,7 +323,8 @@ class FullyAsyncMode:
             "rollout/replica_failures": float(dead + self.ctx.fleet.restarts),
             "rollout/replica_restarts": float(self.ctx.fleet.restarts),
             "rollout/live_replicas": float(len(reps) - dead),
-            "rollout/reissued_requests": float(getattr(client, "reissued", 0)),
+            "rollout/reissued_requests": float(getattr(client, "reissued", 0))
+            + float(getattr(self.ctx.trajectories, "reissued", 0)),
         }
 
     def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:

@@ -114,6 +114,54 @@ class Roles:
             metrics.update(rc)
         return batch, metrics
 
+    def update_from_refs(self, batch: Any, advantages: Any) -> dict[str, float]:
+        """Stages 3-7 for a :class:`~postrl.trainer.object_store.RefBatch` (object-store data
+        plane): balance the rows over the dp ranks from their tagged lengths, pad the last
+        shard with masked copies, and let each rank fetch, pad and train its shard
+        (``ActorWorker.update_actor_from_refs``). Shard-local metrics (old-log-prob entropy,
+        rollout correction, health) are averaged over ranks."""
+        from postrl.protocol.balance import balanced_permutation
+        from postrl.trainer.needs import log_prob_meta
+
+        cfg, dp, n = self.cfg, self.dp_size, len(batch)
+        metrics: dict[str, float] = {}
+        order = list(range(n))
+        if cfg.trainer.balance_batch and dp > 1:
+            lens = (batch.scalars["prompt_len"] + batch.scalars["response_len"]).astype(int)
+            perm, metrics = balanced_permutation(lens.tolist(), dp)
+            order = perm.tolist()
+        pad = (-n) % dp
+        rows = order + [order[i % n] for i in range(pad)]
+        masked = [False] * n + [True] * pad
+        size = len(rows) // dp
+        shards = [range(r * size, (r + 1) * size) for r in range(dp)]
+        rc = cfg.algorithm.rollout_correction
+        meta = {
+            "meta_info": {
+                "temperature": cfg.rollout.temperature,
+                "global_step": batch.meta_info.get("global_step", 0),
+            },
+            "fused": self.fuse_old_log_prob,
+            "bypass": bool(rc.bypass_mode),
+            "log_prob_flags": log_prob_meta(cfg),
+            "correction": stages.correction_kwargs(rc),
+            "timeout_s": cfg.trainer.async_.timeout_s,
+        }
+        adv = advantages.tolist()
+        out = self.actor.update_actor_from_refs(
+            [[batch.refs[rows[j]] for j in s] for s in shards],
+            [[adv[rows[j]] for j in s] for s in shards],
+            [[masked[j] for j in s] for s in shards],
+            [meta] * dp,
+        )
+        metrics.update(out[0]["update"])
+        local: dict[str, list[float]] = {}
+        for o in out:
+            for k, v in o["local"].items():
+                local.setdefault(k, []).append(float(v))
+        metrics.update({k: sum(v) / len(v) for k, v in local.items()})
+        return metrics
+
     # --- checkpoints ------------------------------------------------------------------
     def save(self, ckpt_dir: Path) -> None:
         """Write the actor's (and critic's) weights and optimizer state under ``ckpt_dir``."""

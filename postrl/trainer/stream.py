@@ -40,6 +40,7 @@ import torch
 
 from postrl.protocol import DataProto
 from postrl.reward import RewardFailureError
+from postrl.trainer.object_store import RefBatch, RemoteTrajectory, tag_off_policy_metrics
 from postrl.trainer.replay import ReplayBuffer
 from postrl.trainer.replay.tags import Eviction
 
@@ -56,7 +57,8 @@ class _Group:
     epoch: int
     rows: list[dict[str, Any]]
     outputs: dict[int, Any] = field(default_factory=dict)
-    batch: DataProto | None = None  # the scored group (score_on_completion)
+    batch: Any = None  # the scored group (score_on_completion): a DataProto, or the group's
+    # RemoteTrajectory list in the object-store data plane
 
 
 async def _cancel_sample(sample: asyncio.Task[list[str]]) -> list[str] | None:
@@ -115,6 +117,9 @@ class GroupStream:
         self._wake: asyncio.Future[None] | None = None
         self._counts = dict.fromkeys(("groups", "filtered", "failed", "stale"), 0)
         self._sampling = ctx.sampling_params()
+        self.remote = getattr(ctx, "trajectories", None)
+        """:class:`~postrl.trainer.object_store.RemoteTrajectories` in the object-store data
+        plane (trajectories run, are scored and stay on the rollout side), else None."""
 
     # ------------------------------------------------------------------ admission
     @property
@@ -165,12 +170,16 @@ class GroupStream:
         try:
             # older dispatch steps first: an interrupted trajectory resumes before fresh ones
             sampling = dataclasses.replace(self._sampling, priority=g.step)
-            out = await self.ctx.agents.run(g.rows[k], sampling)
+            if self.remote is not None:
+                out = await self.remote.run(g.rows[k], sampling)
+            else:
+                out = await self.ctx.agents.run(g.rows[k], sampling)
         finally:
             self._tasks.pop((uid, k), None)
         if uid not in self._groups:  # evicted while generating (e.g. stale)
             return
-        self.ctx.reward.on_trajectory(k, out, g.rows[k])
+        if self.remote is None:
+            self.ctx.reward.on_trajectory(k, out, g.rows[k])
         g.outputs[k] = out
         if not self.score_on_completion:
             self._report(uid, k, None)
@@ -178,7 +187,7 @@ class GroupStream:
             return
         if len(g.outputs) < self.n:
             return  # its tag stays running until the group is scored
-        if not self.inline_scoring:
+        if not self.inline_scoring and self.remote is None:
             futures = self.ctx.reward.streamed([(uid, j) for j in range(self.n)])
             if futures:
                 await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
@@ -186,11 +195,12 @@ class GroupStream:
 
     def _report(self, uid: str, k: int, score: float | None) -> None:
         out = self._groups[uid].outputs[k]
+        remote = isinstance(out, RemoteTrajectory)
         self.buffer.finish(
             (uid, k),
             out,
-            prompt_len=len(out.prompt_ids),
-            response_len=len(out.response_ids),
+            prompt_len=out.prompt_len if remote else len(out.prompt_ids),
+            response_len=out.response_len if remote else len(out.response_ids),
             versions=_segments(out),
             score=score,
         )
@@ -201,13 +211,19 @@ class GroupStream:
         g = self._groups.get(uid)
         if g is None:
             return
-        batch = self._assemble([g])
-        scored, metrics = self.ctx.reward.finish(batch, check_failures=False)
-        g.batch = scored
+        if self.remote is not None:  # scored on the rollout side: the tags carry the scores
+            trajs = [g.outputs[k] for k in range(self.n)]
+            g.batch = trajs
+            metrics = _merge_reward_metrics([(1, t.reward_metrics) for t in trajs])
+            scores = [t.score for t in trajs]
+            valid = [t.valid for t in trajs]
+        else:
+            scored, metrics = self.ctx.reward.finish(self._assemble([g]), check_failures=False)
+            g.batch = scored
+            scores = scored.batch["token_level_scores"].sum(-1).tolist()
+            valid = scored.batch["sample_valid"].tolist()
         self._parts.append((self.n, metrics))
         self._counts["groups"] += 1
-        scores = scored.batch["token_level_scores"].sum(-1).tolist()
-        valid = scored.batch["sample_valid"].tolist()
         for k in range(self.n):
             if uid not in self._groups:
                 break  # evicted by an earlier trajectory's report
@@ -278,7 +294,10 @@ class GroupStream:
         taken = [self._groups.pop(u) for u in uids]
         self.buffer.assemble(uids)  # releases the payloads (the groups hold the outputs)
         metrics: dict[str, float] = {}
-        if not taken:
+        if not taken and self.remote is not None:
+            batch = RefBatch.from_groups([])
+            batch.meta_info["skip_update"] = True  # nothing to train (every group filtered)
+        elif not taken:
             batch = self._dropped_batch
             if batch is None:
                 raise RuntimeError(
@@ -288,6 +307,13 @@ class GroupStream:
             b = dict(batch.batch)
             b["response_mask"] = b["response_mask"] * 0
             batch = DataProto(b, batch.non_tensor_batch, dict(batch.meta_info))
+        elif self.remote is not None:  # references and tags; the payloads stay put
+            batch = RefBatch.from_groups(
+                [
+                    (g.uid, g.index, g.batch if isinstance(g.batch, list) else _rows(g.batch))
+                    for g in taken
+                ]
+            )
         elif self.score_on_completion:
             from postrl.trainer.stages import concat_rollouts
 
@@ -304,7 +330,10 @@ class GroupStream:
             metrics.update(_merge_reward_metrics(parts))
         c = dict(self._counts)
         metrics.update(self._take_metrics(len(taken)))
-        metrics.update(off_policy_metrics(batch, self.buffer.version))
+        if isinstance(batch, RefBatch):
+            metrics.update(tag_off_policy_metrics(batch, self.buffer.version))
+        else:
+            metrics.update(off_policy_metrics(batch, self.buffer.version))
         metrics["training/off_policy/evicted_samples"] = float(
             self.n * (c["stale"] + c["filtered"] + c["failed"])
         )
@@ -447,7 +476,12 @@ class GroupStream:
                     "index": g.index,
                     "step": g.step,
                     "epoch": g.epoch,
-                    "outputs": {str(k): _output_to_json(o) for k, o in g.outputs.items()},
+                    "outputs": {
+                        str(k): o.fetch_output()
+                        if isinstance(o, RemoteTrajectory)
+                        else _output_to_json(o)
+                        for k, o in g.outputs.items()
+                    },
                 }
                 for g in self._groups.values()
             ],
@@ -552,6 +586,11 @@ def off_policy_metrics(batch: DataProto, version: int) -> dict[str, float]:
 def _segments(out: Any) -> list[tuple[int, int]]:
     """The policy-version segments of a trajectory's sampled tokens ([] when unknown)."""
     return [(int(n), int(v)) for n, v in (out.response_versions or []) if v is not None and v >= 0]
+
+
+def _rows(batch: Any) -> list[DataProto]:
+    """A scored group batch as one-row batches (a restored group in the object-store plane)."""
+    return [batch[i : i + 1] for i in range(len(batch))]
 
 
 def _output_to_json(out: Any) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -103,6 +104,80 @@ class ActorWorker(Worker):
         return DataProto.from_dict(
             {"old_log_probs": out.old_log_probs}, meta_info={"metrics": out.metrics}
         )
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def update_actor_from_refs(
+        self, refs: list[Any], advantages: list[float], masked: list[bool], meta: dict[str, Any]
+    ) -> dict[str, dict[str, float]]:
+        """Object-store data plane: fetch this rank's trajectories from Ray's object store, pad
+        them into the rollout layout, and run what the driver would (old log-probs, rollout
+        correction, one PPO update) on them.
+
+        Args:
+            refs: one object reference per row (``{"batch": one-row scored DataProto}``).
+            advantages: the row's outcome advantage (broadcast over its policy tokens).
+            masked: rows that only pad the shard to the group's size (they train nothing).
+            meta: ``meta_info`` (temperature, global step), ``fused`` / ``bypass`` (where old
+                log-probs come from), ``log_prob_flags``, ``correction`` (the rollout
+                correction's keyword arguments), ``timeout_s`` (the fetch deadline).
+
+        Returns:
+            ``{"update": the update's metrics (the same on every rank), "local": this shard's
+            old-log-prob entropy and rollout-correction / health metrics}``.
+        """
+        import ray
+
+        from postrl.algos import rollout_correction_with_health
+        from postrl.engine.minibatch import mask_rows
+        from postrl.protocol.layout import concat_rollouts
+
+        parts = ray.get(list(refs), timeout=meta.get("timeout_s"))
+        batch = concat_rollouts([p["batch"] for p in parts])
+        b = dict(batch.batch)
+        mask = b["response_mask"]
+        adv = torch.tensor(advantages, dtype=torch.float32)[:, None] * mask
+        b.update(advantages=adv, returns=adv, token_level_rewards=b["token_level_scores"])
+        batch = DataProto(b, batch.non_tensor_batch, dict(meta.get("meta_info", {})))
+        pads = [i for i, m in enumerate(masked) if m]
+        if pads:
+            real = [i for i, m in enumerate(masked) if not m]
+            batch = DataProto.concat(
+                [batch[torch.tensor(real)], mask_rows(batch[torch.tensor(pads)])]
+            )
+        local: dict[str, float] = {}
+
+        def correct(data: DataProto) -> DataProto:
+            d = dict(data.batch)
+            weights, d["response_mask"], cm = rollout_correction_with_health(
+                d["old_log_probs"], d["rollout_log_probs"], d["response_mask"], **meta["correction"]
+            )
+            if weights is not None:
+                d["rollout_is_weights"] = weights
+            local.update(cm)
+            return DataProto(d, data.non_tensor_batch, data.meta_info)
+
+        if not meta.get("fused"):
+            if meta.get("bypass"):
+                old = batch.batch["rollout_log_probs"]
+            else:
+                query = DataProto(batch.batch, batch.non_tensor_batch, dict(batch.meta_info))
+                query.meta_info.update(calculate_entropy=True, **meta.get("log_prob_flags", {}))
+                out = self.actor.compute_log_prob(query)
+                m = batch.batch["response_mask"].float()
+                if "entropys" in out.batch:
+                    ent = out.batch["entropys"]
+                    local["actor/entropy_old"] = float((ent * m).sum() / m.sum().clamp(min=1))
+                for key in ("sum_pi_squared",):
+                    if key in out.batch:
+                        batch.batch[key] = out.batch[key]
+                old = out.batch["old_log_probs"]
+            batch.batch["old_log_probs"] = old
+            batch = correct(batch)
+        result = self.actor.update_policy(batch)
+        if result.old_log_probs is not None:  # fused: the update's own old log-probs
+            batch.batch["old_log_probs"] = result.old_log_probs[: len(batch)]
+            correct(batch)
+        return {"update": dict(result.metrics), "local": local}
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
     def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -36,6 +36,7 @@ from postrl.controller.errors import (
 from postrl.controller.resource_pool import ResourcePool, free_port
 from postrl.controller.worker import RemoteFailure, WorkerContext, invoke, worker_context
 from postrl.controller.worker_group import Timeouts, WorkerGroup
+from postrl.protocol.traffic import DRIVER_TRAFFIC
 
 __all__ = ["RayWorkerGroup", "placement_strategies", "release_resource_pool"]
 
@@ -275,6 +276,7 @@ class RayWorkerGroup(WorkerGroup):
 
     # ------------------------------------------------------------------ hooks
     def _launch(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
+        DRIVER_TRAFFIC.count("out", f"{self.name}.{method}", (args, kwargs))
         return self.hosts[rank].execute.remote(method, *args, **kwargs)
 
     def _wait(
@@ -325,6 +327,7 @@ class RayWorkerGroup(WorkerGroup):
                     ) from e
                 if isinstance(value, RemoteFailure):
                     raise value.to_error()
+                DRIVER_TRAFFIC.count("in", f"{self.name}.{method}", value)
                 results[j] = value
         return results
 

@@ -1,0 +1,448 @@
+"""The object-store data plane of ``fully_async`` on Ray (``trainer.async.data_plane``).
+
+With the ``driver`` data plane every finished trajectory comes back to the trainer process,
+which scores it and pads the training batch. Here the trajectory never does:
+
+* **Rollout side.** Each rollout replica actor (:class:`TrajectoryReplicaActor`, a
+  :class:`~postrl.rollout.ray_replica.ReplicaActor` with more methods) runs the agent loop
+  against its own engine, assembles the one-row batch, scores it with its own
+  :class:`~postrl.reward.RewardStage` (the same code and config as the trainer's) and puts it into
+  Ray's object store, owned by a small :class:`PayloadOwner` actor so the payload outlives the
+  replica that made it. It answers with a **tag**: the reference, lengths, policy-version
+  segments, score, validity and the reward metrics (:class:`RemoteTrajectory`).
+* **Driver.** The replay buffer, the staleness bound, DAPO filtering and the samplers decide
+  from tags, as always. A taken mini-batch is a :class:`RefBatch` (references + per-row
+  scalars); the outcome advantage estimator runs on the per-row scores
+  (:func:`outcome_advantages`), and each training worker receives the references of its shard
+  and one advantage per row (``ActorWorker.update_actor_from_refs``): it fetches the payloads
+  from the object store, pads them with the same
+  :func:`~postrl.protocol.layout.concat_rollouts`, computes old log-probs, rollout correction and
+  the update, and returns metrics.
+
+:data:`~postrl.protocol.traffic.DRIVER_TRAFFIC` counts what crosses the driver;
+``tests/trainer/test_object_store.py`` checks that no trajectory tensor does. Payloads pass
+through the driver only at a checkpoint (the buffer's finished trajectories are saved with it).
+A replica that dies takes its running trajectories with it: they are run again on a live
+replica (``rollout/reissued_requests``); its finished ones survive in the owner's store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from postrl.protocol.traffic import DRIVER_TRAFFIC
+from postrl.rollout.ray_replica import ReplicaActor
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PayloadOwner",
+    "RefBatch",
+    "RemoteTrajectories",
+    "RemoteTrajectory",
+    "TrajectoryReplicaActor",
+    "outcome_advantages",
+    "tag_step_metrics",
+]
+
+
+class PayloadOwner:
+    """Ray actor that owns the trajectory payloads: a replica hands it each payload and it puts
+    it into the object store, so the object lives as long as a reference to it does, even after
+    the replica that made it died (an object dies with its owner; Ray ≥ 2.56 has no
+    ``ray.put(_owner=...)``). One per run, on the rollout side, never on the driver's path."""
+
+    def put(self, payload: Any) -> list[Any]:
+        """Store ``payload``; ``[reference]`` (a list: the reference itself, not its value)."""
+        import ray
+
+        return [ray.put(payload)]
+
+    def ping(self) -> bool:
+        """Answer (a liveness check)."""
+        return True
+
+
+class TrajectoryReplicaActor(ReplicaActor):
+    """A rollout replica actor that also runs whole trajectories (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._agents: Any = None
+        self._reward: Any = None
+
+    async def setup_trajectories(self, cfg: Any, max_model_len: int) -> int:
+        """Build the agent-loop manager (on this replica's engine) and the reward stage from the
+        run's config; returns the process id."""
+        import os
+
+        from postrl.agent import AgentLoopManager
+        from postrl.data import load_tokenizer
+        from postrl.rollout import LoadBalancer, RolloutClient
+        from postrl.trainer.context import build_reward_stage
+
+        tokenizer = load_tokenizer(cfg.model.path)
+        client = RolloutClient(LoadBalancer([self.replica]))
+        self._agents = AgentLoopManager(
+            client, tokenizer, cfg.rollout.agent, max_model_len=max_model_len
+        )
+        self._reward = build_reward_stage(cfg, tokenizer)
+        return os.getpid()
+
+    async def trajectory(self, row: dict[str, Any], sampling: Any, owner: Any) -> dict[str, Any]:
+        """Run, assemble and score one trajectory; put it into the object store (owned by
+        ``owner``, a :class:`PayloadOwner`); return its tag
+        (:meth:`RemoteTrajectory.from_answer`)."""
+        if self._agents is None:
+            raise RuntimeError("trajectory() before setup_trajectories()")
+        out = await self._agents.run(row, sampling)
+        batch = self._agents.assemble([out], [row])
+        scored, metrics = self._reward.finish(batch, check_failures=False)
+        payload = {"batch": scored, "output": dataclasses.asdict(out)}
+        (ref,) = await owner.put.remote(payload)
+        return {
+            "ref": ref,
+            "prompt_len": len(out.prompt_ids),
+            "response_len": len(out.response_ids),
+            "policy_tokens": int(sum(out.response_mask)),
+            "versions": [list(s) for s in (out.response_versions or [])],
+            "score": float(scored.batch["token_level_scores"].sum()),
+            "valid": bool(scored.batch["sample_valid"][0]),
+            "num_turns": int(out.num_turns),
+            "finish_reason": str(out.finish_reason),
+            "agent_metrics": {k: float(v) for k, v in out.metrics.items()},
+            "reward_metrics": {k: float(v) for k, v in metrics.items()},
+        }
+
+
+@dataclass
+class RemoteTrajectory:
+    """The driver's view of one finished trajectory: a reference and its tag."""
+
+    ref: Any
+    prompt_len: int
+    response_len: int
+    policy_tokens: int
+    response_versions: list[tuple[int, int]]
+    score: float
+    valid: bool
+    num_turns: int
+    finish_reason: str
+    agent_metrics: dict[str, float]
+    reward_metrics: dict[str, float]
+    replica: int = -1
+
+    @classmethod
+    def from_answer(cls, d: dict[str, Any], replica: int) -> RemoteTrajectory:
+        """From :meth:`TrajectoryReplicaActor.trajectory`'s answer."""
+        return cls(
+            ref=d["ref"],
+            prompt_len=int(d["prompt_len"]),
+            response_len=int(d["response_len"]),
+            policy_tokens=int(d["policy_tokens"]),
+            response_versions=[(int(n), int(v)) for n, v in d["versions"]],
+            score=float(d["score"]),
+            valid=bool(d["valid"]),
+            num_turns=int(d["num_turns"]),
+            finish_reason=str(d["finish_reason"]),
+            agent_metrics=dict(d["agent_metrics"]),
+            reward_metrics=dict(d["reward_metrics"]),
+            replica=replica,
+        )
+
+    def fetch_output(self) -> dict[str, Any]:
+        """The trajectory's ``AgentLoopOutput`` fields, fetched from the object store (a
+        checkpoint saves them: the one time a payload passes through the driver)."""
+        import ray
+
+        return dict(ray.get(self.ref)["output"])
+
+
+class RemoteTrajectories:
+    """Runs trajectories on the fleet's replica actors (the driver side of the data plane).
+
+    The least loaded live replica runs each one; when it dies meanwhile the trajectory runs again
+    from its prompt on another (``reissued``), waiting for a restarted replica when none is
+    live, as the rollout client does for single requests.
+
+    Args:
+        fleet: the :class:`~postrl.rollout.fleet.RolloutFleet` of
+            :class:`~postrl.rollout.ray_replica.RayRolloutReplica` handles whose actors are
+            :class:`TrajectoryReplicaActor`.
+        owner: the :class:`PayloadOwner` actor handle.
+        timeout_s: deadline of one trajectory.
+    """
+
+    def __init__(self, fleet: Any, owner: Any, timeout_s: float) -> None:
+        self.fleet = fleet
+        self.owner = owner
+        self.timeout_s = timeout_s
+        self.reissued = 0
+
+    async def run(self, row: dict[str, Any], sampling: Any) -> RemoteTrajectory:
+        """One trajectory of ``row`` on a live replica; its tag."""
+        from ray.exceptions import RayActorError
+
+        from postrl.rollout.client import _await_restart
+        from postrl.rollout.types import ReplicaDeadError, RolloutTimeoutError
+
+        lb = self.fleet.balancer
+        while True:
+            try:
+                idx = lb.pick()
+            except ReplicaDeadError as e:
+                await _await_restart(lb, e)
+                continue
+            rep = lb.replicas[idx]
+            lb.acquire(idx)
+            DRIVER_TRAFFIC.count("out", "prompts", (row, sampling))
+            ref = rep.actor.trajectory.remote(row, sampling, self.owner)
+            try:
+                answer = await rep.race(_await_ref(ref, self.timeout_s))
+            except (ReplicaDeadError, RayActorError) as e:
+                _cancel(ref)  # (a hung actor may still run it)
+                if isinstance(e, RayActorError):
+                    rep.mark_dead(f"Ray actor died ({type(e).__name__})")
+                self.reissued += 1
+                logger.warning(
+                    "trajectory %s: replica %d died (%s); running it again on another",
+                    row.get("request_id"),
+                    idx,
+                    e,
+                )
+                continue
+            except asyncio.TimeoutError as e:
+                _cancel(ref)
+                raise RolloutTimeoutError(
+                    f"replica {idx}: trajectory {row.get('request_id')!r} exceeded "
+                    f"{self.timeout_s}s (trainer.async.timeout_s)"
+                ) from e
+            except asyncio.CancelledError:
+                _cancel(ref)
+                raise
+            finally:
+                lb.release(idx)
+            DRIVER_TRAFFIC.count("in", "rollout.trajectory", answer)
+            return RemoteTrajectory.from_answer(answer, idx)
+
+
+async def _await_ref(ref: Any, timeout_s: float) -> Any:
+    return await asyncio.wait_for(ref, timeout_s)
+
+
+def _cancel(ref: Any) -> None:
+    import ray
+
+    try:
+        ray.cancel(ref)
+    except Exception:  # noqa: BLE001 (the task finished or its actor is gone)
+        logger.debug("cancelling a trajectory task failed", exc_info=True)
+
+
+@dataclass
+class RefBatch:
+    """A training batch in the object store: one reference per row plus what the driver needs
+    (uids and dataset indices for the ledger and the sampler, per-row scalars for advantages
+    and metrics). ``len()`` is the number of rows."""
+
+    refs: list[Any]
+    non_tensor_batch: dict[str, np.ndarray]
+    scalars: dict[str, np.ndarray]
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    @classmethod
+    def from_groups(cls, groups: list[tuple[str, int, list[Any]]]) -> RefBatch:
+        """From ``(uid, dataset index, trajectories)`` per group; a trajectory is a
+        :class:`RemoteTrajectory`, or a one-row scored ``DataProto`` (a group restored from a
+        checkpoint and scored on the driver), which is put into the object store here."""
+        refs: list[Any] = []
+        cols: dict[str, list[Any]] = {
+            k: []
+            for k in (
+                "uid",
+                "index",
+                "sample_index",
+                "num_turns",
+                "finish_reason",
+                "agent_metrics",
+                "min_version",
+                "max_version",
+                "spans",
+            )
+        }
+        sc: dict[str, list[float]] = {
+            k: [] for k in ("score", "valid", "prompt_len", "response_len", "policy_tokens")
+        }
+        for uid, index, trajs in groups:
+            for k, t in enumerate(trajs):
+                if not isinstance(t, RemoteTrajectory):
+                    t = _local_row(t)
+                refs.append(t.ref)
+                known = [v for n, v in t.response_versions if n > 0 and v >= 0]
+                for key, v in (
+                    ("uid", uid),
+                    ("index", index),
+                    ("sample_index", k),
+                    ("num_turns", t.num_turns),
+                    ("finish_reason", t.finish_reason),
+                    ("agent_metrics", t.agent_metrics),
+                    ("min_version", min(known, default=-1)),
+                    ("max_version", max(known, default=-1)),
+                    ("spans", len(set(known))),
+                ):
+                    cols[key].append(v)
+                for key, v in (
+                    ("score", t.score),
+                    ("valid", float(t.valid)),
+                    ("prompt_len", t.prompt_len),
+                    ("response_len", t.response_len),
+                    ("policy_tokens", t.policy_tokens),
+                ):
+                    sc[key].append(float(v))
+        nt = {k: np.array(v, dtype=object) for k, v in cols.items()}
+        for k in ("index", "num_turns", "min_version", "max_version", "spans", "sample_index"):
+            nt[k] = np.asarray(cols[k], dtype=np.int64)
+        return cls(refs, nt, {k: np.asarray(v, dtype=np.float64) for k, v in sc.items()})
+
+
+def _local_row(row: Any) -> RemoteTrajectory:
+    """A one-row scored ``DataProto`` put into the object store from the driver."""
+    import ray
+
+    b, nt = row.batch, row.non_tensor_batch
+    versions = b["rollout_policy_version"][0]
+    known = versions[versions >= 0].tolist()
+    return RemoteTrajectory(
+        ref=ray.put({"batch": row}),
+        prompt_len=int(b["attention_mask"][0, : b["prompts"].shape[1]].sum()),
+        response_len=int(b["attention_mask"][0, b["prompts"].shape[1] :].sum()),
+        policy_tokens=int(b["response_mask"][0].sum()),
+        response_versions=[(1, int(v)) for v in known],
+        score=float(b["token_level_scores"][0].sum()),
+        valid=bool(b["sample_valid"][0]),
+        num_turns=int(nt["num_turns"][0]),
+        finish_reason=str(nt["finish_reason"][0]),
+        agent_metrics=dict(nt["agent_metrics"][0] or {}),
+        reward_metrics={},
+    )
+
+
+def outcome_advantages(batch: RefBatch, algo: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """One advantage per row from the rows' scores: the configured (outcome) estimator on
+    ``token_level_rewards`` of one token per policy token (the score on the first), with the
+    rows' policy-token counts as the mask — the same numbers it gives on the full batch, where
+    an outcome estimator's advantage is constant over a row's tokens. Returns ``(B,)`` float32
+    advantages and ``critic/advantages/*`` metrics over tokens."""
+    from postrl.trainer.stages import _bound_estimator
+
+    s = batch.scalars
+    lens = torch.as_tensor(s["policy_tokens"], dtype=torch.long)
+    T = max(1, int(lens.max()) if len(lens) else 1)
+    mask = (torch.arange(T)[None, :] < lens[:, None]).long()  # (B, T)
+    rewards = torch.zeros(len(batch), T, dtype=torch.float32)
+    rewards[:, 0] = torch.as_tensor(s["score"], dtype=torch.float32)
+    fn = _bound_estimator(algo.adv_estimator, algo.adv_estimator_kwargs)
+    adv, _ = fn(
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=np.asarray(batch.non_tensor_batch["uid"]),
+        gamma=algo.gamma,
+        lam=algo.lam,
+        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+        sample_mask=torch.as_tensor(s["valid"] > 0),
+    )
+    per_row = adv[:, 0].clone()
+    spread = (adv - per_row[:, None]).abs().masked_fill(mask == 0, 0.0)
+    if len(batch) and float(spread.max()) > 1e-5:
+        raise ValueError(
+            f"algorithm.adv_estimator={algo.adv_estimator} gave advantages that vary within a "
+            f"row; trainer.async.data_plane=object_store needs an outcome estimator (one value "
+            f"per trajectory); set trainer.async.data_plane=driver"
+        )
+    per_row = torch.where(lens > 0, per_row, torch.zeros_like(per_row))
+    m: dict[str, float] = {}
+    tok = adv[mask.bool()]
+    if tok.numel():
+        m = {
+            "critic/advantages/mean": float(tok.mean()),
+            "critic/advantages/max": float(tok.max()),
+            "critic/advantages/min": float(tok.min()),
+            "critic/returns/mean": float(tok.mean()),
+            "critic/returns/max": float(tok.max()),
+            "critic/returns/min": float(tok.min()),
+        }
+    return per_row.float(), m
+
+
+def tag_step_metrics(
+    batch: RefBatch, cfg: Any, step_seconds: float, dp_size: int
+) -> dict[str, float]:
+    """Stage 9 from tags: the score, length, agent and throughput metrics the ``driver`` plane
+    reads off the batch tensors (same names, same values)."""
+    s, nt = batch.scalars, batch.non_tensor_batch
+    valid = s["valid"] > 0
+    m: dict[str, float] = {}
+
+    def stats(name: str, x: np.ndarray) -> None:
+        if len(x):
+            m[f"{name}/mean"] = float(x.mean())
+            m[f"{name}/max"] = float(x.max())
+            m[f"{name}/min"] = float(x.min())
+
+    stats("critic/score", s["score"][valid])
+    stats("critic/rewards", s["score"][valid])
+    stats("response_length", s["response_len"])
+    m["response_length/clip_ratio"] = float(
+        (s["response_len"] >= cfg.rollout.response_length).mean() if len(batch) else 0.0
+    )
+    stats("prompt_length", s["prompt_len"])
+    if len(batch):
+        m["agent/num_turns/mean"] = float(np.asarray(nt["num_turns"], dtype=np.float64).mean())
+        reasons = list(nt["finish_reason"])
+        m["response/finish_abort_ratio"] = reasons.count("abort") / len(reasons)
+    agg: dict[str, list[float]] = {}
+    for d in nt["agent_metrics"]:
+        for k, v in (d or {}).items():
+            agg.setdefault(k, []).append(float(v))
+    for k, vals in agg.items():
+        m[k if k.startswith("agent/") else f"agent/{k}"] = sum(vals) / len(vals)
+    total = float((s["prompt_len"] + s["response_len"]).sum())
+    resp = float(s["policy_tokens"].sum())
+    m.update(
+        {
+            "perf/total_num_tokens": total,
+            "perf/completion_tokens": resp,
+            "perf/time_per_step": step_seconds,
+            "perf/throughput": total / max(step_seconds, 1e-9) / max(dp_size, 1),
+            "perf/completion_tokens_per_s": resp / max(step_seconds, 1e-9),
+        }
+    )
+    return m
+
+
+def tag_off_policy_metrics(batch: RefBatch, version: int) -> dict[str, float]:
+    """``training/off_policy/*`` (as :func:`~postrl.trainer.stream.off_policy_metrics`) from the
+    rows' version tags."""
+    nt = batch.non_tensor_batch
+    lo, spans = nt["min_version"], nt["spans"]
+    rows = lo >= 0
+    if not rows.any():
+        return {}
+    out: dict[str, float] = {}
+    pairs = (("trajectory_staleness", version - lo[rows]), ("trajectory_spans", spans[rows]))
+    for name, v in pairs:
+        x = np.asarray(v, dtype=np.float64)
+        out[f"training/off_policy/{name}/mean"] = float(x.mean())
+        out[f"training/off_policy/{name}/max"] = float(x.max())
+        out[f"training/off_policy/{name}/min"] = float(x.min())
+    return out
