@@ -12,9 +12,18 @@ worker fetches its own shard, and nothing is lost or trained twice.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
-from trainer_helpers import each_prompt_once_per_epoch, fully_async_overrides, metric_rows
+import torch
+from trainer_helpers import (
+    await_replacement,
+    each_prompt_once_per_epoch,
+    fully_async_overrides,
+    metric_rows,
+)
 
 from postrl.config import load_config
 from postrl.data import generate_addition, write_parquet
@@ -89,3 +98,145 @@ def test_object_store_run_moves_no_tensor_through_the_driver(
     stages = {"timing_s/old_log_prob", "timing_s/ref", "timing_s/reward", "timing_s/values"}
     missing = set().union(*runs["driver"]) - set().union(*runs["object_store"])
     assert missing <= stages | {"timing_s/update_critic"}, missing
+
+
+def test_object_store_loses_nothing_when_a_replica_is_killed(
+    ray_cluster, tiny_model_dir, digits_reward, tmp_path
+):
+    args = [
+        *_args(tiny_model_dir, digits_reward, tmp_path, "object_store"),
+        "rollout.num_replicas=2",
+        "trainer.async.replica_health_interval_s=0.5",
+        "trainer.async.replica_health_timeout_s=2",
+        "trainer.async.max_replica_restarts=1",
+    ]
+    trainer = RLTrainer(load_config(None, args))
+    first = list(trainer.ctx.fleet.replicas)
+    orphans: list[int] = []
+
+    def kill(t: RLTrainer) -> None:
+        # finished, untrained trajectories the victim made: their payloads must outlive it
+        groups = t.mode.stream._groups.values()
+        orphans.append(sum(o.replica == 0 for g in groups for o in g.outputs.values()))
+        os.kill(first[0].pid, signal.SIGKILL)
+
+    faults = {
+        "step3:after_gen": kill,
+        "step8:after_gen": lambda t: await_replacement(t, first[0]),
+    }
+
+    def hook(point: str) -> None:
+        if point in faults:
+            faults[point](trainer)
+
+    hooks.install(hook)
+    try:
+        trainer.fit()
+        new = trainer.ctx.fleet.replicas[0]
+        assert new is not first[0] and not new.dead
+    finally:
+        hooks.uninstall(hook)
+        trainer.close()
+    assert first[0].dead_reason
+    assert orphans[0] > 0, "no finished trajectory of the killed replica was left to train"
+    each_prompt_once_per_epoch(tmp_path / "run-object_store", 2, 16, steps_per_epoch=8)
+    last = metric_rows(tmp_path / "run-object_store")[-1]
+    assert last["rollout/replica_failures"] == 1 and last["rollout/replica_restarts"] == 1
+    assert last["rollout/live_replicas"] == 2
+    assert last["rollout/reissued_requests"] > 0  # its running trajectories ran again
+
+
+def _scored_rows(tokenizer_vocab: int, n_rows: int, seed: int) -> list:
+    """One-row scored batches in the rollout layout (what a replica puts into the store)."""
+    from postrl.agent import AgentLoopManager
+    from postrl.agent.base import AgentLoopOutput
+    from postrl.config import AgentConfig
+
+    class _Tok:
+        pad_token_id, eos_token_id = 0, 1
+
+    mgr = AgentLoopManager(None, _Tok(), AgentConfig())
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n_rows):
+        p, r = 3 + i % 4, 2 + (i * 3) % 6
+        out = AgentLoopOutput(
+            prompt_ids=torch.randint(2, tokenizer_vocab, (p,), generator=g).tolist(),
+            response_ids=torch.randint(2, tokenizer_vocab, (r,), generator=g).tolist(),
+            response_mask=[1] * r,
+            response_logprobs=(-torch.rand(r, generator=g) * 3).tolist(),
+            response_versions=[(r, 0)],
+        )
+        row = {"uid": f"g{i // 2}", "index": i // 2, "sample_index": i % 2, "request_id": str(i)}
+        b = mgr.assemble([out], [row])
+        scores = torch.zeros(1, r)
+        scores[0, -1] = float(i % 3 == 0)
+        b.batch["token_level_scores"] = scores
+        b.batch["sample_valid"] = torch.ones(1, dtype=torch.bool)
+        rows.append(b)
+    return rows
+
+
+def test_update_from_refs_equals_the_driver_update(ray_cluster, tiny_model_dir, tmp_path):
+    """The same trajectories trained through the driver (pad, balance, old log-probs, rollout
+    correction, advantages, update) and from references on the workers give the same weights,
+    on 2 dp ranks with a shard padded by a masked row."""
+    from safetensors.torch import load_file
+
+    from postrl.protocol.layout import concat_rollouts
+    from postrl.trainer import stages
+    from postrl.trainer.object_store import RefBatch, outcome_advantages
+    from postrl.trainer.roles import build_roles
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "trainer.backend=ray",
+            "trainer.num_workers=2",
+            "trainer.num_threads=1",
+            "rollout.n=2",
+            "data.train_batch_size=5",
+            "actor.ppo_mini_batch_size=5",
+            "actor.fuse_old_log_prob=false",
+            "algorithm.rollout_correction.rollout_is=token",
+            "actor.optim.lr=1e-3",
+        ],
+    )
+    rows = _scored_rows(100, 9, seed=3)  # 9 rows: dp 2 pads one masked row
+    saved = {}
+    for plane in ("driver", "object_store"):
+        roles = build_roles(cfg, 1, use_ref=False, use_critic=False)
+        try:
+            if plane == "driver":
+                batch = concat_rollouts(rows)
+                batch.meta_info.update(temperature=cfg.rollout.temperature, global_step=1)
+                batch, _ = roles.balance(batch)
+                batch, _ = roles.old_log_probs(batch)
+                batch, _ = stages.rollout_correction_stage(batch, cfg.algorithm.rollout_correction)
+                batch = stages.compute_advantage_stage(batch, cfg.algorithm)
+                _, metrics = roles.update_actor(batch)
+            else:
+                groups = [(f"g{j}", j, rows[2 * j : 2 * j + 2]) for j in range(5)]
+                ref_batch = RefBatch.from_groups(groups)
+                ref_batch.meta_info["global_step"] = 1
+                adv, _ = outcome_advantages(ref_batch, cfg.algorithm)
+                metrics = roles.update_from_refs(ref_batch, adv)
+            roles.save(tmp_path / plane)
+        finally:
+            roles.close()
+        files = sorted((tmp_path / plane / "actor").rglob("*.safetensors"))
+        saved[plane] = ({k: v for f in files for k, v in load_file(str(f)).items()}, metrics)
+    (wa, ma), (wb, mb) = saved["driver"], saved["object_store"]
+    assert wa.keys() == wb.keys()
+    for k in wa:  # same rows on the same ranks: equal up to float reassociation
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6, msg=k)
+    base = {
+        k: v
+        for f in sorted(tiny_model_dir.rglob("*.safetensors"))
+        for k, v in load_file(str(f)).items()
+    }
+    assert any(not torch.equal(wa[k], base[k]) for k in base if k in wa), "nothing trained"
+    # (Adam's first step hardly sees a gradient's scale: the loss and its norm do)
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-6), key
