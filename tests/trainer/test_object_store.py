@@ -23,6 +23,7 @@ from trainer_helpers import (
     each_prompt_once_per_epoch,
     fully_async_overrides,
     metric_rows,
+    train_subprocess,
 )
 
 from postrl.config import load_config
@@ -240,3 +241,20 @@ def test_update_from_refs_equals_the_driver_update(ray_cluster, tiny_model_dir, 
     # (Adam's first step hardly sees a gradient's scale: the loss and its norm do)
     for key in ("actor/pg_loss", "actor/grad_norm"):
         assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-6), key
+
+
+def test_object_store_kill_and_resume_loses_and_duplicates_nothing(
+    ray_cluster, tiny_model_dir, digits_reward, tmp_path, monkeypatch
+):
+    """SIGKILL the driver mid-epoch (a checkpoint at step 4 holds finished trajectories that
+    lived in the object store), resume on the same Ray cluster: every prompt of both epochs is
+    trained once."""
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    args = [*_args(tiny_model_dir, digits_reward, tmp_path, "object_store"), "trainer.save_freq=4"]
+    assert train_subprocess(args, threads=1, kill_at="step6:after_gen") == -9
+    assert train_subprocess(args, threads=1) == 0
+    run = tmp_path / "run-object_store"
+    each_prompt_once_per_epoch(run, 2, 16, steps_per_epoch=8)
+    rows = metric_rows(run)
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    assert all(r["driver/in_tensor_bytes"] == 0 for r in rows)
