@@ -111,12 +111,29 @@ from postrl.tools.base import ToolResponse, register_tool
 logger = logging.getLogger("async_modes")
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("sync", "one_step_off", "fully_async", "fully_async_switch")
+MODES = (
+    "sync",
+    "one_step_off",
+    "fully_async",
+    "fully_async_switch",
+    "fully_async_ray",
+    "fully_async_ray_os",
+)
 """Every arm the benchmark knows; ``--modes`` picks (``sync`` always runs: the baseline).
-``fully_async_switch`` is ``fully_async`` with ``trainer.async.idle_switch=auto``."""
+``fully_async_switch`` is ``fully_async`` with ``trainer.async.idle_switch=auto``;
+``fully_async_ray`` runs it on Ray (replica actors, one training worker; trajectories through
+the driver) and ``fully_async_ray_os`` adds ``trainer.async.data_plane=object_store``
+(trajectories run, scored and kept on the rollout side). The Ray arms suit the ``w1`` workload:
+the ``tools`` workload's tool is registered in this script, which replica actors do not
+import."""
 DEFAULT_MODES = MODES[:3]
 """What runs without ``--modes`` (the idle-switch arm is asked for by name)."""
-SWITCH_ARMS = {"fully_async_switch": ("fully_async", ["trainer.async.idle_switch=auto"])}
+_RAY = ["trainer.backend=ray", "trainer.num_workers=1"]
+ARM_OVERRIDES = {
+    "fully_async_switch": ("fully_async", ["trainer.async.idle_switch=auto"]),
+    "fully_async_ray": ("fully_async", _RAY),
+    "fully_async_ray_os": ("fully_async", [*_RAY, "trainer.async.data_plane=object_store"]),
+}
 """Arms that are a registered mode plus overrides: name → (trainer.mode, overrides)."""
 WORKLOADS = ("w1", "tools")
 TOOL_NAME = "latency_calculator"  # registry name; the model still calls the function `calculator`
@@ -143,6 +160,8 @@ _KEEP = (
     "agent/tool_time_s",
     "response_length/mean",
     "critic/score/mean",
+    "driver/in_bytes",
+    "driver/out_bytes",
 )
 
 # tool-arith recipe (examples/tool_arith_recipe.sh): data and SFT warm-up settings
@@ -330,8 +349,8 @@ def mode_overrides(
     process ``split[1]`` torch threads and the trainer ``split[0]`` (default: the cores of
     ``trainer.num_threads`` split in half), pushes weights after every batch
     (``parameter_sync_step=1``, so it takes as many optimizer steps per sample as ``sync``)."""
-    if mode in SWITCH_ARMS:
-        return [*mode_overrides(SWITCH_ARMS[mode][0], overrides, split), *SWITCH_ARMS[mode][1]]
+    if mode in ARM_OVERRIDES:
+        return [*mode_overrides(ARM_OVERRIDES[mode][0], overrides, split), *ARM_OVERRIDES[mode][1]]
     if mode != "fully_async":
         return []
     threads = next(
@@ -368,7 +387,7 @@ def run_once(
             [
                 *overrides,
                 *mode_overrides(mode, overrides, split),
-                f"trainer.mode={SWITCH_ARMS.get(mode, (mode,))[0]}",
+                f"trainer.mode={ARM_OVERRIDES.get(mode, (mode,))[0]}",
                 f"trainer.total_steps={steps}",
                 f"trainer.run_dir={run}",
             ],
@@ -431,6 +450,10 @@ def summarize_run(rows: list[dict]) -> dict[str, Any]:
         "trainer_idle": _mean(w, "async/trainer_idle_fraction"),
         "replica_idle": _mean(w, "rollout/replica_idle_fraction"),
         "switched": _mean(w, "async/switch/switched"),
+        "driver_kb": (_mean(w, "driver/in_bytes") or 0.0) / 1e3
+        + (_mean(w, "driver/out_bytes") or 0.0) / 1e3
+        if any("driver/in_bytes" in r for r in w)
+        else None,
         "swap_pause_s": _mean(w, "weights/pause_s"),
         "response_length": _mean(w, "response_length/mean"),
         "score": _mean(w, "critic/score/mean"),
@@ -502,6 +525,7 @@ _COLS = (
     ("trainer_idle", "trainer_idle", "{:.2f}"),
     ("replica_idle", "replica_idle", "{:.2f}"),
     ("switched", "switched", "{:.2f}"),
+    ("driver_kB", "driver_kb", "{:.1f}"),
 )
 
 
@@ -515,7 +539,7 @@ def format_table(name: str, res: dict[str, Any]) -> str:
     modes = list(med)
     steps = runs[0]["summary"]["measured_steps"]
     n_steps = len(runs[0]["steps"])
-    head = f"{'mode':<14}{'rep':>4}" + "".join(f"{c:>13}" for c, _, _ in _COLS)
+    head = f"{'mode':<20}{'rep':>4}" + "".join(f"{c:>13}" for c, _, _ in _COLS)
     lines = [
         f"== {name} ==  {res['description']}",
         f"   {n_steps} steps per run, measured steps {steps[0] if steps else '-'}.."
@@ -528,13 +552,13 @@ def format_table(name: str, res: dict[str, Any]) -> str:
     for r in runs:
         s = r["summary"]
         lines.append(
-            f"{r['mode']:<14}{r['repeat'] + 1:>4}"
+            f"{r['mode']:<20}{r['repeat'] + 1:>4}"
             + "".join(f"{_fmt(s[k], f):>13}" for _, k, f in _COLS)
         )
     lines.append("-" * len(head))
     for mode in modes:
         lines.append(
-            f"{mode:<14}{'med':>4}" + "".join(f"{_fmt(med[mode][k], f):>13}" for _, k, f in _COLS)
+            f"{mode:<20}{'med':>4}" + "".join(f"{_fmt(med[mode][k], f):>13}" for _, k, f in _COLS)
         )
     for mode in modes:
         h = med[mode]["staleness_histogram"]

@@ -117,6 +117,31 @@ def test_fully_async_config_errors_name_the_field_and_the_fix(small_overrides):
     assert "trainer.async.max_replica_restarts=-1 must be >= 0" in str(e.value)
 
 
+def test_object_store_data_plane_config_errors_name_the_field_and_the_fix(small_overrides):
+    base = [*small_overrides, "trainer.mode=fully_async", "trainer.async.parameter_sync_step=2"]
+    plane = "trainer.async.data_plane=object_store"
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(load_config(None, [*base, plane]))  # the local backend
+    assert "set trainer.mode=fully_async and trainer.backend=ray" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(load_config(None, [*base, "trainer.async.data_plane=disk"]))
+    assert "trainer.async.data_plane='disk' must be 'driver' or 'object_store'" in str(e.value)
+    bad = [
+        "trainer.backend=ray",
+        "algorithm.adv_estimator=reinforce_plus_plus",
+        "actor.use_kl_loss=true",
+        "algorithm.rollout_correction.rollout_rs=sequence",
+    ]
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(load_config(None, [*base, plane, *bad]))
+    msg = str(e.value)
+    assert "algorithm.adv_estimator=reinforce_plus_plus with " + plane in msg
+    assert "actor.use_kl_loss=true with " + plane in msg
+    assert "algorithm.rollout_correction.rollout_rs=sequence with " + plane in msg
+    assert "or set trainer.async.data_plane=driver" in msg
+    assert "set trainer.mode=fully_async and trainer.backend=ray" not in msg
+
+
 def test_separate_async_is_an_alias(small_overrides):
     from postrl.trainer import TRAINER_MODES
 
