@@ -32,7 +32,10 @@ it, with exactly that push's weights (``rollout/replica_restarts``); when the la
 requests wait for the replacement, which the trainer puts in service as soon as it is up with
 the actor's current weights as a new version. The run stops with a named error only when no
 replica is left and none may be restarted. With ``trainer.backend=ray`` the replicas are Ray
-actors on a placement group of their own (:class:`~postrl.trainer.context.DedicatedReplicas`).
+actors on a placement group of their own (:class:`~postrl.trainer.context.DedicatedReplicas`);
+with ``trainer.async.data_plane=object_store`` they also run the agent loops and the reward and
+keep the trajectories in Ray's object store, and the driver trains from tags and references
+(:mod:`postrl.trainer.object_store`).
 
 Checkpoints hold the buffer exactly as ``one_step_off``'s do (finished trajectories with their
 data, in-flight prompts as prompts), so a killed run resumes with every prompt trained once.

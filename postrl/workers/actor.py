@@ -30,6 +30,7 @@ update_critic              DP_COMPUTE_PROTO        DataProto with ``meta_info['m
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -131,8 +132,11 @@ class ActorWorker(Worker):
         from postrl.engine.minibatch import mask_rows
         from postrl.protocol.layout import concat_rollouts
 
+        t0 = time.perf_counter()
         parts = ray.get(list(refs), timeout=meta.get("timeout_s"))
+        t1 = time.perf_counter()
         batch = concat_rollouts([p["batch"] for p in parts])
+        t2 = time.perf_counter()
         b = dict(batch.batch)
         mask = b["response_mask"]
         adv = torch.tensor(advantages, dtype=torch.float32)[:, None] * mask
@@ -144,7 +148,7 @@ class ActorWorker(Worker):
             batch = DataProto.concat(
                 [batch[torch.tensor(real)], mask_rows(batch[torch.tensor(pads)])]
             )
-        local: dict[str, float] = {}
+        local: dict[str, float] = {"timing_s/fetch_refs": t1 - t0, "timing_s/collate": t2 - t1}
 
         def correct(data: DataProto) -> DataProto:
             d = dict(data.batch)
@@ -173,7 +177,9 @@ class ActorWorker(Worker):
                 old = out.batch["old_log_probs"]
             batch.batch["old_log_probs"] = old
             batch = correct(batch)
+        t3 = time.perf_counter()
         result = self.actor.update_policy(batch)
+        local["timing_s/update_policy"] = time.perf_counter() - t3
         if result.old_log_probs is not None:  # fused: the update's own old log-probs
             batch.batch["old_log_probs"] = result.old_log_probs[: len(batch)]
             correct(batch)
