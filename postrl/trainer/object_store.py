@@ -96,30 +96,41 @@ class TrajectoryReplicaActor(ReplicaActor):
         self._reward = build_reward_stage(cfg, tokenizer)
         return os.getpid()
 
-    async def trajectory(self, row: dict[str, Any], sampling: Any, owner: Any) -> dict[str, Any]:
-        """Run, assemble and score one trajectory; put it into the object store (owned by
-        ``owner``, a :class:`PayloadOwner`); return its tag
+    async def trajectories(
+        self, rows: list[dict[str, Any]], sampling: Any, owner: Any
+    ) -> list[dict[str, Any]]:
+        """Run ``rows`` (samples of one group) concurrently, assemble and score them as one
+        batch (as the trainer scores a group), put that batch into the object store (owned by
+        ``owner``, a :class:`PayloadOwner`) and return one tag per row
         (:meth:`RemoteTrajectory.from_answer`)."""
         if self._agents is None:
-            raise RuntimeError("trajectory() before setup_trajectories()")
-        out = await self._agents.run(row, sampling)
-        batch = self._agents.assemble([out], [row])
+            raise RuntimeError("trajectories() before setup_trajectories()")
+        outs = await asyncio.gather(*(self._agents.run(row, sampling) for row in rows))
+        batch = self._agents.assemble(list(outs), rows)
         scored, metrics = self._reward.finish(batch, check_failures=False)
-        payload = {"batch": scored, "output": dataclasses.asdict(out)}
+        payload = {"batch": scored, "outputs": [dataclasses.asdict(o) for o in outs]}
         (ref,) = await owner.put.remote(payload)
-        return {
-            "ref": ref,
-            "prompt_len": len(out.prompt_ids),
-            "response_len": len(out.response_ids),
-            "policy_tokens": int(sum(out.response_mask)),
-            "versions": [list(s) for s in (out.response_versions or [])],
-            "score": float(scored.batch["token_level_scores"].sum()),
-            "valid": bool(scored.batch["sample_valid"][0]),
-            "num_turns": int(out.num_turns),
-            "finish_reason": str(out.finish_reason),
-            "agent_metrics": {k: float(v) for k, v in out.metrics.items()},
-            "reward_metrics": {k: float(v) for k, v in metrics.items()},
-        }
+        scores = scored.batch["token_level_scores"].sum(-1).tolist()
+        valid = scored.batch["sample_valid"].tolist()
+        share = {k: float(v) for k, v in metrics.items()}  # the group's, reported once
+        return [
+            {
+                "ref": ref,
+                "row": i,
+                "prompt_len": len(out.prompt_ids),
+                "response_len": len(out.response_ids),
+                "policy_tokens": int(sum(out.response_mask)),
+                "versions": [list(seg) for seg in (out.response_versions or [])],
+                "score": float(scores[i]),
+                "valid": bool(valid[i]),
+                "num_turns": int(out.num_turns),
+                "finish_reason": str(out.finish_reason),
+                "agent_metrics": {k: float(v) for k, v in out.metrics.items()},
+                "reward_metrics": share if i == 0 else {},
+                "rows": len(rows),
+            }
+            for i, out in enumerate(outs)
+        ]
 
 
 @dataclass
@@ -138,6 +149,10 @@ class RemoteTrajectory:
     agent_metrics: dict[str, float]
     reward_metrics: dict[str, float]
     replica: int = -1
+    row: int = 0
+    """The trajectory's row in the payload (a payload holds the samples of one call)."""
+    rows: int = 1
+    """Rows scored together with it (its :attr:`reward_metrics` are theirs: a share)."""
 
     @classmethod
     def from_answer(cls, d: dict[str, Any], replica: int) -> RemoteTrajectory:
@@ -155,6 +170,8 @@ class RemoteTrajectory:
             agent_metrics=dict(d["agent_metrics"]),
             reward_metrics=dict(d["reward_metrics"]),
             replica=replica,
+            row=int(d["row"]),
+            rows=int(d["rows"]),
         )
 
     def fetch_output(self) -> dict[str, Any]:
@@ -162,22 +179,25 @@ class RemoteTrajectory:
         checkpoint saves them: the one time a payload passes through the driver)."""
         import ray
 
-        return dict(ray.get(self.ref)["output"])
+        return dict(ray.get(self.ref)["outputs"][self.row])
 
 
 class RemoteTrajectories:
     """Runs trajectories on the fleet's replica actors (the driver side of the data plane).
 
-    The least loaded live replica runs each one; when it dies meanwhile the trajectory runs again
-    from its prompt on another (``reissued``), waiting for a restarted replica when none is
-    live, as the rollout client does for single requests.
+    The samples of one group asked for in the same turn of the event loop (a group's admission
+    spawns them together) run as **one call** on one replica: one agent-loop batch, one reward
+    call, one payload — the trainer's own group scoring, and a shared-prompt prefill for the
+    engine. The least loaded live replica runs it; when that replica dies meanwhile, the call
+    runs again from the prompts on another (``reissued`` counts its trajectories), waiting for a
+    restarted replica when none is live, as the rollout client does for single requests.
 
     Args:
         fleet: the :class:`~postrl.rollout.fleet.RolloutFleet` of
             :class:`~postrl.rollout.ray_replica.RayRolloutReplica` handles whose actors are
             :class:`TrajectoryReplicaActor`.
         owner: the :class:`PayloadOwner` actor handle.
-        timeout_s: deadline of one trajectory.
+        timeout_s: deadline of one call.
     """
 
     def __init__(self, fleet: Any, owner: Any, timeout_s: float) -> None:
@@ -185,15 +205,42 @@ class RemoteTrajectories:
         self.owner = owner
         self.timeout_s = timeout_s
         self.reissued = 0
+        self._open: dict[str, _Call] = {}  # uid -> the call still gathering rows this turn
 
     async def run(self, row: dict[str, Any], sampling: Any) -> RemoteTrajectory:
-        """One trajectory of ``row`` on a live replica; its tag."""
+        """One trajectory of ``row`` (joined with its group's other samples asked for in this
+        turn of the loop); its tag."""
+        uid = str(row["uid"])
+        call = self._open.get(uid)
+        if call is None or call.sampling != sampling:
+            call = _Call(sampling)
+            self._open[uid] = call
+            asyncio.get_running_loop().call_soon(self._launch, uid, call)
+        i = len(call.rows)
+        call.rows.append(row)
+        call.waiters += 1
+        try:
+            answers = await asyncio.shield(call.done)
+        except asyncio.CancelledError:
+            call.waiters -= 1
+            if call.waiters == 0 and call.task is not None:
+                call.task.cancel()  # nobody wants the group any more (evicted, checkpoint)
+            raise
+        return answers[i]
+
+    def _launch(self, uid: str, call: _Call) -> None:
+        if self._open.get(uid) is call:
+            del self._open[uid]
+        call.task = asyncio.get_running_loop().create_task(self._run(call))
+        call.task.add_done_callback(call.settle)
+
+    async def _run(self, call: _Call) -> list[RemoteTrajectory]:
         from ray.exceptions import RayActorError
 
         from postrl.rollout.client import _await_restart
         from postrl.rollout.types import ReplicaDeadError, RolloutTimeoutError
 
-        lb = self.fleet.balancer
+        lb, what = self.fleet.balancer, call.rows[0].get("request_id")
         while True:
             try:
                 idx = lb.pick()
@@ -202,18 +249,18 @@ class RemoteTrajectories:
                 continue
             rep = lb.replicas[idx]
             lb.acquire(idx)
-            DRIVER_TRAFFIC.count("out", "prompts", (row, sampling))
-            ref = rep.actor.trajectory.remote(row, sampling, self.owner)
+            DRIVER_TRAFFIC.count("out", "prompts", (call.rows, call.sampling))
+            ref = rep.actor.trajectories.remote(call.rows, call.sampling, self.owner)
             try:
-                answer = await rep.race(_await_ref(ref, self.timeout_s))
+                answers = await rep.race(_await_ref(ref, self.timeout_s))
             except (ReplicaDeadError, RayActorError) as e:
                 _cancel(ref)  # (a hung actor may still run it)
                 if isinstance(e, RayActorError):
                     rep.mark_dead(f"Ray actor died ({type(e).__name__})")
-                self.reissued += 1
+                self.reissued += len(call.rows)
                 logger.warning(
-                    "trajectory %s: replica %d died (%s); running it again on another",
-                    row.get("request_id"),
+                    "trajectories of %s: replica %d died (%s); running them again on another",
+                    what,
                     idx,
                     e,
                 )
@@ -221,16 +268,39 @@ class RemoteTrajectories:
             except asyncio.TimeoutError as e:
                 _cancel(ref)
                 raise RolloutTimeoutError(
-                    f"replica {idx}: trajectory {row.get('request_id')!r} exceeded "
-                    f"{self.timeout_s}s (trainer.async.timeout_s)"
+                    f"replica {idx}: trajectories of {what!r} exceeded {self.timeout_s}s "
+                    f"(trainer.async.timeout_s)"
                 ) from e
             except asyncio.CancelledError:
                 _cancel(ref)
                 raise
             finally:
                 lb.release(idx)
-            DRIVER_TRAFFIC.count("in", "rollout.trajectory", answer)
-            return RemoteTrajectory.from_answer(answer, idx)
+            DRIVER_TRAFFIC.count("in", "rollout.trajectory", answers)
+            return [RemoteTrajectory.from_answer(a, idx) for a in answers]
+
+
+class _Call:
+    """One group call: the rows gathered in a turn of the loop, and its outcome."""
+
+    def __init__(self, sampling: Any) -> None:
+        self.sampling = sampling
+        self.rows: list[dict[str, Any]] = []
+        self.waiters = 0
+        self.task: asyncio.Task[list[RemoteTrajectory]] | None = None
+        self.done: asyncio.Future[list[RemoteTrajectory]] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+    def settle(self, task: asyncio.Task[list[RemoteTrajectory]]) -> None:
+        if self.done.done():
+            return
+        if task.cancelled():
+            self.done.cancel()
+        elif task.exception() is not None:
+            self.done.set_exception(task.exception())  # type: ignore[arg-type]
+        else:
+            self.done.set_result(task.result())
 
 
 async def _await_ref(ref: Any, timeout_s: float) -> Any:
@@ -253,6 +323,8 @@ class RefBatch:
     and metrics). ``len()`` is the number of rows."""
 
     refs: list[Any]
+    rows: list[int]
+    """Each row's index within its payload (a payload holds one rollout-side call's rows)."""
     non_tensor_batch: dict[str, np.ndarray]
     scalars: dict[str, np.ndarray]
     meta_info: dict[str, Any] = field(default_factory=dict)
@@ -266,6 +338,7 @@ class RefBatch:
         :class:`RemoteTrajectory`, or a one-row scored ``DataProto`` (a group restored from a
         checkpoint and scored on the driver), which is put into the object store here."""
         refs: list[Any] = []
+        offsets: list[int] = []
         cols: dict[str, list[Any]] = {
             k: []
             for k in (
@@ -288,6 +361,7 @@ class RefBatch:
                 if not isinstance(t, RemoteTrajectory):
                     t = _local_row(t)
                 refs.append(t.ref)
+                offsets.append(t.row)
                 known = [v for n, v in t.response_versions if n > 0 and v >= 0]
                 for key, v in (
                     ("uid", uid),
@@ -312,7 +386,8 @@ class RefBatch:
         nt = {k: np.array(v, dtype=object) for k, v in cols.items()}
         for k in ("index", "num_turns", "min_version", "max_version", "spans", "sample_index"):
             nt[k] = np.asarray(cols[k], dtype=np.int64)
-        return cls(refs, nt, {k: np.asarray(v, dtype=np.float64) for k, v in sc.items()})
+        scalars = {k: np.asarray(v, dtype=np.float64) for k, v in sc.items()}
+        return cls(refs, offsets, nt, scalars)
 
 
 def _local_row(row: Any) -> RemoteTrajectory:

@@ -150,6 +150,7 @@ class Roles:
         adv = advantages.tolist()
         out = self.actor.update_actor_from_refs(
             [[batch.refs[rows[j]] for j in s] for s in shards],
+            [[batch.rows[rows[j]] for j in s] for s in shards],
             [[adv[rows[j]] for j in s] for s in shards],
             [[masked[j] for j in s] for s in shards],
             [meta] * dp,

@@ -214,7 +214,9 @@ class GroupStream:
         if self.remote is not None:  # scored on the rollout side: the tags carry the scores
             trajs = [g.outputs[k] for k in range(self.n)]
             g.batch = trajs
-            metrics = _merge_reward_metrics([(1, t.reward_metrics) for t in trajs])
+            # each rollout-side call scored its rows together and reported once
+            parts = [(t.rows, t.reward_metrics) for t in trajs if t.reward_metrics]
+            metrics = _merge_reward_metrics(parts) if parts else {}
             scores = [t.score for t in trajs]
             valid = [t.valid for t in trajs]
         else:

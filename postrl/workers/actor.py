@@ -108,14 +108,21 @@ class ActorWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ALL_TO_ALL)
     def update_actor_from_refs(
-        self, refs: list[Any], advantages: list[float], masked: list[bool], meta: dict[str, Any]
+        self,
+        refs: list[Any],
+        rows: list[int],
+        advantages: list[float],
+        masked: list[bool],
+        meta: dict[str, Any],
     ) -> dict[str, dict[str, float]]:
         """Object-store data plane: fetch this rank's trajectories from Ray's object store, pad
         them into the rollout layout, and run what the driver would (old log-probs, rollout
         correction, one PPO update) on them.
 
         Args:
-            refs: one object reference per row (``{"batch": one-row scored DataProto}``).
+            refs: one object reference per row (``{"batch": scored DataProto}``; the rows of
+                one payload share its reference).
+            rows: each row's index within its payload.
             advantages: the row's outcome advantage (broadcast over its policy tokens).
             masked: rows that only pad the shard to the group's size (they train nothing).
             meta: ``meta_info`` (temperature, global step), ``fused`` / ``bypass`` (where old
@@ -133,9 +140,18 @@ class ActorWorker(Worker):
         from postrl.protocol.layout import concat_rollouts
 
         t0 = time.perf_counter()
-        parts = ray.get(list(refs), timeout=meta.get("timeout_s"))
+        unique = list(dict.fromkeys(refs))  # each payload once
+        payloads = dict(zip(unique, ray.get(unique, timeout=meta.get("timeout_s"))))
         t1 = time.perf_counter()
-        batch = concat_rollouts([p["batch"] for p in parts])
+        wanted: dict[Any, list[int]] = {}  # payload -> positions in the shard, in order
+        for pos, ref in enumerate(refs):
+            wanted.setdefault(ref, []).append(pos)
+        parts, order = [], []
+        for ref, positions in wanted.items():
+            parts.append(payloads[ref]["batch"][torch.tensor([rows[p] for p in positions])])
+            order += positions
+        batch = concat_rollouts(parts)
+        batch = batch[torch.tensor(order).argsort()]  # the shard's row order
         t2 = time.perf_counter()
         b = dict(batch.batch)
         mask = b["response_mask"]
