@@ -7,7 +7,8 @@ worker fetches its own shard, and nothing is lost or trained twice.
 * a ``fully_async`` run on Ray with the object-store plane moves no tensor through the driver
   (counted per step by ``DRIVER_TRAFFIC``), where the driver plane moves every batch;
 * a SIGKILLed replica loses nothing: its running trajectories run again elsewhere, its finished
-  ones survive in the payload owner's store.
+  ones survive in the payload owner's store;
+* a SIGKILLed driver resumes from its checkpoint with every prompt trained once.
 """
 
 from __future__ import annotations
@@ -55,11 +56,14 @@ def _args(tiny_model_dir, digits_reward, tmp_path, plane: str, steps: int = 16) 
     ]
 
 
-def _fit(trainer: RLTrainer) -> list[dict]:
-    """Run ``trainer``; each step's driver traffic by channel."""
+def _fit(trainer: RLTrainer, faults: dict | None = None) -> list[dict]:
+    """Run ``trainer`` with ``faults`` (fault point -> fn(trainer)); each step's driver traffic
+    by channel."""
     traffic: list[dict] = []
 
     def hook(point: str) -> None:
+        if point in (faults or {}):
+            faults[point](trainer)  # type: ignore[index]
         if point.endswith(":end"):
             traffic.append(dict(trainer.traffic))
 
@@ -72,39 +76,16 @@ def _fit(trainer: RLTrainer) -> list[dict]:
     return traffic
 
 
-def test_object_store_run_moves_no_tensor_through_the_driver(
+def test_object_store_moves_no_tensor_through_the_driver_and_survives_a_killed_replica(
     ray_cluster, tiny_model_dir, digits_reward, tmp_path
 ):
-    traffic, runs = {}, {}
-    for plane in ("driver", "object_store"):
-        cfg = load_config(None, _args(tiny_model_dir, digits_reward, tmp_path, plane))
-        traffic[plane] = _fit(RLTrainer(cfg))
-        runs[plane] = metric_rows(tmp_path / f"run-{plane}")
-        # every prompt trained once per epoch, no group twice
-        each_prompt_once_per_epoch(tmp_path / f"run-{plane}", 2, 16, steps_per_epoch=8)
-    assert len(traffic["object_store"]) == 16
-    for step in traffic["object_store"]:
-        data = {k: v for k, v in step.items() if k[1] not in ("weights", "actor.next_weight_frame")}
-        assert all(t == 0 for _, t, _ in data.values()), data  # no tensor, either way
-        n, _, calls = step.get(("in", "rollout.trajectory"), (0, 0, 0))
-        # a call answers a group's 4 samples: per sample a tag (lengths, versions, score, ...)
-        assert n <= 4 * 700 * calls, (n, calls)
-        n, _, _ = step[("out", "actor.update_actor_from_refs")]
-        assert n < 2000, n  # 8 references, 8 advantages, the meta
-    for step in traffic["driver"]:
-        assert step[("out", "actor.update_actor")][1] > 0  # the batch's tensors
-    for r in runs["object_store"]:
-        assert r["driver/in_tensor_bytes"] == 0 and r["driver/out_tensor_bytes"] == 0, r
-        assert np.isfinite(r["actor/pg_loss"])
-    # the same metrics as the driver plane reports, bar the stages that ran on the workers
-    stages = {"timing_s/old_log_prob", "timing_s/ref", "timing_s/reward", "timing_s/values"}
-    missing = set().union(*runs["driver"]) - set().union(*runs["object_store"])
-    assert missing <= stages | {"timing_s/update_critic"}, missing
+    # the driver plane (one epoch): every batch's tensors go through the driver
+    cfg = load_config(None, _args(tiny_model_dir, digits_reward, tmp_path, "driver", steps=8))
+    for step in _fit(RLTrainer(cfg)):
+        assert step[("out", "actor.update_actor")][1] > 0
+    driver_rows = metric_rows(tmp_path / "run-driver")
 
-
-def test_object_store_loses_nothing_when_a_replica_is_killed(
-    ray_cluster, tiny_model_dir, digits_reward, tmp_path
-):
+    # the object store (two epochs, two replicas, one SIGKILLed at step 3)
     args = [
         *_args(tiny_model_dir, digits_reward, tmp_path, "object_store"),
         "rollout.num_replicas=2",
@@ -114,38 +95,59 @@ def test_object_store_loses_nothing_when_a_replica_is_killed(
     ]
     trainer = RLTrainer(load_config(None, args))
     first = list(trainer.ctx.fleet.replicas)
-    orphans: list[int] = []
+    killed: list[tuple[int, int, int]] = []  # (step, slot, its finished untrained trajectories)
 
-    def kill(t: RLTrainer) -> None:
-        # finished, untrained trajectories the victim made: their payloads must outlive it
-        groups = t.mode.stream._groups.values()
-        orphans.append(sum(o.replica == 0 for g in groups for o in g.outputs.values()))
-        os.kill(first[0].pid, signal.SIGKILL)
+    def kill(step: int):
+        def fn(t: RLTrainer) -> None:
+            if killed:
+                return
+            # the replica holding the most finished, untrained trajectories: their payloads
+            # must outlive it (when none holds any yet, try again at the next step)
+            held = [0] * len(first)
+            for g in t.mode.stream._groups.values():
+                for o in g.outputs.values():
+                    held[o.replica] += 1
+            slot = max(range(len(first)), key=held.__getitem__)
+            if held[slot]:
+                killed.append((step, slot, held[slot]))
+                os.kill(first[slot].pid, signal.SIGKILL)
 
-    faults = {
-        "step3:after_gen": kill,
-        "step8:after_gen": lambda t: await_replacement(t, first[0]),
-    }
+        return fn
 
-    def hook(point: str) -> None:
-        if point in faults:
-            faults[point](trainer)
+    def replaced(t: RLTrainer) -> None:
+        assert killed, "no replica held finished trajectories at steps 3-6"
+        await_replacement(t, first[killed[0][1]])
 
-    hooks.install(hook)
-    try:
-        trainer.fit()
-        new = trainer.ctx.fleet.replicas[0]
-        assert new is not first[0] and not new.dead
-    finally:
-        hooks.uninstall(hook)
-        trainer.close()
-    assert first[0].dead_reason
-    assert orphans[0] > 0, "no finished trajectory of the killed replica was left to train"
-    each_prompt_once_per_epoch(tmp_path / "run-object_store", 2, 16, steps_per_epoch=8)
-    last = metric_rows(tmp_path / "run-object_store")[-1]
+    faults = {f"step{i}:after_gen": kill(i) for i in range(3, 7)}
+    faults["step11:after_gen"] = replaced
+    traffic = _fit(trainer, faults)
+    slot = killed[0][1]
+    new = trainer.ctx.fleet.replicas[slot]
+    assert new is not first[slot] and not new.dead and first[slot].dead_reason
+    run = tmp_path / "run-object_store"
+    each_prompt_once_per_epoch(run, 2, 16, steps_per_epoch=8)  # nothing lost or doubled
+    rows = metric_rows(run)
+    last = rows[-1]
     assert last["rollout/replica_failures"] == 1 and last["rollout/replica_restarts"] == 1
     assert last["rollout/live_replicas"] == 2
     assert last["rollout/reissued_requests"] > 0  # its running trajectories ran again
+
+    assert len(traffic) == 16
+    for step in traffic:
+        data = {k: v for k, v in step.items() if k[1] not in ("weights", "actor.next_weight_frame")}
+        assert all(t == 0 for _, t, _ in data.values()), data  # no tensor, either way
+        n, _, calls = step.get(("in", "rollout.trajectory"), (0, 0, 0))
+        # a call answers a group's 4 samples: per sample a tag (lengths, versions, score, ...)
+        assert n <= 4 * 700 * calls, (n, calls)
+        n, _, _ = step[("out", "actor.update_actor_from_refs")]
+        assert n < 2000, n  # 8 references, 8 advantages, the meta
+    for r in rows:
+        assert r["driver/in_tensor_bytes"] == 0 and r["driver/out_tensor_bytes"] == 0, r
+        assert np.isfinite(r["actor/pg_loss"])
+    # the same metrics as the driver plane reports, bar the stages that ran on the workers
+    stages = {"timing_s/old_log_prob", "timing_s/ref", "timing_s/reward", "timing_s/values"}
+    missing = set().union(*driver_rows) - set().union(*rows)
+    assert missing <= stages | {"timing_s/update_critic"}, missing
 
 
 def _scored_rows(tokenizer_vocab: int, n_rows: int, seed: int) -> list:
@@ -247,15 +249,15 @@ def test_update_from_refs_equals_the_driver_update(ray_cluster, tiny_model_dir, 
 def test_object_store_kill_and_resume_loses_and_duplicates_nothing(
     ray_cluster, tiny_model_dir, digits_reward, tmp_path, monkeypatch
 ):
-    """SIGKILL the driver mid-epoch (a checkpoint at step 4 holds finished trajectories that
-    lived in the object store), resume on the same Ray cluster: every prompt of both epochs is
-    trained once."""
+    """SIGKILL the driver mid-epoch (a checkpoint at step 3 holds finished trajectories that
+    lived in the object store), resume on the same Ray cluster: every prompt is trained once."""
     monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
-    args = [*_args(tiny_model_dir, digits_reward, tmp_path, "object_store"), "trainer.save_freq=4"]
-    assert train_subprocess(args, threads=1, kill_at="step6:after_gen") == -9
+    plane = _args(tiny_model_dir, digits_reward, tmp_path, "object_store", steps=8)
+    args = [*plane, "trainer.save_freq=3"]
+    assert train_subprocess(args, threads=1, kill_at="step5:after_gen") == -9
     assert train_subprocess(args, threads=1) == 0
     run = tmp_path / "run-object_store"
-    each_prompt_once_per_epoch(run, 2, 16, steps_per_epoch=8)
+    each_prompt_once_per_epoch(run, 1, 16, steps_per_epoch=8)
     rows = metric_rows(run)
-    assert [r["step"] for r in rows] == list(range(1, 17))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     assert all(r["driver/in_tensor_bytes"] == 0 for r in rows)

@@ -43,7 +43,8 @@ SAME_UPDATES = [
     "trainer.val_before_train=false",
 ]
 # wall-clock, the dp>1-only balancing stage, and the weight transport (frames vs in-process tensors)
-NOT_COMPARED = ("timing_s/", "perf/", "balance/", "weights/")
+NOT_COMPARED = ("timing_s/", "perf/", "balance/", "weights/", "driver/")
+"""(``driver/*``: the bytes of remote calls through the driver, which only Ray has.)"""
 
 
 def _ray_children() -> list[psutil.Process]:
@@ -137,6 +138,7 @@ def test_grpo_ray_dp2_matches_local(ray_cluster, small_overrides, digits_reward,
     }
     assert last["reward/generated"] == 16 == last["reward/scored"] + last["reward/failed/total"]
     assert last["actor/grad_norm"] > 0
+    assert last["driver/out_tensor_bytes"] > 0  # the driver data plane ships the batch
 
     _, local_rows, _ = _run([*base, f"trainer.run_dir={tmp_path / 'local'}"])
     assert [r["step"] for r in ray_rows] == [r["step"] for r in local_rows] == [1, 2]
