@@ -390,9 +390,7 @@ def data_plane_errors(cfg: PostRLConfig) -> list[str]:
             )
     blockers = {
         "a critic (GAE)": a.adv_estimator == "gae",
-        "actor.use_kl_loss=true": cfg.actor.use_kl_loss,
         "algorithm.use_kl_in_reward=true": a.use_kl_in_reward,
-        "ref.enable=true": bool(cfg.ref.enable),
         "reward.model.enable=true": cfg.reward.model.enable,
         "algorithm.downsample.enable=true": a.downsample.enable,
         f"algorithm.rollout_correction.rollout_rs={a.rollout_correction.rollout_rs}": bool(

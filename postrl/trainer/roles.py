@@ -118,7 +118,9 @@ class Roles:
         """Stages 3-7 for a :class:`~postrl.trainer.object_store.RefBatch` (object-store data
         plane): balance the rows over the dp ranks from their tagged lengths, pad the last
         shard with masked copies, and let each rank fetch, pad and train its shard
-        (``ActorWorker.update_actor_from_refs``). Shard-local metrics (old-log-prob entropy,
+        (``ActorWorker.update_actor_from_refs``; reference log-probs for a KL loss come from the
+        reference ranks' same shards through the object store, or from the actor with its LoRA
+        adapters off). Shard-local metrics (old-log-prob entropy,
         rollout correction, health) are averaged over ranks."""
         from postrl.protocol.balance import balanced_permutation
         from postrl.trainer.needs import log_prob_meta
@@ -131,9 +133,9 @@ class Roles:
             perm, metrics = balanced_permutation(lens.tolist(), dp)
             order = perm.tolist()
         pad = (-n) % dp
-        rows = order + [order[i % n] for i in range(pad)]
+        picks = order + [order[i % n] for i in range(pad)]  # batch row of each shard slot
         masked = [False] * n + [True] * pad
-        size = len(rows) // dp
+        size = len(picks) // dp
         shards = [range(r * size, (r + 1) * size) for r in range(dp)]
         rc = cfg.algorithm.rollout_correction
         meta = {
@@ -148,12 +150,17 @@ class Roles:
             "timeout_s": cfg.trainer.async_.timeout_s,
         }
         adv = advantages.tolist()
+        refs = [[batch.refs[picks[j]] for j in s] for s in shards]
+        offsets = [[batch.rows[picks[j]] for j in s] for s in shards]
+        pads = [[masked[j] for j in s] for s in shards]
+        metas = [meta] * dp
+        if self.use_lora_ref:  # the actor computes them with its adapters off
+            metas = [{**meta, "ref": "lora"}] * dp
+        elif self.ref is not None:  # each reference rank stores its shard's; the actor's fetches
+            stored = self.ref.compute_ref_log_prob_from_refs(refs, offsets, pads, metas)
+            metas = [{**meta, "ref": r[0]} for r in stored]
         out = self.actor.update_actor_from_refs(
-            [[batch.refs[rows[j]] for j in s] for s in shards],
-            [[batch.rows[rows[j]] for j in s] for s in shards],
-            [[adv[rows[j]] for j in s] for s in shards],
-            [[masked[j] for j in s] for s in shards],
-            [meta] * dp,
+            refs, offsets, [[adv[picks[j]] for j in s] for s in shards], pads, metas
         )
         metrics.update(out[0]["update"])
         local: dict[str, list[float]] = {}

@@ -297,8 +297,7 @@ class GroupStream:
         self.buffer.assemble(uids)  # releases the payloads (the groups hold the outputs)
         metrics: dict[str, float] = {}
         if not taken and self.remote is not None:
-            batch = RefBatch.from_groups([])
-            batch.meta_info["skip_update"] = True  # nothing to train (every group filtered)
+            batch = RefBatch.from_groups([])  # nothing to train: the step skips the update
         elif not taken:
             batch = self._dropped_batch
             if batch is None:

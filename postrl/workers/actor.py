@@ -51,6 +51,7 @@ from postrl.workers.common import (
     optim_spec,
     policy_loss_spec,
     setup,
+    shard_from_refs,
     shard_if,
     share_prefix,
 )
@@ -127,7 +128,9 @@ class ActorWorker(Worker):
             masked: rows that only pad the shard to the group's size (they train nothing).
             meta: ``meta_info`` (temperature, global step), ``fused`` / ``bypass`` (where old
                 log-probs come from), ``log_prob_flags``, ``correction`` (the rollout
-                correction's keyword arguments), ``timeout_s`` (the fetch deadline).
+                correction's keyword arguments), ``timeout_s`` (the fetch deadline), ``ref``:
+                None, ``"lora"`` (reference log-probs from this model, adapters off) or the
+                reference group's reference to this shard's ``ref_log_prob``.
 
         Returns:
             ``{"update": the update's metrics (the same on every rank), "local": this shard's
@@ -136,35 +139,18 @@ class ActorWorker(Worker):
         import ray
 
         from postrl.algos import rollout_correction_with_health
-        from postrl.engine.minibatch import mask_rows
-        from postrl.protocol.layout import concat_rollouts
 
-        t0 = time.perf_counter()
-        unique = list(dict.fromkeys(refs))  # each payload once
-        payloads = dict(zip(unique, ray.get(unique, timeout=meta.get("timeout_s"))))
-        t1 = time.perf_counter()
-        wanted: dict[Any, list[int]] = {}  # payload -> positions in the shard, in order
-        for pos, ref in enumerate(refs):
-            wanted.setdefault(ref, []).append(pos)
-        parts, order = [], []
-        for ref, positions in wanted.items():
-            parts.append(payloads[ref]["batch"][torch.tensor([rows[p] for p in positions])])
-            order += positions
-        batch = concat_rollouts(parts)
-        batch = batch[torch.tensor(order).argsort()]  # the shard's row order
-        t2 = time.perf_counter()
-        b = dict(batch.batch)
-        mask = b["response_mask"]
-        adv = torch.tensor(advantages, dtype=torch.float32)[:, None] * mask
+        batch, local = shard_from_refs(
+            refs, rows, masked, meta.get("meta_info", {}), meta.get("timeout_s")
+        )
+        b = batch.batch
+        adv = torch.tensor(advantages, dtype=torch.float32)[:, None] * b["response_mask"]
         b.update(advantages=adv, returns=adv, token_level_rewards=b["token_level_scores"])
-        batch = DataProto(b, batch.non_tensor_batch, dict(meta.get("meta_info", {})))
-        pads = [i for i, m in enumerate(masked) if m]
-        if pads:
-            real = [i for i, m in enumerate(masked) if not m]
-            batch = DataProto.concat(
-                [batch[torch.tensor(real)], mask_rows(batch[torch.tensor(pads)])]
-            )
-        local: dict[str, float] = {"timing_s/fetch_refs": t1 - t0, "timing_s/collate": t2 - t1}
+        if meta.get("ref") == "lora":  # the reference is this model with its adapters off
+            ref = self.actor.compute_log_prob(batch, reference=True)
+            b["ref_log_prob"] = ref.batch["ref_log_prob"]
+        elif meta.get("ref") is not None:  # the reference group's log-probs of this shard
+            b["ref_log_prob"] = ray.get(meta["ref"], timeout=meta.get("timeout_s"))
 
         def correct(data: DataProto) -> DataProto:
             d = dict(data.batch)
@@ -295,6 +281,20 @@ class RefWorker(Worker):
         """Parameter elements on this rank / in the full model, FSDP2 dummy passes (see
         ActorWorker)."""
         return {**param_numel(self.policy.module), "dummy_passes": self.policy.dummy_passes}
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def compute_ref_log_prob_from_refs(
+        self, refs: list[Any], rows: list[int], masked: list[bool], meta: dict[str, Any]
+    ) -> list[Any]:
+        """Object-store data plane: this rank's shard (the actor rank's, built the same way by
+        :func:`~postrl.workers.common.shard_from_refs`) → its ``ref_log_prob`` (B, R), put into
+        the object store; returns ``[reference]`` for the actor rank to fetch."""
+        import ray
+
+        batch, _ = shard_from_refs(
+            refs, rows, masked, meta.get("meta_info", {}), meta.get("timeout_s")
+        )
+        return [ray.put(self.engine.compute_log_prob(batch).batch["old_log_probs"])]
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
