@@ -129,14 +129,16 @@ def test_object_store_data_plane_config_errors_name_the_field_and_the_fix(small_
     bad = [
         "trainer.backend=ray",
         "algorithm.adv_estimator=reinforce_plus_plus",
-        "actor.use_kl_loss=true",
+        "algorithm.use_kl_in_reward=true",
+        "actor.use_kl_loss=true",  # (carried: no error)
         "algorithm.rollout_correction.rollout_rs=sequence",
     ]
     with pytest.raises(ConfigError) as e:
         RLTrainer(load_config(None, [*base, plane, *bad]))
     msg = str(e.value)
     assert "algorithm.adv_estimator=reinforce_plus_plus with " + plane in msg
-    assert "actor.use_kl_loss=true with " + plane in msg
+    assert "algorithm.use_kl_in_reward=true with " + plane in msg
+    assert "use_kl_loss" not in msg
     assert "algorithm.rollout_correction.rollout_rs=sequence with " + plane in msg
     assert "or set trainer.async.data_plane=driver" in msg
     assert "set trainer.mode=fully_async and trainer.backend=ray" not in msg
