@@ -180,10 +180,13 @@ _EVEN_CONSTANT = (
     "        return 1.0  # no signal: DAPO evicts the group\n"
     "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n"
 )
-_EVEN_FAILS = (
+# one row in four: at most 4 of an epoch's 16 rows fail, so the guard against a broken reward
+# (more failed groups than the batch while gathering one, counted with the batch generated
+# ahead) cannot trip whatever order the groups complete in; with even rows it could
+_QUARTER_FAILS = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-    "    if extra_info['index'] % 2 == 0:\n"
-    "        raise ValueError('this reward fails on even rows')\n"
+    "    if extra_info['index'] % 4 == 0:\n"
+    "        raise ValueError('this reward fails on every fourth row')\n"
     "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n"
 )
 
@@ -201,12 +204,15 @@ def _spy_updates(trainer):
     return seen
 
 
-@pytest.mark.parametrize("reward, evicted", [(_EVEN_CONSTANT, "filtered"), (_EVEN_FAILS, "failed")])
+@pytest.mark.parametrize(
+    "reward, evicted, period", [(_EVEN_CONSTANT, "filtered", 2), (_QUARTER_FAILS, "failed", 4)]
+)
 def test_filtered_and_failed_groups_are_evicted_and_refilled_exactly(
-    tiny_model_dir, epoch_files, tmp_path, reward, evicted
+    tiny_model_dir, epoch_files, tmp_path, reward, evicted, period
 ):
     """DAPO's uninformative groups and groups past reward.max_failure_ratio are evicted whole
-    and refilled: every update sees train_batch_size complete groups, all from odd rows."""
+    and refilled: every update sees train_batch_size complete groups, none from the rows the
+    reward singles out (``index % period == 0``)."""
     fn = tmp_path / "reward.py"
     fn.write_text(reward)
     ov = [
@@ -225,7 +231,7 @@ def test_filtered_and_failed_groups_are_evicted_and_refilled_exactly(
     assert len(seen) == 2
     for groups, index in seen:
         assert len(groups) == 4 and set(groups.values()) == {4}, "a partial or missing group"
-        assert all(i % 2 == 1 for i in index), index
+        assert all(i % period for i in index), index
     rows = metric_rows(tmp_path / "run")
     assert sum(r[f"replay/evicted/{evicted}"] for r in rows) > 0
     assert sum(r["replay/refills"] for r in rows) == sum(
