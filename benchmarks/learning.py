@@ -102,13 +102,14 @@ ARMS: dict[str, list[str]] = {
     # the recipe with the step size decayed by a cosine to 10 % over ~10 minutes of steps here
     # (~950 optimizer steps on 2 EPYC threads; the schedule counts steps, not seconds)
     "recipe-cosine": [
+        "actor.entropy_coeff=0",  # (measured before the recipe had its entropy bonus)
         "actor.optim.lr_scheduler=cosine",
         "actor.optim.min_lr_ratio=0.1",
         "trainer.total_steps=950",
     ],
-    # the recipe with an entropy bonus against the late collapse (entropy 0.8 -> 0.26 in 10 min)
+    # the recipe's entropy bonus (0.01) lowered or off: the recipe before 2026-12-03's last runs
     "recipe-ent3e-3": ["actor.entropy_coeff=0.003"],
-    "recipe-ent1e-2": ["actor.entropy_coeff=0.01"],
+    "recipe-ent0": ["actor.entropy_coeff=0"],
     # the previous recipe (dynamic sampling, lr 1e-4) with 16 responses per prompt
     "dapo-n16": [*W1, DAPO, "rollout.n=16"],
 }

@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from postrl.protocol import DataProto
 
-__all__ = ["mask_rows", "pad_masked_rows", "split_mini_batches"]
+__all__ = ["ZEROED_KEYS", "mask_rows", "pad_masked_rows", "split_mini_batches"]
 
-_ZEROED = ("response_mask", "advantages", "returns")
+ZEROED_KEYS = ("response_mask", "advantages", "returns")
 """Keys zeroed on masked rows (NaN-free placeholders: a masked NaN would still poison 0·NaN)."""
 
 
@@ -38,7 +38,7 @@ def mask_rows(data: DataProto) -> DataProto:
     tensor is shared with ``data``.
     """
     batch = dict(data.batch)
-    for k in _ZEROED:
+    for k in ZEROED_KEYS:
         if k in batch:
             batch[k] = torch.zeros_like(batch[k])
     return DataProto(batch, dict(data.non_tensor_batch), dict(data.meta_info))

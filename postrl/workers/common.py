@@ -119,7 +119,7 @@ def shard_from_refs(
 
     import ray
 
-    from postrl.engine.minibatch import _ZEROED
+    from postrl.engine.minibatch import ZEROED_KEYS
     from postrl.protocol.layout import concat_rollouts
 
     t0 = time.perf_counter()
@@ -137,7 +137,7 @@ def shard_from_refs(
     b = dict(batch.batch)
     pads = torch.tensor(masked, dtype=torch.bool)
     if bool(pads.any()):
-        for key in _ZEROED:
+        for key in ZEROED_KEYS:
             if key in b:
                 b[key] = b[key].masked_fill(pads.view(-1, *([1] * (b[key].dim() - 1))), 0)
     out = DataProto(b, batch.non_tensor_batch, dict(meta_info))
