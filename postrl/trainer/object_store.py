@@ -299,6 +299,8 @@ class _Call:
             self.done.cancel()
         elif task.exception() is not None:
             self.done.set_exception(task.exception())  # type: ignore[arg-type]
+            if self.waiters == 0:  # nobody awaits it: mark it seen (no "never retrieved")
+                self.done.exception()
         else:
             self.done.set_result(task.result())
 
