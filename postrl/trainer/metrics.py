@@ -62,6 +62,14 @@ def compute_throughput_metrics(
     ``perf/time_per_step``."""
     total = int(batch.batch["attention_mask"].sum())
     resp = int(batch.batch["response_mask"].sum())
+    return throughput_from_counts(total, resp, step_time_s, n_workers)
+
+
+def throughput_from_counts(
+    total: float, resp: float, step_time_s: float, n_workers: int
+) -> dict[str, float]:
+    """:func:`compute_throughput_metrics` from the step's token counts (all tokens, policy
+    tokens)."""
     return {
         "perf/total_num_tokens": float(total),
         "perf/completion_tokens": float(resp),

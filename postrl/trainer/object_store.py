@@ -447,17 +447,12 @@ def outcome_advantages(batch: RefBatch, algo: Any) -> tuple[torch.Tensor, dict[s
             f"per trajectory); set trainer.async.data_plane=driver"
         )
     per_row = torch.where(lens > 0, per_row, torch.zeros_like(per_row))
-    m: dict[str, float] = {}
+    from postrl.trainer.metrics import _stats
+
+    m: dict[str, Any] = {}
     tok = adv[mask.bool()]
-    if tok.numel():
-        m = {
-            "critic/advantages/mean": float(tok.mean()),
-            "critic/advantages/max": float(tok.max()),
-            "critic/advantages/min": float(tok.min()),
-            "critic/returns/mean": float(tok.mean()),
-            "critic/returns/max": float(tok.max()),
-            "critic/returns/min": float(tok.min()),
-        }
+    _stats("critic/advantages", tok, m)
+    _stats("critic/returns", tok, m)
     return per_row.float(), m
 
 
@@ -466,60 +461,19 @@ def tag_step_metrics(
 ) -> dict[str, float]:
     """Stage 9 from tags: the score, length, agent and throughput metrics the ``driver`` plane
     reads off the batch tensors (same names, same values)."""
-    s, nt = batch.scalars, batch.non_tensor_batch
+    from postrl.trainer.metrics import _stats, throughput_from_counts
+    from postrl.trainer.stages import _agent_metrics
+
+    s = {k: torch.as_tensor(v) for k, v in batch.scalars.items()}
     valid = s["valid"] > 0
-    m: dict[str, float] = {}
-
-    def stats(name: str, x: np.ndarray) -> None:
-        if len(x):
-            m[f"{name}/mean"] = float(x.mean())
-            m[f"{name}/max"] = float(x.max())
-            m[f"{name}/min"] = float(x.min())
-
-    stats("critic/score", s["score"][valid])
-    stats("critic/rewards", s["score"][valid])
-    stats("response_length", s["response_len"])
-    m["response_length/clip_ratio"] = float(
-        (s["response_len"] >= cfg.rollout.response_length).mean() if len(batch) else 0.0
-    )
-    stats("prompt_length", s["prompt_len"])
-    if len(batch):
-        m["agent/num_turns/mean"] = float(np.asarray(nt["num_turns"], dtype=np.float64).mean())
-        reasons = list(nt["finish_reason"])
-        m["response/finish_abort_ratio"] = reasons.count("abort") / len(reasons)
-    agg: dict[str, list[float]] = {}
-    for d in nt["agent_metrics"]:
-        for k, v in (d or {}).items():
-            agg.setdefault(k, []).append(float(v))
-    for k, vals in agg.items():
-        m[k if k.startswith("agent/") else f"agent/{k}"] = sum(vals) / len(vals)
+    m: dict[str, Any] = {}
+    _stats("critic/score", s["score"][valid], m)
+    _stats("critic/rewards", s["score"][valid], m)
+    _stats("response_length", s["response_len"], m)
+    clip = s["response_len"] >= cfg.rollout.response_length
+    m["response_length/clip_ratio"] = float(clip.double().mean()) if len(batch) else 0.0
+    _stats("prompt_length", s["prompt_len"], m)
+    m.update(_agent_metrics(batch))  # (it reads the non-tensor columns only)
     total = float((s["prompt_len"] + s["response_len"]).sum())
-    resp = float(s["policy_tokens"].sum())
-    m.update(
-        {
-            "perf/total_num_tokens": total,
-            "perf/completion_tokens": resp,
-            "perf/time_per_step": step_seconds,
-            "perf/throughput": total / max(step_seconds, 1e-9) / max(dp_size, 1),
-            "perf/completion_tokens_per_s": resp / max(step_seconds, 1e-9),
-        }
-    )
+    m.update(throughput_from_counts(total, float(s["policy_tokens"].sum()), step_seconds, dp_size))
     return m
-
-
-def tag_off_policy_metrics(batch: RefBatch, version: int) -> dict[str, float]:
-    """``training/off_policy/*`` (as :func:`~postrl.trainer.stream.off_policy_metrics`) from the
-    rows' version tags."""
-    nt = batch.non_tensor_batch
-    lo, spans = nt["min_version"], nt["spans"]
-    rows = lo >= 0
-    if not rows.any():
-        return {}
-    out: dict[str, float] = {}
-    pairs = (("trajectory_staleness", version - lo[rows]), ("trajectory_spans", spans[rows]))
-    for name, v in pairs:
-        x = np.asarray(v, dtype=np.float64)
-        out[f"training/off_policy/{name}/mean"] = float(x.mean())
-        out[f"training/off_policy/{name}/max"] = float(x.max())
-        out[f"training/off_policy/{name}/min"] = float(x.min())
-    return out

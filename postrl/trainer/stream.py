@@ -40,7 +40,7 @@ import torch
 
 from postrl.protocol import DataProto
 from postrl.reward import RewardFailureError
-from postrl.trainer.object_store import RefBatch, RemoteTrajectory, tag_off_policy_metrics
+from postrl.trainer.object_store import RefBatch, RemoteTrajectory
 from postrl.trainer.replay import ReplayBuffer
 from postrl.trainer.replay.tags import Eviction
 
@@ -331,10 +331,7 @@ class GroupStream:
             metrics.update(_merge_reward_metrics(parts))
         c = dict(self._counts)
         metrics.update(self._take_metrics(len(taken)))
-        if isinstance(batch, RefBatch):
-            metrics.update(tag_off_policy_metrics(batch, self.buffer.version))
-        else:
-            metrics.update(off_policy_metrics(batch, self.buffer.version))
+        metrics.update(off_policy_metrics(batch, self.buffer.version))
         metrics["training/off_policy/evicted_samples"] = float(
             self.n * (c["stale"] + c["filtered"] + c["failed"])
         )
@@ -555,12 +552,20 @@ class GroupStream:
         return tasks
 
 
-def off_policy_metrics(batch: DataProto, version: int) -> dict[str, float]:
+def off_policy_metrics(batch: Any, version: int) -> dict[str, float]:
     """verl's ``training/off_policy/*`` per-trajectory numbers of a taken batch, from
-    ``rollout_policy_version`` (B, R; -1 where unknown): ``trajectory_staleness`` = ``version``
-    − the row's oldest token version, ``trajectory_spans`` = how many policy versions sampled
-    the row (2 = interrupted once and resumed on newer weights); mean / max / min over rows
-    with a known version."""
+    ``rollout_policy_version`` (B, R; -1 where unknown) — or from the rows' version tags of a
+    :class:`~postrl.trainer.object_store.RefBatch`: ``trajectory_staleness`` = ``version`` −
+    the row's oldest token version, ``trajectory_spans`` = how many policy versions sampled the
+    row (2 = interrupted once and resumed on newer weights); mean / max / min over rows with a
+    known version."""
+    if isinstance(batch, RefBatch):
+        nt = batch.non_tensor_batch
+        lo, spans = torch.as_tensor(nt["min_version"]), torch.as_tensor(nt["spans"])
+        rows = lo >= 0
+        if not bool(rows.any()):
+            return {}
+        return _staleness_stats(version - lo[rows], spans[rows])
     v = batch.batch.get("rollout_policy_version")
     if v is None:
         return {}
@@ -575,8 +580,12 @@ def off_policy_metrics(batch: DataProto, version: int) -> dict[str, float]:
     spans = torch.zeros_like(lo)
     for d in range(int((hi - lo).max()) + 1):  # a handful of versions (≤ max_staleness + 1)
         spans += ((v == (lo + d)[:, None]) & known).any(-1).long()
+    return _staleness_stats(version - lo, spans)
+
+
+def _staleness_stats(staleness: torch.Tensor, spans: torch.Tensor) -> dict[str, float]:
     out: dict[str, float] = {}
-    for name, x in (("trajectory_staleness", version - lo), ("trajectory_spans", spans)):
+    for name, x in (("trajectory_staleness", staleness), ("trajectory_spans", spans)):
         x = x.double()
         out[f"training/off_policy/{name}/mean"] = float(x.mean())
         out[f"training/off_policy/{name}/max"] = float(x.max())

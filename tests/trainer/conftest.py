@@ -49,3 +49,13 @@ def digits_reward(tmp_path_factory):
     p = tmp_path_factory.mktemp("rewards") / "digits.py"
     p.write_text(DIGITS_REWARD)
     return str(p)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster per test module, 4 logical CPUs (e.g. 2 rollout-replica bundles of
+    1 CPU plus the training workers; threads are set apart by the configs)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()

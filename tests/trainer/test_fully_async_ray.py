@@ -25,14 +25,6 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    # logical CPUs: 2 replica bundles of 1 CPU + 2 actor workers of 0.1 (threads are set apart)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
-
-
 def test_fully_async_on_ray_places_replicas_apart_and_restarts_a_killed_one(
     ray_cluster, tiny_model_dir, digits_reward, tmp_path
 ):

@@ -35,13 +35,6 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
-
-
 def _args(tiny_model_dir, digits_reward, tmp_path, plane: str, steps: int = 16) -> list[str]:
     train = write_parquet(generate_addition(16, seed=5), tmp_path / "train.parquet")
     test = write_parquet(generate_addition(4, seed=5, split="test"), tmp_path / "test.parquet")
