@@ -183,6 +183,30 @@ class RefConfig:
 
 
 @dataclass
+class GatewayConfig:
+    command: str = ""
+    """Shell command started once per trajectory (``gateway`` agent loop), e.g.
+    ``python my_agent.py``; it reads ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``POSTRL_TASK``
+    and ``POSTRL_REWARD_URL`` from its environment (docs/agent.md). Exactly one of ``command``
+    and ``entrypoint`` is set."""
+    entrypoint: str = ""
+    """``module:function`` of an async function called in-process once per trajectory with
+    keyword arguments ``base_url, api_key, task, task_path, reward_url`` (the same values as
+    the command's environment)."""
+    timeout_s: float = 300.0
+    """Deadline of one trajectory (the agent's whole run); past it the agent is killed and the
+    trajectory is masked and counted in ``agent/gateway_failures``."""
+    max_concurrency: int = 16
+    """Agents running at once per agent manager (others wait for a slot)."""
+    max_requests: int = 32
+    """Chat-completion requests one trajectory may make; more are answered with a 400 and the
+    trajectory fails (a runaway agent)."""
+    output_limit_bytes: int = 65536
+    """stdout and stderr kept per agent process (each; the last bytes are kept, the rest is
+    counted and dropped)."""
+
+
+@dataclass
 class AgentConfig:
     default_agent_loop: str = "single_turn"
     """Agent loop for rows without an ``agent_name`` column."""
@@ -199,6 +223,9 @@ class AgentConfig:
     check_token_faithfulness: bool = False
     """Compare trained ids with apply_chat_template of the conversation
     (agent/token_drift_ratio)."""
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """Bring-your-own-agent loop (``gateway``): an OpenAI-compatible endpoint per trajectory
+    for an agent program (docs/agent.md, "Bring your own agent")."""
 
 
 @dataclass
