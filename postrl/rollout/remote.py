@@ -606,18 +606,20 @@ def spawn_replica(
     startup_timeout_s: float = 120.0,
     request_timeout_s: float = 600.0,
     control_timeout_s: float = 60.0,
+    python: str | None = None,
 ) -> HTTPRolloutReplica:
     """Start one replica process serving ``backend`` for ``model_path`` with ``threads`` torch
     threads; returns its handle once ``/health`` answers (``RolloutError`` naming the log
     otherwise). ``options`` are the backend's constructor options (JSON values); ``nice``
     lowers the process's CPU priority (``os.nice``: the OS then gives it the cores the trainer
-    leaves idle)."""
+    leaves idle); ``python`` is the interpreter to run (default: this one; a backend with
+    packages of its own, e.g. ``vllm``, runs its venv's: ``base.replica_python``)."""
     log = Path(log_path) if log_path else None
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
     cmd = [
-        sys.executable,
+        python or sys.executable,
         "-m",
         "postrl.rollout.remote",
         "--model",
