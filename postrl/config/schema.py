@@ -207,6 +207,13 @@ class GatewayConfig:
 
 
 @dataclass
+class EnvConfig:
+    gamma: float = 1.0
+    """Discount of an environment episode's per-turn rewards (``env_agent`` loop): the
+    trajectory's score is ``Σ_t gamma^t r_t``; 1.0 sums them (docs/agent.md, "Environments")."""
+
+
+@dataclass
 class AgentConfig:
     default_agent_loop: str = "single_turn"
     """Agent loop for rows without an ``agent_name`` column."""
@@ -226,6 +233,9 @@ class AgentConfig:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     """Bring-your-own-agent loop (``gateway``): an OpenAI-compatible endpoint per trajectory
     for an agent program (docs/agent.md, "Bring your own agent")."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Gym-style environment loop (``env_agent``): one episode per trajectory, turns bounded by
+    ``max_assistant_turns``, observations cut to ``max_tool_response_length`` characters."""
 
 
 @dataclass
