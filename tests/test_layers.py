@@ -28,8 +28,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "workers": {"engine", "controller", "weights"},
     "rollout": {"protocol"},
     "weights": {"engine", "rollout"},
-    "agent": {"rollout", "tools"},
+    "agent": {"rollout", "tools", "envs"},
     "tools": set(),
+    "envs": set(),
     "reward": set(),
     "data": {"protocol"},
     "trainer": {

@@ -38,11 +38,12 @@ T = TypeVar("T")
 
 AGENT_LOOPS: Registry[type] = Registry("agent loop")
 AGENT_LOOPS.add_lazy("tool_agent", "postrl.agent.tool_loop:ToolAgentLoop")
+AGENT_LOOPS.add_lazy("env_agent", "postrl.agent.env_loop:EnvAgentLoop")
 
 
 def register_agent_loop(name: str, **meta: Any) -> Callable[[T], T]:
     """Class decorator registering an :class:`AgentLoopBase` subclass under ``name``."""
-    return AGENT_LOOPS.register(name, override=name == "tool_agent", **meta)
+    return AGENT_LOOPS.register(name, override=name in ("tool_agent", "env_agent"), **meta)
 
 
 class RolloutClientLike(Protocol):
@@ -70,6 +71,11 @@ class AgentLoopOutput:
     cover ``response_ids`` in order (a trajectory resumed after a weight update, or a multi-turn
     one spanning updates, has several); observation tokens carry version ``-1`` (no policy
     produced them). ``None``: the loop does not know (every token gets ``-1``).
+
+    ``extra["reward"]``, when present, is the trajectory's own score (a number, or a dict with
+    ``score`` and per-sample extras such as ``acc``, as a reward function returns; or
+    ``{"error": text}`` to fail the sample): the reward stage uses it and calls no reward
+    function for the row (environments, agents that report their reward).
     """
 
     prompt_ids: list[int]

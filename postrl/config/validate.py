@@ -216,6 +216,11 @@ def validate_config(
         e.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if not 0 <= cfg.reward.max_failure_ratio <= 1:
         e.append(f"reward.max_failure_ratio={cfg.reward.max_failure_ratio} must be in [0, 1]")
+    if not 0 <= r.agent.env.gamma <= 1:
+        e.append(
+            f"rollout.agent.env.gamma={r.agent.env.gamma} must be in [0, 1] (1 = sum the "
+            "episode's per-turn rewards)"
+        )
     if (
         cfg.trainer.resume_mode not in ("auto", "disable")
         and check_files

@@ -12,7 +12,9 @@ policy between them, tool rewards and DAPO's overlong shaping. The trainer talks
 
 How one row's score is made (B rows; every step is a column operation)::
 
-    rule   (B,)  rule/custom function (streamed rows ∪ rows scored in finish, scattered by row)
+    rule   (B,)  rule/custom function (streamed rows ∪ rows scored in finish, scattered by row);
+                 a row whose agent loop scored it (agent_extra["reward"]: an environment's
+                 return, an agent's reported reward) takes that score and calls no function
     rm     (B,)  reward-model score × reward.model.weight            (when reward.model.enable)
     score  = rm                 (mode=replace: no rule function is called)
            | rule + rm          (mode=add)
@@ -41,7 +43,7 @@ import torch
 from postrl.algos import overlong_reward_penalty
 from postrl.protocol import DataProto
 from postrl.reward.loop import RewardLoop
-from postrl.reward.types import RewardRequest, RewardResult, SampleScore
+from postrl.reward.types import RewardRequest, RewardResult, SampleScore, classify, failed
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +127,8 @@ class RewardStage:
     def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:
         """Per finished trajectory (``AgentLoopManager``'s ``on_sample_end``): submit a
         per-sample rule at once; batch functions and the reward model wait for :meth:`finish`."""
+        if "reward" in (getattr(output, "extra", None) or {}):
+            return  # the loop scored its own trajectory (rule_scores reads agent_extra)
         if not self.rule_functions or self.loop.route(str(row["data_source"])).batch:
             return
         request = RewardRequest(
@@ -173,13 +177,21 @@ class RewardStage:
         return batch, metrics
 
     def rule_scores(self, batch: DataProto) -> RewardResult:
-        """Rule/custom scores of every row: streamed futures where present, the rest now."""
+        """Rule/custom scores of every row: a loop's own score where its trajectory carries one
+        (``agent_extra[i]["reward"]``: environments, agents that report a reward; no function is
+        called), streamed futures where present, the rest now."""
         nt = batch.non_tensor_batch
         n = len(batch)
         keys = list(zip(nt["uid"], (int(k) for k in nt.get("sample_index", [0] * n))))
-        streamed = [i for i, key in enumerate(keys) if key in self._pending]
-        missing = [i for i, key in enumerate(keys) if key not in self._pending]
+        extras = nt.get("agent_extra", [None] * n)
+        own = [i for i in range(n) if "reward" in (extras[i] or {})]
+        mine = set(own)
+        streamed = [i for i, key in enumerate(keys) if key in self._pending and i not in mine]
+        missing = [i for i, key in enumerate(keys) if key not in self._pending and i not in mine]
         parts: list[tuple[list[int], RewardResult]] = []
+        if own:
+            samples = [_own_score(extras[i]["reward"]) for i in own]
+            parts.append((own, RewardResult.from_samples(samples, [nt["uid"][i] for i in own])))
         if streamed:
             futures = [self._pending.pop(keys[i]) for i in streamed]
             parts.append((streamed, self.loop.gather(futures, [nt["uid"][i] for i in streamed])))
@@ -241,6 +253,15 @@ class RewardStage:
         """Stop the reward worker processes; unfinished streamed futures are dropped."""
         self._pending.clear()
         self.loop.close()
+
+
+def _own_score(value: Any) -> SampleScore:
+    """A trajectory's own score (``AgentLoopOutput.extra["reward"]``: a number or a dict with
+    ``score``, validated like a reward function's return value; ``{"error": text}``: the loop
+    failed to score it, a failed sample with reason ``exception``)."""
+    if isinstance(value, dict) and "error" in value:
+        return failed("exception", str(value["error"]))
+    return classify(value)
 
 
 def combine_scores(
