@@ -66,6 +66,8 @@ def _cmd_data(args: argparse.Namespace) -> int:
             )
         else:
             rows = generate_tool_arith(args.n, seed=args.seed, split=args.split, **kw)
+    elif args.task in _env_names():
+        rows = _env_data(args)
     elif args.task in data.TASKS:
         extra = {}
         if args.max_digits is not None:
@@ -88,6 +90,34 @@ def _cmd_data(args: argparse.Namespace) -> int:
     path = data.write_parquet(rows, args.out)
     print(f"wrote {len(rows)} {args.task} rows ({args.split}) to {path}")
     return 0
+
+
+def _env_names() -> list[str]:
+    from postrl.envs import ENVS
+
+    return ENVS.names()
+
+
+def _env_data(args: argparse.Namespace) -> list[dict]:
+    """Rows of an environment's episodes (``--sft``: expert transcripts)."""
+    import json
+
+    from postrl.envs import env_demonstrations, env_rows
+
+    try:
+        kw = json.loads(args.env_kwargs) if args.env_kwargs else {}
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"postrl data {args.task}: --env-kwargs is not JSON ({e})") from e
+    if args.sft:
+        return env_demonstrations(
+            args.task,
+            args.n,
+            seed=args.seed,
+            noise=args.noise,
+            max_turns=args.max_turns,
+            env_kwargs=kw,
+        )
+    return env_rows(args.task, args.n, seed=args.seed, split=args.split, env_kwargs=kw)
 
 
 def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -176,7 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "data", help="generate a synthetic task or convert a local dataset to verl parquet"
     )
-    d.add_argument("task", help="addition | countdown | gsm8k | tool-arith | code")
+    d.add_argument(
+        "task",
+        help="addition | countdown | gsm8k | tool-arith | code | an environment (frozenlake, "
+        "sokoban: episodes for the env_agent loop)",
+    )
     d.add_argument("out", help="output .parquet")
     d.add_argument("--n", type=int, default=1000)
     d.add_argument("--seed", type=int, default=0)
@@ -232,6 +266,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="tool-arith --sft: fraction of demonstrations that call the tool (others answer "
         "directly)",
+    )
+    d.add_argument(
+        "--env-kwargs",
+        default="",
+        help='environments: JSON keyword arguments of the environment, e.g. \'{"size": 4, '
+        '"holes": 3}\'',
+    )
+    d.add_argument(
+        "--noise",
+        type=float,
+        default=0.0,
+        help="environments --sft: probability of a random action per turn in the expert "
+        "transcripts",
+    )
+    d.add_argument(
+        "--max-turns", type=int, default=8, help="environments --sft: turns per transcript"
     )
     d.set_defaults(fn=_cmd_data)
 
