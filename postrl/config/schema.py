@@ -282,6 +282,11 @@ class RolloutConfig:
     """Sampling used by validation."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra backend-specific options (e.g. vLLM ``gpu_memory_utilization``)."""
+    python: str = ""
+    """Interpreter of the replica processes of a backend that runs in a process of its own
+    (``vllm``: its venv pins packages the trainer's cannot hold). Empty: the backend's default
+    (``vllm``: ``.venv-vllm/bin/python``, built by ``make vllm-venv``, when it exists; else this
+    interpreter)."""
 
 
 @dataclass

@@ -261,6 +261,7 @@ def build_context(
 
     from postrl.agent import AgentLoopManager
     from postrl.rollout import LoadBalancer, RolloutClient, RolloutReplica, create_rollout_backend
+    from postrl.rollout.base import runs_in_own_process
     from postrl.rollout.fleet import RolloutFleet
     from postrl.weights import WEIGHT_SYNC_BACKENDS
 
@@ -273,8 +274,9 @@ def build_context(
     from postrl.trainer.modes import TRAINER_MODES
 
     dedicated = bool(TRAINER_MODES.meta(tc.mode).get("dedicated_rollout"))
+    own = runs_in_own_process(r.backend)  # e.g. vllm: its own venv, in every mode
     pool: DedicatedReplicas | None = None
-    if dedicated:  # fully_async: every replica in a process (or Ray actor) of its own
+    if dedicated or own:  # fully_async: every replica in a process (or Ray actor) of its own
         pool = DedicatedReplicas(cfg, options)
         replicas = pool.start()
     else:
@@ -289,7 +291,7 @@ def build_context(
     kw: dict[str, Any] = {}
     if "bucket_bytes" in params:
         kw["bucket_bytes"] = int(r.weight_bucket_mb * (1 << 20))
-    if dedicated and "transport" in params:  # frames as they are: one atomic swap per push
+    if (dedicated or own) and "transport" in params:  # frames as they are: one swap per push
         kw["transport"] = _send_frame
     sync = sync_cls(**kw)
     balancer = LoadBalancer(replicas)
@@ -355,7 +357,8 @@ def _send_frame(bucket: Any, receiver: Any) -> None:
 
 
 class DedicatedReplicas:
-    """The rollout replicas of a ``dedicated_rollout`` mode (``fully_async``) and how to start
+    """The rollout replicas of a ``dedicated_rollout`` mode (``fully_async``), or of a backend
+    whose registry entry declares ``own_process`` (``vllm``, in every mode), and how to start
     one more in a slot (a restart).
 
     ``trainer.backend=local``: ``rollout.num_replicas`` processes (``postrl.rollout.remote``)
@@ -481,9 +484,11 @@ def _spawn_process(cfg: PostRLConfig, options: dict[str, Any], slot: int, contro
             f"trainer.mode={cfg.trainer.mode} serves its rollout replicas over HTTP and needs "
             f"fastapi, uvicorn and httpx ({e}); pip install 'postrl[serve]'"
         ) from e
+    from postrl.rollout.base import replica_python, runs_in_own_process
     from postrl.rollout.remote import spawn_replica
 
     ac, run_dir = cfg.trainer.async_, Path(cfg.trainer.run_dir)
+    own = runs_in_own_process(cfg.rollout.backend)  # an engine of its own venv starts slowly
     run_dir.mkdir(parents=True, exist_ok=True)
     return spawn_replica(
         cfg.model.path,
@@ -494,5 +499,7 @@ def _spawn_process(cfg: PostRLConfig, options: dict[str, Any], slot: int, contro
         replica_id=slot,
         log_path=run_dir / f"rollout_replica_{slot}.log",
         request_timeout_s=ac.timeout_s,
-        control_timeout_s=control,
+        control_timeout_s=max(control, 300.0) if own else control,
+        startup_timeout_s=max(ac.timeout_s, 900.0) if own else 120.0,
+        python=replica_python(cfg.rollout.backend, cfg.rollout.python),
     )
