@@ -748,7 +748,11 @@ def replica_main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         await server.serve(sockets=[sock])
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:  # an engine with processes of its own (vllm) shuts them down
+        if callable(getattr(backend, "close", None)):
+            backend.close()
     return 0
 
 
