@@ -9,6 +9,7 @@ from postrl.rollout.client import LoadBalancer, RolloutClient, RolloutReplica
 from postrl.rollout.types import (
     FinishReason,
     ReplicaDeadError,
+    ReplicaRestartError,
     RolloutBackend,
     RolloutError,
     RolloutTimeoutError,
@@ -26,6 +27,7 @@ __all__ = [
     "register_rollout_backend",
     "FinishReason",
     "ReplicaDeadError",
+    "ReplicaRestartError",
     "RolloutBackend",
     "RolloutError",
     "RolloutTimeoutError",

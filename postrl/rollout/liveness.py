@@ -25,8 +25,8 @@ T = TypeVar("T")
 
 
 class Liveness:
-    """Mixin: ``dead``, ``dead_reason``, :meth:`mark_dead` and :meth:`race`. The class using it
-    calls ``Liveness.__init__(self)`` and has a ``replica_id``."""
+    """Mixin: ``dead``, ``dead_reason``, :meth:`mark_dead`, :meth:`wait_dead` and
+    :meth:`race`. The class using it calls ``Liveness.__init__(self)`` and has a ``replica_id``."""
 
     replica_id: int
 
@@ -34,6 +34,7 @@ class Liveness:
         self.dead_reason: str | None = None
         self._dead_futs: list[asyncio.Future[None]] = []
         self._live_lock = threading.Lock()
+        self._dead_event = threading.Event()
 
     @property
     def dead(self) -> bool:
@@ -48,11 +49,16 @@ class Liveness:
                 return
             self.dead_reason = reason
             futs, self._dead_futs = self._dead_futs, []
+        self._dead_event.set()
         logger.warning("rollout replica %d declared dead: %s", self.replica_id, reason)
         for f in futs:
             loop = f.get_loop()
             if not loop.is_closed():
                 loop.call_soon_threadsafe(_set_done, f)
+
+    def wait_dead(self, timeout_s: float) -> bool:
+        """Block until the replica is declared dead (True) or ``timeout_s`` passed (False)."""
+        return self._dead_event.wait(timeout_s)
 
     def check_alive(self) -> None:
         """Raise :class:`ReplicaDeadError` if the replica was declared dead."""

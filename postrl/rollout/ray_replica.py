@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Iterable
 from typing import Any
 
@@ -78,7 +79,7 @@ class ReplicaActor:
         return self.replica.receive_bucket_report(frame)
 
     async def health(self) -> dict[str, Any]:
-        return {**self.replica.status(), "pid": os.getpid()}
+        return {**self.replica.status(), "pid": os.getpid(), "host": socket.gethostname()}
 
     async def policy_version(self) -> int:
         return self.replica.policy_version
@@ -112,6 +113,9 @@ class RayRolloutReplica(Liveness):
         """The replica engine's seconds in steps, as of the last health ping."""
         self.pid = 0
         """The actor's process id (from the first health answer)."""
+        self.local_pid: int | None = None
+        """:attr:`pid` when the actor runs on this machine (the watchdog reads its CPU
+        progress), else None."""
         self._inflight = 0
         self._gone: str | None = None
 
@@ -165,6 +169,8 @@ class RayRolloutReplica(Liveness):
                 f"within {wait}s: {type(e).__name__}: {e}"
             ) from e
         rep.policy_version, rep.pid = int(d["policy_version"]), int(d["pid"])
+        if d.get("host") == socket.gethostname():
+            rep.local_pid = rep.pid
         return rep
 
     @property

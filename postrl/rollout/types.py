@@ -56,6 +56,19 @@ class ReplicaDeadError(RolloutError):
         self.reason = reason
 
 
+class ReplicaRestartError(RolloutError):
+    """A dead rollout replica could not be put back in service and no restart is left: its
+    replacement failed to start or died before joining (``slot`` and why)."""
+
+    def __init__(self, slot: int, reason: str) -> None:
+        super().__init__(
+            f"rollout replica {slot} could not be restarted and no restart is left "
+            f"(trainer.async.max_replica_restarts): {reason}"
+        )
+        self.slot = slot
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one completion.

@@ -24,13 +24,17 @@ report the swap.
 
 Admission is paced by the buffer: at most ``(max_staleness + 1) × train_batch_size`` groups
 are untrained at once, and no more than the run will train. **Replicas may die**: a replica
-whose process exits or that misses a health ping (``replica_health_timeout_s``) is declared
-dead, its waiting requests are re-issued to the live replicas (``rollout/replica_failures``,
-``rollout/reissued_requests``). A dead replica is started again in the background
-(``trainer.async.max_replica_restarts`` per run) and joins at a later weight push, right after
+whose process exits, or that answers no health ping for ``replica_health_timeout_s`` while its
+process makes no CPU progress (hung), is declared dead (a silent replica whose process keeps
+working is slow, not dead: ``rollout/replica_busy_pings``), its waiting requests are re-issued
+to the live replicas (``rollout/replica_failures``, ``rollout/reissued_requests``). A dead
+replica is started again in the background (:class:`~postrl.rollout.restart.ReplicaRestarter`,
+``trainer.async.max_replica_restarts`` per run) and joins at a later weight push, right after
 it, with exactly that push's weights (``rollout/replica_restarts``); when the last one died,
 requests wait for the replacement, which the trainer puts in service as soon as it is up with
-the actor's current weights as a new version. The run stops with a named error only when no
+the actor's current weights as a new version. A restart that fails is counted
+(``rollout/replica_restart_failures``) and tried again while the budget lasts; the run stops
+with a named error when a failed restart leaves no budget (``ReplicaRestartError``) or when no
 replica is left and none may be restarted. With ``trainer.backend=ray`` the replicas are Ray
 actors on a placement group of their own (:class:`~postrl.trainer.context.DedicatedReplicas`);
 with ``trainer.async.data_plane=object_store`` they also run the agent loops and the reward and
@@ -48,120 +52,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from postrl.protocol import DataProto
+from postrl.rollout.restart import ReplicaRestarter
 from postrl.trainer.idle_switch import IdleSwitch
 from postrl.trainer.modes import off_policy_stream, register_trainer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FullyAsyncMode", "ReplicaRestarter"]
-
-
-class ReplicaRestarter:
-    """Starts dead rollout replicas again and puts them back in service at weight pushes.
-
-    :meth:`begin` (any time, on the trainer's thread) kills each newly dead replica and starts
-    its replacement in a background thread, ``budget`` times per run at most; :meth:`install`
-    (right after a weight push, when the actor's weights are exactly the fleet's version)
-    delivers those weights to every replacement that came up and routes to it.
-
-    Args:
-        fleet: the :class:`~postrl.rollout.fleet.RolloutFleet`.
-        spawn: ``spawn(slot) -> replica`` (``DedicatedReplicas.spawn``).
-        budget: restarts allowed over the run.
-    """
-
-    def __init__(self, fleet: Any, spawn: Callable[[int], Any], budget: int) -> None:
-        self.fleet = fleet
-        self.spawn = spawn
-        self.left = budget
-        self.failed = 0
-        """Restarts that did not come up (or died before joining)."""
-        self._pending: dict[int, Future[Any]] = {}
-        # one long-lived thread: a replica process dies with the thread that started it
-        # (PR_SET_PDEATHSIG), so the starter must outlive the replicas it started
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-restart")
-        if fleet.balancer is not None:  # with none live, requests wait for a replacement
-            fleet.balancer.restart_expected = self.expected
-
-    @property
-    def pending(self) -> int:
-        """Replacements starting or up and not yet installed."""
-        return len(self._pending)
-
-    def begin(self) -> None:
-        """Start a replacement for every dead replica not being replaced yet (budget
-        permitting)."""
-        for slot, rep in enumerate(self.fleet.replicas):
-            if self.left <= 0:
-                return
-            if getattr(rep, "dead", False) and slot not in self._pending:
-                self.left -= 1
-                logger.warning(
-                    "restarting rollout replica %d (%s); %d restart(s) left",
-                    slot,
-                    rep.dead_reason,
-                    self.left,
-                )
-                self._pending[slot] = self._pool.submit(self._replace, slot, rep)
-
-    def _replace(self, slot: int, dead: Any) -> Any:
-        dead.kill()  # a hung process or actor holds its cores (and its Ray bundle)
-        return self.spawn(slot)
-
-    def expected(self) -> bool:
-        """Whether a replacement may still come (budget left, or one starting)."""
-        return self.left > 0 or bool(self._pending)
-
-    def ready(self) -> bool:
-        """Whether a replacement has finished starting (successfully or not)."""
-        return any(f.done() for f in self._pending.values())
-
-    def install(self, open_source: Callable[[int], Any]) -> int:
-        """Install every replacement that is up (call right after a push); returns how many."""
-        from postrl.rollout.types import ReplicaDeadError
-
-        n = 0
-        for slot, fut in list(self._pending.items()):
-            if not fut.done():
-                continue
-            try:  # (it stays pending until it serves: requests waiting for it keep waiting)
-                rep = fut.result()
-            except Exception as e:  # noqa: BLE001 (counted and logged; the slot stays dead)
-                self.failed += 1
-                del self._pending[slot]
-                logger.error(
-                    "rollout replica %d did not restart: %s: %s", slot, type(e).__name__, e
-                )
-                continue
-            try:
-                self.fleet.install(slot, rep, open_source)
-            except ReplicaDeadError as e:
-                self.failed += 1
-                del self._pending[slot]
-                logger.error("restarted rollout replica %d died before joining: %s", slot, e)
-                rep.kill()
-                continue
-            del self._pending[slot]
-            logger.info(
-                "rollout replica %d restarted and serving version %d", slot, self.fleet.version
-            )
-            n += 1
-        return n
-
-    def close(self, timeout_s: float = 120.0) -> None:
-        """Wait for replacements still starting and close them (they never joined)."""
-        for fut in self._pending.values():
-            try:
-                fut.result(timeout=timeout_s).close()
-            except Exception:  # noqa: BLE001 (closing: a replacement that failed is gone)
-                logger.debug("closing a pending replica restart failed", exc_info=True)
-        self._pending.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+__all__ = ["FullyAsyncMode"]
 
 
 @register_trainer("fully_async", on_policy=False, dedicated_rollout=True, minibatch_steps=True)
@@ -184,7 +84,10 @@ class FullyAsyncMode:
         self.step = 0  # the step whose update the next sync_weights pushes (0: the first push)
         self.trained = 0  # groups taken so far (the admission budget)
         self.watchdog = ReplicaWatchdog(
-            ctx.fleet.replicas, ac.replica_health_interval_s, ac.replica_health_timeout_s
+            ctx.fleet.replicas,
+            ac.replica_health_interval_s,
+            ac.replica_health_timeout_s,
+            ac.replica_busy_timeout_s or None,
         )
         self.restarter = ReplicaRestarter(
             ctx.fleet, ctx.replica_spawner or _no_spawner, ac.max_replica_restarts
@@ -325,6 +228,8 @@ class FullyAsyncMode:
             # deaths so far: the dead still in their slots plus those a restart replaced
             "rollout/replica_failures": float(dead + self.ctx.fleet.restarts),
             "rollout/replica_restarts": float(self.ctx.fleet.restarts),
+            "rollout/replica_restart_failures": float(self.restarter.failed),
+            "rollout/replica_busy_pings": float(self.watchdog.busy_pings),
             "rollout/live_replicas": float(len(reps) - dead),
             "rollout/reissued_requests": float(getattr(client, "reissued", 0))
             + float(getattr(self.ctx.trajectories, "reissued", 0)),

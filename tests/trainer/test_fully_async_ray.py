@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 from trainer_helpers import (
@@ -37,8 +36,7 @@ def test_fully_async_on_ray_places_replicas_apart_and_restarts_a_killed_one(
         "rollout.weight_bucket_mb=0.05",  # several frames per push
         "trainer.backend=ray",
         "trainer.num_workers=2",
-        "trainer.async.replica_health_interval_s=0.5",
-        "trainer.async.replica_health_timeout_s=2",
+        "trainer.async.replica_health_interval_s=0.5",  # (Ray reports a killed actor dead)
         "trainer.async.max_replica_restarts=1",
     ]
     trainer = RLTrainer(load_config(None, args))
@@ -65,7 +63,6 @@ def test_fully_async_on_ray_places_replicas_apart_and_restarts_a_killed_one(
 
     hooks.install(hook)
     try:
-        t0 = time.monotonic()
         trainer.fit()
         new = fleet.replicas[0]
         assert new is not first[0] and not new.dead and new.pid not in pids
@@ -76,7 +73,6 @@ def test_fully_async_on_ray_places_replicas_apart_and_restarts_a_killed_one(
         trainer.close()
     assert first[0].dead_reason and "Ray actor died" in first[0].dead_reason
     assert busy > 0, "the restarted replica never generated"
-    assert time.monotonic() - t0 < 120
     each_prompt_once_per_epoch(run, 2, 16, steps_per_epoch=8)
     rows = metric_rows(run)
     last = rows[-1]

@@ -113,17 +113,12 @@ def fully_async_overrides(model_dir, train, test, reward, run, steps: int = 16) 
     ]
 
 
-def await_replacement(trainer: Any, dead: Any, timeout_s: float = 60.0) -> None:
-    """From a fault hook: wait until ``dead`` (a replica handle) is declared dead and its
-    replacement has finished starting (the runs are seconds long; a restart takes a few)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not dead.dead:
-        assert time.monotonic() < deadline, "the killed replica was not declared dead"
-        time.sleep(0.05)
+def await_replacement(trainer: Any, dead: Any, timeout_s: float = 300.0) -> None:
+    """From a fault hook: wait (on events; ``timeout_s`` is a generous multiple of a restart,
+    which takes seconds) until ``dead`` (a replica handle) is declared dead and its replacement
+    has finished starting; it joins at the next weight push."""
+    assert dead.wait_dead(timeout_s), f"the killed replica was not declared dead in {timeout_s}s"
     restarter = trainer.mode.restarter
     restarter.begin()  # (a no-op when a step already began the restart)
-    while not all(f.done() for f in restarter._pending.values()):
-        assert time.monotonic() < deadline, f"the restarted replica did not come up in {timeout_s}s"
-        time.sleep(0.05)
+    assert restarter.pending, "no restart was begun for the dead replica"
+    restarter.wait_started(timeout_s)
