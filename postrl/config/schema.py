@@ -469,8 +469,16 @@ class AsyncConfig:
     replica_health_interval_s: float = 1.0
     """``fully_async``: seconds between two health pings of each rollout replica."""
     replica_health_timeout_s: float = 5.0
-    """``fully_async``: a replica that does not answer a ping within this is declared dead
-    (its in-flight requests go to the others)."""
+    """``fully_async``: a replica whose process is gone is declared dead at once; one that
+    answers no health ping for this long while its process makes no CPU progress (stopped,
+    deadlocked) is declared hung, hence dead (its in-flight requests go to the others). A replica
+    that is silent but working (a loaded machine) is spared until
+    ``replica_busy_timeout_s``."""
+    replica_busy_timeout_s: float = 0.0
+    """``fully_async``: silence after which a replica is declared dead even though its process
+    keeps using CPU (a livelock, or a machine too loaded to serve); 0 = ``max(10 ×
+    replica_health_timeout_s, 60)``. CPU progress is read for replicas on this machine only;
+    elsewhere ``replica_health_timeout_s`` alone decides."""
     idle_switch: str = "never"
     """``fully_async``: the trainer's cores generate while it would wait for samples (verl's
     ``hybrid_rollout``). ``never``; ``auto``: switch at a step whose batch is not complete when

@@ -42,11 +42,10 @@ def _base(tiny_model_dir, epoch_files, digits_reward, run, steps: int = 16) -> l
     return fully_async_overrides(tiny_model_dir, train, test, digits_reward, run, steps)
 
 
-FAST_HEALTH = [
-    "trainer.async.replica_health_interval_s=0.5",
-    "trainer.async.replica_health_timeout_s=2",
-]
-"""Pings every 0.5 s, dead after 2 s of silence (the runs are seconds long)."""
+FAST_HEALTH = ["trainer.async.replica_health_interval_s=0.5"]
+"""Pings every 0.5 s. A killed replica is dead at once (its process exited); silence never
+decides in these runs (the default timeout, and a silent replica that works is spared), so a
+loaded machine cannot declare a live replica dead."""
 
 
 def _each_prompt_once_per_epoch(run, epochs: int = 2, size: int = 16) -> None:
@@ -209,7 +208,7 @@ def test_killed_and_hung_replicas_lose_nothing(
         *_base(tiny_model_dir, epoch_files, digits_reward, run),
         "rollout.num_replicas=3",
         "trainer.async.replica_health_interval_s=0.5",
-        "trainer.async.replica_health_timeout_s=2",
+        "trainer.async.replica_health_timeout_s=5",  # the stopped one: silent, no CPU progress
         "trainer.async.max_replica_restarts=0",  # the third replica carries the rest
     ]
     trainer = RLTrainer(load_config(None, args))
@@ -222,9 +221,7 @@ def test_killed_and_hung_replicas_lose_nothing(
             struck[i] = time.monotonic()
             os.kill(reps[i].process.pid, sig)
             if sig == signal.SIGSTOP:  # wait for the watchdog (the trainer keeps its own pace)
-                deadline = time.monotonic() + 10
-                while not reps[i].dead and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                assert reps[i].wait_dead(300), "the stopped replica was not declared hung"
 
         return do
 
@@ -241,11 +238,7 @@ def test_killed_and_hung_replicas_lose_nothing(
             if r.process.poll() is None:
                 r.process.kill()
         trainer.close()
-    assert sorted(died) == [0, 1]
-    for i in (0, 1):
-        assert died[i] - struck[i] < 10, (
-            f"replica {i} declared dead {died[i] - struck[i]:.1f}s late"
-        )
+    assert sorted(died) == [0, 1] and not reps[2].dead, died  # the third was never dead
     assert "exited" in reps[0].dead_reason or "connection" in reps[0].dead_reason
     assert "/health" in reps[1].dead_reason
     _each_prompt_once_per_epoch(run)
@@ -355,7 +348,7 @@ def test_fully_async_kill_and_resume_loses_and_duplicates_nothing(
     run = tmp_path / "run"
     args = [*_base(tiny_model_dir, epoch_files, digits_reward, run), "trainer.save_freq=4"]
     assert train_subprocess(args, threads=1, kill_at="step6:after_gen") == -9
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # they die with their parent (PR_SET_PDEATHSIG)
     while _replica_pids(tiny_model_dir) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _replica_pids(tiny_model_dir), "a rollout replica outlived its killed trainer"
