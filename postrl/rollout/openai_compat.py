@@ -10,6 +10,7 @@ trimming, tool calls in OpenAI's shape, server-sent-event framing and error bodi
 
 from __future__ import annotations
 
+import inspect
 import json
 import uuid
 from typing import Any, Literal
@@ -28,6 +29,7 @@ __all__ = [
     "trim_stop",
     "token_text",
     "tool_calls_of",
+    "parse_tool_reply",
 ]
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -198,17 +200,55 @@ def chat_logprobs(
     return {"content": content}
 
 
-def tool_calls_of(parser: Any, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Parse ``text`` for tool calls: ``(remaining content or None, OpenAI tool_calls)``."""
-    result = parser.parse(text)
-    calls = [
+def _parse(parser: Any, text: str, tools: list[dict[str, Any]] | None) -> Any:
+    """``parser.parse(text, tools)``, or ``parse(text)`` for parsers without a ``tools``
+    parameter (the schemas type XML-style parameter values)."""
+    if tools is not None and "tools" in inspect.signature(parser.parse).parameters:
+        return parser.parse(text, tools=tools)
+    return parser.parse(text)
+
+
+def _openai_calls(calls: list[Any]) -> list[dict[str, Any]]:
+    return [
         {
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
             "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
         }
-        for c in result.calls
+        for c in calls
     ]
+
+
+def tool_calls_of(
+    parser: Any, text: str, tools: list[dict[str, Any]] | None = None
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """Parse ``text`` for tool calls: ``(remaining content or None, OpenAI tool_calls)``."""
+    result = _parse(parser, text, tools)
+    calls = _openai_calls(result.calls)
     if not calls:
         return text, []
     return (result.content.strip() or None), calls
+
+
+def parse_tool_reply(
+    parser: Any,
+    tokenizer: Any,
+    token_ids: list[int],
+    text: str,
+    stop_reason: Any,
+    tools: list[dict[str, Any]] | None,
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """A chat reply's ``(content, tool_calls)``. ``text`` is the reply decoded without special
+    tokens; a parser that declares ``needs_special_tokens`` (its markers are special tokens:
+    gpt-oss, kimi_k2, mistral, ...) reads the ids decoded with them, and its content (for
+    gpt-oss: the final and preamble messages) comes back without the tokenizer's special
+    tokens."""
+    if not getattr(parser, "needs_special_tokens", False):
+        return tool_calls_of(parser, text, tools)
+    raw = trim_stop(tokenizer.decode(token_ids, skip_special_tokens=False), stop_reason)
+    result = _parse(parser, raw, tools)
+    content = result.content
+    for t in sorted(set(getattr(tokenizer, "all_special_tokens", ())), key=len, reverse=True):
+        content = content.replace(t, "")
+    calls = _openai_calls(result.calls)
+    return (content.strip() or None) if calls else content.strip(), calls

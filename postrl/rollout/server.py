@@ -57,9 +57,9 @@ from postrl.rollout.openai_compat import (
     chat_logprobs,
     completion_logprobs,
     error_body,
+    parse_tool_reply,
     render_messages,
     sse,
-    tool_calls_of,
     trim_stop,
 )
 from postrl.rollout.types import RolloutError, SamplingParams
@@ -341,7 +341,10 @@ def create_app(
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = o.finish_reason
             if use_tools:
-                content, calls = tool_calls_of(tool_parser, text)
+                content, calls = parse_tool_reply(
+                    tool_parser, tok, o.token_ids, text, o.stop_reason, body.tools
+                )
+                message["content"] = content
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish = "tool_calls"
