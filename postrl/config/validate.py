@@ -301,6 +301,7 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
         e.extend(_fully_async_errors(cfg))
     elif ac.max_staleness < 0:
         e.append(f"trainer.async.max_staleness={ac.max_staleness} must be >= 0")
+    e.extend(data_plane_errors(cfg))  # every mode: a plane a mode cannot use is refused
     try:
         from postrl.trainer.replay.samplers import SAMPLERS
     except ImportError:
@@ -358,7 +359,6 @@ def _fully_async_errors(cfg: PostRLConfig) -> list[str]:
             f"trainer.async.max_replica_restarts={ac.max_replica_restarts} must be >= 0 "
             f"(0: a dead rollout replica is not started again)"
         )
-    e.extend(data_plane_errors(cfg))
     if ac.idle_switch not in ("never", "auto", "always"):
         e.append(f"trainer.async.idle_switch={ac.idle_switch!r} must be one of never, auto, always")
     elif ac.idle_switch != "never" and t.backend != "local":
@@ -372,9 +372,12 @@ def _fully_async_errors(cfg: PostRLConfig) -> list[str]:
 
 
 def data_plane_errors(cfg: PostRLConfig) -> list[str]:
-    """Problems with ``trainer.async.data_plane`` (``object_store`` trains from per-trajectory
-    scores and references: what it cannot carry is refused here, with the fix)."""
-    t, ac, a = cfg.trainer, cfg.trainer.async_, cfg.algorithm
+    """Problems with ``trainer.async.data_plane``, in every mode (``object_store`` keeps the
+    trajectories on the rollout side; what it cannot carry yet is refused here, with the fix).
+    A stage that reads batch tensors on the driver (a token-level estimator or GAE with its
+    critic, KL in the reward, downsampling, rollout rejection sampling) is carried: the taken
+    groups are fetched to the driver for it (``trainer/object_store.py``)."""
+    t, ac = cfg.trainer, cfg.trainer.async_
     if ac.data_plane == "driver":
         return []
     if ac.data_plane != "object_store":
@@ -387,33 +390,16 @@ def data_plane_errors(cfg: PostRLConfig) -> list[str]:
             f"workers; set trainer.mode=fully_async and trainer.backend=ray (or "
             f"trainer.async.data_plane=driver)"
         )
-    from postrl.algos import ADV_ESTIMATORS
-
-    if a.adv_estimator in ADV_ESTIMATORS:
-        meta = ADV_ESTIMATORS.meta(a.adv_estimator)
-        if not meta.get("outcome") or meta.get("needs") or meta.get("optional"):
-            e.append(
-                f"algorithm.adv_estimator={a.adv_estimator} with {why}: the driver computes "
-                f"advantages from each trajectory's score alone, and this estimator needs "
-                f"token-level inputs; use an outcome estimator (grpo, rloo, opo, gpg, "
-                f"reinforce_plus_plus_baseline, ...) or trainer.async.data_plane=driver"
-            )
     blockers = {
-        "a critic (GAE)": a.adv_estimator == "gae",
-        "algorithm.use_kl_in_reward=true": a.use_kl_in_reward,
         "reward.model.enable=true": cfg.reward.model.enable,
-        "algorithm.downsample.enable=true": a.downsample.enable,
-        f"algorithm.rollout_correction.rollout_rs={a.rollout_correction.rollout_rs}": bool(
-            a.rollout_correction.rollout_rs
-        ),
         f"trainer.async.idle_switch={ac.idle_switch}": ac.idle_switch != "never",
     }
     for what, on in blockers.items():
         if on:
             e.append(
-                f"{what} with {why}: not carried by the object-store data plane yet (it needs "
-                f"batch tensors on the driver or a model beside the rollout); turn it off or "
-                f"set trainer.async.data_plane=driver"
+                f"{what} with {why}: not carried by the object-store data plane yet (the "
+                f"replicas score without it, or it needs the trainer's in-process actor); turn "
+                f"it off or set trainer.async.data_plane=driver"
             )
     return e
 

@@ -48,6 +48,8 @@ __all__ = [
     "RemoteTrajectories",
     "RemoteTrajectory",
     "TrajectoryReplicaActor",
+    "driver_tensor_reasons",
+    "fetch_batch",
     "outcome_advantages",
     "tag_step_metrics",
 ]
@@ -412,6 +414,54 @@ def _local_row(row: Any) -> RemoteTrajectory:
         agent_metrics=dict(nt["agent_metrics"][0] or {}),
         reward_metrics={},
     )
+
+
+def driver_tensor_reasons(cfg: Any) -> list[str]:
+    """Why this run's step reads batch tensors on the driver (empty: it trains from tags and
+    references alone). Each reason is a fact a stage declares: an advantage estimator that is
+    not registered ``outcome=True`` or declares ``needs`` / ``optional`` inputs (GAE with its
+    critic's values, token-level estimators, ReMax's baseline, the optimal token baseline),
+    KL in the reward, downsampling and rollout rejection sampling (all read token tensors
+    before the update). With any of them the taken groups are fetched to the driver
+    (:func:`fetch_batch`) and the step runs as on the ``driver`` plane."""
+    from postrl.algos import ADV_ESTIMATORS
+
+    a = cfg.algorithm
+    out = []
+    if a.adv_estimator in ADV_ESTIMATORS:
+        meta = ADV_ESTIMATORS.meta(a.adv_estimator)
+        if not meta.get("outcome") or meta.get("needs") or meta.get("optional"):
+            out.append(f"algorithm.adv_estimator={a.adv_estimator} (token-level inputs)")
+    if a.use_kl_in_reward:
+        out.append("algorithm.use_kl_in_reward=true")
+    if a.downsample.enable:
+        out.append("algorithm.downsample.enable=true")
+    if a.rollout_correction.rollout_rs:
+        out.append(f"algorithm.rollout_correction.rollout_rs={a.rollout_correction.rollout_rs}")
+    return out
+
+
+def fetch_batch(groups: list[tuple[str, int, list[Any]]], timeout_s: float) -> Any:
+    """The taken groups as one scored batch on the driver, in group order: each payload
+    fetched from the object store once (counted as ``driver/*`` traffic on channel
+    ``object_store.fetch``), the wanted rows of each padded into the rollout layout with
+    :func:`~postrl.protocol.layout.concat_rollouts`. ``groups`` as for
+    :meth:`RefBatch.from_groups` (a one-row ``DataProto`` is a restored row, already here)."""
+    import ray
+
+    from postrl.protocol.layout import concat_rollouts
+
+    remote = [t.ref for _, _, trajs in groups for t in trajs if isinstance(t, RemoteTrajectory)]
+    unique = list(dict.fromkeys(remote))
+    fetched = ray.get(unique, timeout=timeout_s) if unique else []
+    DRIVER_TRAFFIC.count("in", "object_store.fetch", [p["batch"] for p in fetched])
+    payloads = {ref: p["batch"] for ref, p in zip(unique, fetched, strict=True)}
+    rows = [
+        payloads[t.ref][t.row : t.row + 1] if isinstance(t, RemoteTrajectory) else t
+        for _, _, trajs in groups
+        for t in trajs
+    ]
+    return concat_rollouts(rows)
 
 
 def outcome_advantages(batch: RefBatch, algo: Any) -> tuple[torch.Tensor, dict[str, float]]:

@@ -40,7 +40,12 @@ import torch
 
 from postrl.protocol import DataProto
 from postrl.reward import RewardFailureError
-from postrl.trainer.object_store import RefBatch, RemoteTrajectory
+from postrl.trainer.object_store import (
+    RefBatch,
+    RemoteTrajectory,
+    driver_tensor_reasons,
+    fetch_batch,
+)
 from postrl.trainer.replay import ReplayBuffer
 from postrl.trainer.replay.tags import Eviction
 
@@ -120,6 +125,10 @@ class GroupStream:
         self.remote = getattr(ctx, "trajectories", None)
         """:class:`~postrl.trainer.object_store.RemoteTrajectories` in the object-store data
         plane (trajectories run, are scored and stay on the rollout side), else None."""
+        self.fetch_tensors = self.remote is not None and bool(driver_tensor_reasons(ctx.cfg))
+        """The object-store plane hands the step a scored batch fetched to the driver (a stage
+        reads tensors there: :func:`~postrl.trainer.object_store.driver_tensor_reasons`)
+        instead of a :class:`~postrl.trainer.object_store.RefBatch`."""
 
     # ------------------------------------------------------------------ admission
     @property
@@ -309,12 +318,14 @@ class GroupStream:
             b["response_mask"] = b["response_mask"] * 0
             batch = DataProto(b, batch.non_tensor_batch, dict(batch.meta_info))
         elif self.remote is not None:  # references and tags; the payloads stay put
-            batch = RefBatch.from_groups(
-                [
-                    (g.uid, g.index, g.batch if isinstance(g.batch, list) else _rows(g.batch))
-                    for g in taken
-                ]
-            )
+            groups = [
+                (g.uid, g.index, g.batch if isinstance(g.batch, list) else _rows(g.batch))
+                for g in taken
+            ]
+            if self.fetch_tensors:  # a stage reads tensors on the driver: fetch them here
+                batch = fetch_batch(groups, self.ctx.cfg.trainer.async_.timeout_s)
+            else:
+                batch = RefBatch.from_groups(groups)
         elif self.score_on_completion:
             from postrl.trainer.stages import concat_rollouts
 

@@ -20,7 +20,7 @@ from trainer_helpers import (
     train_subprocess,
 )
 
-from postrl.config import ConfigError, load_config
+from postrl.config import ConfigError, load_config, validate_config
 from postrl.data import generate_addition, write_parquet
 from postrl.rollout import ReplicaDeadError
 from postrl.trainer import RLTrainer, hooks
@@ -125,21 +125,26 @@ def test_object_store_data_plane_config_errors_name_the_field_and_the_fix(small_
     with pytest.raises(ConfigError) as e:
         RLTrainer(load_config(None, [*base, "trainer.async.data_plane=disk"]))
     assert "trainer.async.data_plane='disk' must be 'driver' or 'object_store'" in str(e.value)
-    bad = [
+    # every mode is checked: sync used to train on the driver plane without a word
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(load_config(None, [*small_overrides, "trainer.backend=ray", plane]))
+    assert f"{plane} with trainer.mode=sync, trainer.backend=ray" in str(e.value)
+    # carried by fetching the taken groups to the driver (no error): token-level estimators,
+    # a critic, KL in the reward, rejection sampling, a KL loss
+    carried = [
         "trainer.backend=ray",
         "algorithm.adv_estimator=reinforce_plus_plus",
         "algorithm.use_kl_in_reward=true",
-        "actor.use_kl_loss=true",  # (carried: no error)
+        "actor.use_kl_loss=true",
         "algorithm.rollout_correction.rollout_rs=sequence",
     ]
-    with pytest.raises(ConfigError) as e:
-        RLTrainer(load_config(None, [*base, plane, *bad]))
+    validate_config(load_config(None, [*base, plane, *carried]), check_files=False)
+    with pytest.raises(ConfigError) as e:  # the replicas' reward stage has no reward model
+        RLTrainer(load_config(None, [*base, plane, *carried, "reward.model.enable=true"]))
     msg = str(e.value)
-    assert "algorithm.adv_estimator=reinforce_plus_plus with " + plane in msg
-    assert "algorithm.use_kl_in_reward=true with " + plane in msg
-    assert "use_kl_loss" not in msg
-    assert "algorithm.rollout_correction.rollout_rs=sequence with " + plane in msg
+    assert "reward.model.enable=true with " + plane in msg
     assert "or set trainer.async.data_plane=driver" in msg
+    assert "use_kl" not in msg and "rollout_rs" not in msg and "reinforce" not in msg
     assert "set trainer.mode=fully_async and trainer.backend=ray" not in msg
 
 

@@ -260,3 +260,32 @@ def test_object_store_kill_and_resume_loses_and_duplicates_nothing(
     rows = metric_rows(run)
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert all(r["driver/in_tensor_bytes"] == 0 for r in rows)
+
+
+def test_object_store_trains_a_critic_and_kl_in_the_reward(
+    ray_cluster, tiny_model_dir, digits_reward, tmp_path
+):
+    """GAE with a critic and KL in the reward on the object-store plane: the replicas still
+    run, score and keep the trajectories; the stages that read tensors on the driver get the
+    taken groups fetched there (channel ``object_store.fetch``, counted in ``driver/*``), and
+    the step runs the driver plane's stages on them — the critic and the actor train."""
+    args = [
+        *_args(tiny_model_dir, digits_reward, tmp_path, "object_store", steps=2),
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_kl_in_reward=true",
+        "critic.optim.lr=1e-4",
+    ]
+    trainer = RLTrainer(load_config(None, args))
+    assert trainer.use_critic and trainer.use_ref
+    traffic = _fit(trainer)
+    rows = metric_rows(tmp_path / "run-object_store")
+    assert len(rows) == 2 and len(traffic) == 2
+    for r in rows:
+        assert np.isfinite(r["critic/vf_loss"]) and np.isfinite(r["actor/pg_loss"]), r
+        assert "actor/reward_kl_penalty_coeff" in r and "critic/values/mean" in r
+        assert r["actor/grad_norm"] > 0 and r["critic/grad_norm"] > 0, r  # both trained
+        assert r["driver/in_tensor_bytes"] > 0  # the fetched groups, counted
+    for step in traffic:
+        n, tensors, _ = step[("in", "object_store.fetch")]
+        assert tensors > 0 and n >= tensors  # 2 groups of 4 trajectories, fetched once
+        assert step.get(("in", "rollout.trajectory"), (0, 0, 0))[1] == 0  # tags only
