@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 import logging
 import time
 import uuid
@@ -185,7 +186,8 @@ class _Trajectory:
 
 @register_agent_loop("tool_agent")
 class ToolAgentLoop(AgentLoopBase):
-    """Multi-turn generation with tool calls (Hermes ``<tool_call>{json}</tool_call>`` by default).
+    """Multi-turn generation with tool calls in the format of ``rollout.agent.tool_parser``
+    (Hermes ``<tool_call>{json}</tool_call>`` by default; see ``postrl.tools.parsers``).
 
     Args:
         client: rollout client (``generate(prompt_ids, sampling, request_id, trajectory_id)``).
@@ -229,6 +231,9 @@ class ToolAgentLoop(AgentLoopBase):
             timeout_s=tool_timeout_s,
             max_tool_response_length=config.max_tool_response_length,
         )
+        # the tools' schemas type parameter values of XML-style formats (qwen3_coder, glm45)
+        typed = "tools" in inspect.signature(self.parser.parse).parameters
+        self._parse_kwargs = {"tools": self.executor.schemas()} if typed else {}
         self.delta = ChatDelta(tokenizer)
         self.max_response_length = max_response_length
         self.max_model_len = max_model_len
@@ -362,7 +367,7 @@ class ToolAgentLoop(AgentLoopBase):
     def _parse(self, text: str) -> tuple[list[Any], list[str]]:
         """Parsed calls and error-observation texts for malformed ones (never raises)."""
         try:
-            res = self.parser.parse(text)
+            res = self.parser.parse(text, **self._parse_kwargs)
         except Exception as e:  # a parser bug must not wedge the trajectory
             logger.warning("tool parser %r failed: %r", self.config.tool_parser, e)
             return [], [f"Error: could not parse tool call ({type(e).__name__}: {e})"]
