@@ -31,6 +31,12 @@ def _registry_checks(cfg: PostRLConfig) -> list[str]:
             cfg.rollout.agent.default_agent_loop,
         ),
         ("postrl.trainer", "TRAINER_MODES", "trainer.mode", cfg.trainer.mode),
+        (
+            "postrl.tools.parsers",
+            "TOOL_PARSERS",
+            "rollout.agent.tool_parser",
+            cfg.rollout.agent.tool_parser,
+        ),
     ]
     if ":" not in cfg.data.sampler:
         checks.append(("postrl.data.samplers", "PROMPT_SAMPLERS", "data.sampler", cfg.data.sampler))

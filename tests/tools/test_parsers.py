@@ -490,3 +490,18 @@ def test_plain_text_passes_through_every_parser():
     for name in TOOL_PARSERS.names():
         res = get_tool_parser(name).parse(text)
         assert res.calls == [] and res.errors == [] and res.content == text, name
+
+
+def test_config_validation_lists_the_parsers():
+    from postrl.config import ConfigError, load_config, validate_config
+
+    base = ["model.path=m", "data.train_files=[t.parquet]"]
+    for name in TOOL_PARSERS.names():
+        cfg = load_config(None, [*base, f"rollout.agent.tool_parser={name}"])
+        validate_config(cfg, check_files=False)
+    cfg = load_config(None, [*base, "rollout.agent.tool_parser=qwen3_codr"])
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg, check_files=False)
+    msg = str(e.value)
+    assert "rollout.agent.tool_parser='qwen3_codr'" in msg and "did you mean 'qwen3_coder'" in msg
+    assert "glm45" in msg  # the choices are listed
