@@ -208,14 +208,19 @@ def _parse(parser: Any, text: str, tools: list[dict[str, Any]] | None) -> Any:
     return parser.parse(text)
 
 
-def _openai_calls(calls: list[Any]) -> list[dict[str, Any]]:
+def _openai_calls(result: Any, parser: Any) -> list[dict[str, Any]]:
+    """OpenAI ``tool_calls``; ids are the model's own where its format carries them
+    (``result.call_ids``), else the parser's ``new_call_id()`` (formats whose templates
+    constrain ids), else ``call_<hex>``."""
+    ids = list(getattr(result, "call_ids", None) or ())
+    make = getattr(parser, "new_call_id", None) or (lambda: f"call_{uuid.uuid4().hex[:24]}")
     return [
         {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "id": (ids[i] if i < len(ids) and ids[i] else None) or make(),
             "type": "function",
             "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
         }
-        for c in calls
+        for i, c in enumerate(result.calls)
     ]
 
 
@@ -224,7 +229,7 @@ def tool_calls_of(
 ) -> tuple[str | None, list[dict[str, Any]]]:
     """Parse ``text`` for tool calls: ``(remaining content or None, OpenAI tool_calls)``."""
     result = _parse(parser, text, tools)
-    calls = _openai_calls(result.calls)
+    calls = _openai_calls(result, parser)
     if not calls:
         return text, []
     return (result.content.strip() or None), calls
@@ -250,5 +255,5 @@ def parse_tool_reply(
     content = result.content
     for t in sorted(set(getattr(tokenizer, "all_special_tokens", ())), key=len, reverse=True):
         content = content.replace(t, "")
-    calls = _openai_calls(result.calls)
+    calls = _openai_calls(result, parser)
     return (content.strip() or None) if calls else content.strip(), calls

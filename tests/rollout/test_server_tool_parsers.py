@@ -52,6 +52,18 @@ GPT_OSS_REPLY = (
     "<|call|>"
 )
 
+KIMI = [
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+]
+KIMI_REPLY = (
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>"
+    '{"a": 2, "b": 3, "note": "7"}<|tool_call_end|><|tool_calls_section_end|>'
+)
+
 
 class _ScriptedBackend:
     """Replies with fixed token ids (the HTTP layer's tool path needs a known reply)."""
@@ -80,14 +92,16 @@ def _serve(app):
 
 
 @pytest.mark.parametrize(
-    "parser, reply, special, content",
+    "parser, reply, special, content, call_id",
     [
-        ("qwen3_coder", QWEN3_CODER_REPLY, [], "Let me add."),
-        ("gpt-oss", GPT_OSS_REPLY, HARMONY, None),
+        ("qwen3_coder", QWEN3_CODER_REPLY, [], "Let me add.", "call_"),
+        ("gpt-oss", GPT_OSS_REPLY, HARMONY, None, "call_"),
+        # Kimi's template writes call ids back into the prompt: the model's own id is returned
+        ("kimi_k2", KIMI_REPLY, KIMI, None, "functions.add:0"),
     ],
 )
 def test_openai_client_gets_tool_calls_of_the_configured_parser(
-    tiny_model_dir, tmp_path, parser, reply, special, content
+    tiny_model_dir, tmp_path, parser, reply, special, content, call_id
 ):
     from transformers import AutoTokenizer
 
@@ -107,7 +121,7 @@ def test_openai_client_gets_tool_calls_of_the_configured_parser(
         tok.add_special_tokens({"additional_special_tokens": special})
     ids = tok.encode(reply, add_special_tokens=False)
     if special:  # a decode that skips special tokens loses the markers
-        assert "<|channel|>" not in tok.decode(ids, skip_special_tokens=True)
+        assert special[0] not in tok.decode(ids, skip_special_tokens=True)
     app = create_app(
         RolloutReplica(_ScriptedBackend(ids)), tok, tool_parser=get_tool_parser(parser)
     )
@@ -121,6 +135,7 @@ def test_openai_client_gets_tool_calls_of_the_configured_parser(
         assert len(msg.tool_calls) == 1
         call = msg.tool_calls[0]
         assert call.type == "function" and call.function.name == "add"
+        assert call.id.startswith(call_id)
         # "note" is a string in the request's schema: "7" stays text, a and b are integers
         assert json.loads(call.function.arguments) == {"a": 2, "b": 3, "note": "7"}
         chunks = list(c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, stream=True))

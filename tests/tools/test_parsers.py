@@ -377,17 +377,13 @@ def _stream(parser, pieces: list[str]) -> ParseResult:
     assert "".join(d.reasoning for d in deltas) == res.reasoning
     assert [c for d in deltas for c in d.calls] == res.calls
     assert [e for d in deltas for e in d.errors] == res.errors
+    assert [i for d in deltas for i in d.call_ids] == res.call_ids
     return res
 
 
 def _same(a: ParseResult, b: ParseResult) -> bool:
-    return (a.calls, a.errors, a.content, a.reasoning, a.ignored_in_code) == (
-        b.calls,
-        b.errors,
-        b.content,
-        b.reasoning,
-        b.ignored_in_code,
-    )
+    fields = ("calls", "call_ids", "errors", "content", "reasoning", "ignored_in_code")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
 def test_every_family_is_registered():
@@ -443,6 +439,23 @@ def test_truncated_generations_never_raise(case):
         s.feed(prefix[cut:])
         s.finish()
         assert _same(s.result(), whole), f"prefix {k} split at {cut}"
+
+
+@pytest.mark.parametrize(
+    "case_id, ids",
+    [
+        ("kimi-two-calls", ["functions.get_weather:0", "functions.search:1"]),
+        ("mistral-v3-array", ["abcDEF123", "xyzXYZ789"]),
+        ("mistral-v11-call-id", ["abcDEF123", "xyzXYZ789"]),
+        ("mistral-v13-compact", [None, None]),
+        ("hermes-two-calls", [None, None]),
+    ],
+)
+def test_call_ids_the_model_wrote_are_kept(case_id, ids):
+    case = CASES[IDS.index(case_id)]
+    assert get_tool_parser(case[1]).parse(case[2]).call_ids == ids
+    new = get_tool_parser("mistral").new_call_id()
+    assert len(new) == 9 and new.isalnum()
 
 
 def test_without_schema_values_are_json_decoded():
@@ -505,3 +518,30 @@ def test_config_validation_lists_the_parsers():
     msg = str(e.value)
     assert "rollout.agent.tool_parser='qwen3_codr'" in msg and "did you mean 'qwen3_coder'" in msg
     assert "glm45" in msg  # the choices are listed
+
+
+SOUP = [
+    "<tool_call>", "</tool_call>", "<function=f>", "</function>", "<parameter=a>",
+    "</parameter>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "```", "`", "\n",
+    " ", "f", "{", "}", "[", "]", '"', ";", ":", ",", "\\", '{"a": 1}',
+    '{"name": "f", "arguments": {"a": 1}}', '{"name": "f", "parameters": {}}', "<|start|>",
+    "assistant", "<|channel|>", "analysis", "final", "commentary", " to=functions.f",
+    "<|constrain|>json", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|python_tag|>",
+    "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN,
+    DS_CALL_END, DS_SEP, "function", "```json", "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>", "<|tool_call_begin|>", "functions.f:0",
+    "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS.names()))
+def test_random_marker_soup_never_raises_and_streams_alike(name):
+    """Random sequences of every family's markers and JSON pieces (broken on purpose): no
+    exception, and any split of the stream gives the whole-text result."""
+    parser, rng = get_tool_parser(name), random.Random(name)
+    for _ in range(300):
+        text = "".join(rng.choice(SOUP) for _ in range(rng.randint(1, 25)))
+        whole = parser.parse(text)
+        cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        assert _same(_stream(parser, pieces), whole), (text, cuts)

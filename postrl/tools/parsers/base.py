@@ -80,7 +80,9 @@ class ParseResult:
 
     ``content`` is what an OpenAI server returns as ``message.content`` (stripped);
     ``reasoning`` holds reasoning-channel text of formats that mark it (gpt-oss ``analysis``);
-    ``ignored_in_code`` counts call blocks inside markdown code fences that were not counted.
+    ``ignored_in_code`` counts call blocks inside markdown code fences that were not counted;
+    ``call_ids[i]`` is the id the model wrote for ``calls[i]`` in formats that carry one
+    (Kimi's ``functions.NAME:IDX``, Mistral's ``id``/``[CALL_ID]``), else None.
     """
 
     calls: list[ToolCall] = field(default_factory=list)
@@ -88,6 +90,7 @@ class ParseResult:
     content: str = ""
     ignored_in_code: int = 0
     reasoning: str = ""
+    call_ids: list[str | None] = field(default_factory=list)
 
     @property
     def has_calls(self) -> bool:
@@ -157,6 +160,7 @@ class _Sink:
         self.content_parts: list[str] = []
         self.reasoning_parts: list[str] = []
         self.calls: list[ToolCall] = []
+        self.call_ids: list[str | None] = []
         self.errors: list[ParseError] = []
         self.ignored_in_code = 0
 
@@ -168,8 +172,9 @@ class _Sink:
         if s:
             self.reasoning_parts.append(s)
 
-    def call(self, name: str, arguments: dict[str, Any]) -> None:
+    def call(self, name: str, arguments: dict[str, Any], call_id: str | None = None) -> None:
         self.calls.append(ToolCall(name, arguments))
+        self.call_ids.append(call_id)
 
     def error(self, raw: str, message: str) -> None:
         self.errors.append(ParseError(raw, message, self.expected))
@@ -207,6 +212,7 @@ def parse_text(parser: Any, text: str, tools: list[dict[str, Any]] | None = None
         content="".join(sink.content_parts).strip(),
         ignored_in_code=sink.ignored_in_code,
         reasoning="".join(sink.reasoning_parts).strip(),
+        call_ids=sink.call_ids,
     )
 
 
@@ -220,6 +226,7 @@ class StreamDelta:
     reasoning: str = ""
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[ParseError] = field(default_factory=list)
+    call_ids: list[str | None] = field(default_factory=list)
 
 
 class StreamingToolParser:
@@ -269,13 +276,14 @@ class StreamingToolParser:
         self._n = (len(s.content_parts), len(s.reasoning_parts), len(s.calls), len(s.errors))
         self._out.append(content)
         self._out_reasoning.append(reasoning)
-        return StreamDelta(content, reasoning, s.calls[k0:], s.errors[e0:])
+        return StreamDelta(content, reasoning, s.calls[k0:], s.errors[e0:], s.call_ids[k0:])
 
     def result(self) -> ParseResult:
         """Everything parsed so far (the whole reply's result after ``finish()``)."""
         s = self._sink
         return ParseResult(
             calls=list(s.calls),
+            call_ids=list(s.call_ids),
             errors=list(s.errors),
             content="".join(self._out),
             ignored_in_code=s.ignored_in_code,
@@ -436,7 +444,8 @@ def json_object_call(body: str, raw: str, sink: _Sink, args_keys=("arguments", "
 
 
 def add_object_call(obj: Any, raw: str, sink: _Sink, args_keys=("arguments", "parameters")):
-    """Record ``obj`` (decoded JSON) as a call, or the reason it is not one."""
+    """Record ``obj`` (decoded JSON) as a call (its string ``id``, if any, kept), or the
+    reason it is not one."""
     if not isinstance(obj, dict):
         sink.error(raw, "tool call must be a JSON object with 'name' and 'arguments'")
         return
@@ -447,10 +456,10 @@ def add_object_call(obj: Any, raw: str, sink: _Sink, args_keys=("arguments", "pa
     args = next((obj[k] for k in args_keys if k in obj), {})
     args = json_call_args(args, raw, sink)
     if args is not None:
-        sink.call(name, args)
+        sink.call(name, args, obj["id"] if isinstance(obj.get("id"), str) else None)
 
 
-def json_args_call(name: str, body: str, raw: str, sink: _Sink) -> None:
+def json_args_call(name: str, body: str, raw: str, sink: _Sink, call_id: str | None = None) -> None:
     """A call whose name is known and whose arguments are the JSON text ``body``."""
     name = name.strip()
     if not name:
@@ -463,7 +472,7 @@ def json_args_call(name: str, body: str, raw: str, sink: _Sink) -> None:
         return
     args = json_call_args(args, raw, sink)
     if args is not None:
-        sink.call(name, args)
+        sink.call(name, args, call_id)
 
 
 # ----------------------------------------------------------------------------- blocks

@@ -15,6 +15,8 @@ Rules:
   id ``functions.NAME:IDX`` without the ``functions.`` prefix and the ``:IDX`` counter (an id
   without them is taken as the name); the arguments are the JSON object after
   ``<|tool_call_argument_begin|>``;
+* the call id is kept (``ParseResult.call_ids``): the chat template writes the ids of earlier
+  calls back into the prompt, and Kimi expects its own ``functions.NAME:IDX`` there;
 * the section markers (and the singular ``<|tool_call_section_begin|>`` spelling some
   checkpoints emit) are removed from the content;
 * a call without ``<|tool_call_argument_begin|>``, with invalid JSON or without
@@ -72,6 +74,6 @@ class KimiK2ToolParser(BlockScanner):
         if not sep:
             sink.error(raw, f"tool call has no {_ARGS}")
             return
-        name = _IDX.sub("", head.strip())
-        name = name.removeprefix("functions.")
-        json_args_call(name, args, raw, sink)
+        call_id = head.strip()
+        name = _IDX.sub("", call_id).removeprefix("functions.")
+        json_args_call(name, args, raw, sink, call_id or None)

@@ -15,13 +15,17 @@ element / each ``NAME[ARGS]{...}`` is one call, the arguments a JSON object; a f
 ``[ARGS]`` was dropped by the decoder (``NAME{json}``) is accepted too. A ``[TOOL_CALLS]``
 followed by anything else, invalid JSON, or JSON cut off by the end of the text is a
 :class:`~postrl.tools.parsers.base.ParseError`. ``[TOOL_CALLS]`` is a control token: the server
-decodes with special tokens kept (``needs_special_tokens``).
+decodes with special tokens kept (``needs_special_tokens``). The ids the model wrote (``"id"``,
+``[CALL_ID]``) are kept in ``ParseResult.call_ids``; ``new_call_id()`` makes the 9-character
+ids Mistral's templates require for calls written without one.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 
 from postrl.tools.parsers.base import (
     TOOL_PARSERS,
@@ -46,6 +50,12 @@ class MistralToolParser(BlockScanner):
     starts = (BOT,)
     needs_special_tokens = True
     expected = '[TOOL_CALLS]NAME[ARGS]{"key": "value"}'
+
+    @staticmethod
+    def new_call_id() -> str:
+        """An id for a call the model wrote without one: Mistral's chat templates accept only
+        9 alphanumeric characters."""
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
     def block_end(self, text: str, body: int, marker: str) -> int | None:
         """After the JSON array (v3) or the JSON object following ``NAME[ARGS]`` (v11+)."""
@@ -87,4 +97,4 @@ class MistralToolParser(BlockScanner):
         if m is None:
             sink.error(raw, "expected NAME[ARGS]{...} or a JSON array after [TOOL_CALLS]")
             return
-        json_args_call(m.group(1), body[m.end() :], raw, sink)
+        json_args_call(m.group(1), body[m.end() :], raw, sink, m.group(2) or None)
