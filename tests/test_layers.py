@@ -58,7 +58,6 @@ UNRESTRICTED = {"cli", "testing", "bench", "recipes", "verl"}
 
 KNOWN: dict[tuple[str, str], str] = {
     ("config/validate.py", "algos"): "validation looks up registered estimators/losses lazily",
-    ("config/validate.py", "trainer"): "validation asks trainer/needs.py which needs are produced",
     ("data/code_tasks.py", "tools"): "the code task's reward runs in the tools sandbox",
     ("data/code_tasks.py", "reward"): "the code task registers its reward function",
     ("data/tool_arith.py", "tools"): "the tool-arith demonstrations call the calculator tool",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from postrl.config.loader import ConfigError
 from postrl.config.schema import PostRLConfig
@@ -40,17 +41,36 @@ def _registry_checks(cfg: PostRLConfig) -> list[str]:
     ]
     if ":" not in cfg.data.sampler:
         checks.append(("postrl.data.samplers", "PROMPT_SAMPLERS", "data.sampler", cfg.data.sampler))
-    import importlib
-
     for module, attr, key, value in checks:
-        try:
-            registry = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError):
+        registry = _declared(module, attr)
+        if registry is None:
             continue  # component not installed in this build; its own import will say so
         msg = registry.check(value)
         if msg:
             errors.append(f"{key}={value!r}: {msg}")
     return errors
+
+
+def _declared(module: str, attr: str) -> Any:
+    """A registry (or a function over the declared facts) of another layer, looked up by name
+    when validation runs: ``config`` imports no layer, and names no mode, estimator or backend —
+    it asks the owners. None when that layer is not installed in this build."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return None
+
+
+def mode_facts(cfg: PostRLConfig) -> dict[str, Any]:
+    """The registry metadata ``trainer.mode`` declared (``postrl/trainer/modes.py``: e.g.
+    ``on_policy``, ``config_errors``, ``minibatch_steps``, ``dedicated_rollout``,
+    ``idle_switch``); empty for an unknown mode (the registry check reports it)."""
+    modes = _declared("postrl.trainer", "TRAINER_MODES")
+    if modes is None or modes.check(cfg.trainer.mode):
+        return {}
+    return dict(modes.meta(cfg.trainer.mode))
 
 
 _DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
@@ -283,97 +303,20 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
         e.append(f"trainer.health.min_ess_ratio={h.min_ess_ratio} must be in [0, 1] (0 = off)")
     if h.staleness_alert_steps < 0:
         e.append(f"trainer.health.staleness_alert_steps={h.staleness_alert_steps} must be >= 0")
-    if t.mode not in FULLY_ASYNC_MODES and ac.idle_switch != "never":
+    facts = mode_facts(cfg)
+    if ac.idle_switch != "never" and not facts.get("idle_switch"):
         e.append(
             f"trainer.async.idle_switch={ac.idle_switch} with trainer.mode={t.mode}: the idle "
-            f"switch lends the trainer's cores to generation in trainer.mode=fully_async (in "
-            f"{t.mode} the trainer's devices generate anyway); set trainer.async.idle_switch=never"
-        )
-    if t.mode == "one_step_off":
-        if ac.max_staleness < 1 + max(ac.num_warmup_batches, 0):
-            e.append(
-                f"trainer.async.max_staleness={ac.max_staleness} with trainer.mode=one_step_off "
-                f"and trainer.async.num_warmup_batches={ac.num_warmup_batches}: batches generated "
-                f"ahead of training are {1 + ac.num_warmup_batches} version(s) old when trained; "
-                f"set trainer.async.max_staleness >= {1 + max(ac.num_warmup_batches, 0)} (or use "
-                f"trainer.mode=sync for on-policy training)"
-            )
-        if t.backend != "local":
-            e.append(
-                "trainer.mode=one_step_off runs with trainer.backend=local (rollout and training "
-                "share this process's devices); use trainer.backend=local"
-            )
-    elif t.mode in FULLY_ASYNC_MODES:
-        e.extend(_fully_async_errors(cfg))
-    elif ac.max_staleness < 0:
-        e.append(f"trainer.async.max_staleness={ac.max_staleness} must be >= 0")
-    e.extend(data_plane_errors(cfg))  # every mode: a plane a mode cannot use is refused
-    try:
-        from postrl.trainer.replay.samplers import SAMPLERS
-    except ImportError:
-        return e
-    if ":" not in t.sampler and SAMPLERS.check(t.sampler):
-        e.append(f"trainer.sampler={t.sampler!r}: {SAMPLERS.check(t.sampler)}")
-    return e
-
-
-FULLY_ASYNC_MODES = ("fully_async", "separate_async")
-
-
-def _fully_async_errors(cfg: PostRLConfig) -> list[str]:
-    t, ac, e = cfg.trainer, cfg.trainer.async_, []
-    mini, k = cfg.actor.ppo_mini_batch_size, cfg.data.train_batch_size
-    if ac.parameter_sync_step < 1:
-        e.append(f"trainer.async.parameter_sync_step={ac.parameter_sync_step} must be >= 1")
-    elif k != ac.parameter_sync_step * mini:
-        e.append(
-            f"data.train_batch_size={k} with trainer.mode={t.mode}: a step trains one mini-batch "
-            f"and weights are pushed every trainer.async.parameter_sync_step="
-            f"{ac.parameter_sync_step} steps, so data.train_batch_size must equal "
-            f"parameter_sync_step × actor.ppo_mini_batch_size = {ac.parameter_sync_step * mini}; "
-            f"set data.train_batch_size={ac.parameter_sync_step * mini} or "
-            f"actor.ppo_mini_batch_size={max(k // max(ac.parameter_sync_step, 1), 1)}"
-        )
-    if ac.max_staleness < 1:
-        e.append(
-            f"trainer.async.max_staleness={ac.max_staleness} with trainer.mode={t.mode}: the "
-            f"replicas generate while weights move, so groups span versions; set "
-            f"trainer.async.max_staleness >= 1 (or use trainer.mode=sync)"
-        )
-    if ac.rollout_threads < 1:
-        e.append(f"trainer.async.rollout_threads={ac.rollout_threads} must be >= 1")
-    if ac.replica_health_interval_s <= 0 or ac.replica_health_timeout_s <= 0:
-        e.append(
-            f"trainer.async.replica_health_interval_s={ac.replica_health_interval_s} and "
-            f"replica_health_timeout_s={ac.replica_health_timeout_s} must be > 0 (seconds)"
-        )
-    if ac.replica_busy_timeout_s < 0:
-        e.append(
-            f"trainer.async.replica_busy_timeout_s={ac.replica_busy_timeout_s} must be >= 0 "
-            f"(seconds; 0 = max(10 × replica_health_timeout_s, 60))"
-        )
-    if t.deterministic:
-        e.append(
-            f"trainer.deterministic=true with trainer.mode={t.mode}: rollout processes run "
-            f"concurrently with training, so the interleaving is not reproducible; use "
-            f"trainer.mode=one_step_off for bit-exact async runs"
-        )
-    if not 0 <= ac.rollout_nice <= 19:
-        e.append(f"trainer.async.rollout_nice={ac.rollout_nice} must be in 0..19 (os.nice)")
-    if ac.max_replica_restarts < 0:
-        e.append(
-            f"trainer.async.max_replica_restarts={ac.max_replica_restarts} must be >= 0 "
-            f"(0: a dead rollout replica is not started again)"
-        )
-    if ac.idle_switch not in ("never", "auto", "always"):
-        e.append(f"trainer.async.idle_switch={ac.idle_switch!r} must be one of never, auto, always")
-    elif ac.idle_switch != "never" and t.backend != "local":
-        e.append(
-            f"trainer.async.idle_switch={ac.idle_switch} with trainer.backend={t.backend}: the "
-            f"idle switch loads the actor's weights into a replica in the trainer process, "
-            f"which needs the in-process actor; set trainer.backend=local or "
+            f"switch lends the trainer's cores to generation in a mode whose replicas run on "
+            f"devices of their own (in {t.mode} the trainer's devices generate anyway); set "
             f"trainer.async.idle_switch=never"
         )
+    if facts.get("config_errors") is not None:  # what the mode asks of the config
+        e.extend(facts["config_errors"](cfg))
+    e.extend(data_plane_errors(cfg))  # every mode: a plane a mode cannot use is refused
+    samplers = _declared("postrl.trainer.replay.samplers", "SAMPLERS")
+    if samplers is not None and ":" not in t.sampler and samplers.check(t.sampler):
+        e.append(f"trainer.sampler={t.sampler!r}: {samplers.check(t.sampler)}")
     return e
 
 
@@ -389,11 +332,13 @@ def data_plane_errors(cfg: PostRLConfig) -> list[str]:
     if ac.data_plane != "object_store":
         return [f"trainer.async.data_plane={ac.data_plane!r} must be 'driver' or 'object_store'"]
     e, why = [], "trainer.async.data_plane=object_store"
-    if t.mode not in FULLY_ASYNC_MODES or t.backend != "ray":
+    if not mode_facts(cfg).get("dedicated_rollout") or t.backend != "ray":
+        modes = _declared("postrl.trainer", "TRAINER_MODES")
+        own = [m for m in (modes or ()) if modes.meta(m).get("dedicated_rollout")]
         e.append(
             f"{why} with trainer.mode={t.mode}, trainer.backend={t.backend}: trajectories live "
             f"in Ray's object store between rollout replicas of their own and the training "
-            f"workers; set trainer.mode=fully_async and trainer.backend=ray (or "
+            f"workers; set trainer.mode={(sorted(own) or ['?'])[0]} and trainer.backend=ray (or "
             f"trainer.async.data_plane=driver)"
         )
     blockers = {
@@ -412,8 +357,8 @@ def data_plane_errors(cfg: PostRLConfig) -> list[str]:
 
 def step_groups(cfg: PostRLConfig) -> int:
     """Prompt groups one step trains: ``data.train_batch_size``, or one mini-batch in a mode
-    whose steps are mini-batches (``fully_async``)."""
-    if cfg.trainer.mode in FULLY_ASYNC_MODES:
+    whose steps are mini-batches (registered ``minibatch_steps``)."""
+    if mode_facts(cfg).get("minibatch_steps"):
         return cfg.actor.ppo_mini_batch_size
     return cfg.data.train_batch_size
 
@@ -447,7 +392,7 @@ def old_log_prob_fusion_blockers(cfg: PostRLConfig) -> list[str]:
         out.append(
             "algorithm.rollout_correction.bypass_mode=True (old log-probs are the rollout's)"
         )
-    if not _mode_is_on_policy(cfg.trainer.mode) and not _reads_proximal(cfg):
+    if not mode_facts(cfg).get("on_policy") and not _reads_proximal(cfg):
         out.append(
             f"trainer.mode={cfg.trainer.mode!r} is off-policy (its batches were generated by "
             "older weights, so the update's own forward is not the behaviour policy; "
@@ -458,21 +403,15 @@ def old_log_prob_fusion_blockers(cfg: PostRLConfig) -> list[str]:
 
 
 def _reads_proximal(cfg: PostRLConfig) -> bool:
-    try:
-        from postrl.trainer.needs import reads_proximal
-    except ImportError:
-        return False
-    return reads_proximal(cfg)
+    reads_proximal = _declared("postrl.trainer.needs", "reads_proximal")
+    return bool(reads_proximal and reads_proximal(cfg))
 
 
 def _need_blockers(cfg: PostRLConfig) -> list[str]:
     """Declared needs read before the update (``postrl.trainer.needs``: e.g. the optimal token
     baseline's ``old_log_probs`` and ``sum_pi_squared``)."""
-    try:
-        from postrl.trainer.needs import fusion_blockers
-    except ImportError:
-        return []
-    return fusion_blockers(cfg)
+    fusion_blockers = _declared("postrl.trainer.needs", "fusion_blockers")
+    return fusion_blockers(cfg) if fusion_blockers is not None else []
 
 
 def _algorithm_checks(cfg: PostRLConfig) -> list[str]:
@@ -485,27 +424,13 @@ def _algorithm_checks(cfg: PostRLConfig) -> list[str]:
             adv_estimator_hparam_errors,
             policy_loss_hparam_errors,
         )
-        from postrl.trainer.needs import check_needs
     except ImportError:
         return []
-    e = check_needs(cfg)
+    check_needs = _declared("postrl.trainer.needs", "check_needs")
+    e = check_needs(cfg) if check_needs is not None else []
     est, loss = cfg.algorithm.adv_estimator, cfg.actor.policy_loss
     if est in ADV_ESTIMATORS:
         e.extend(adv_estimator_hparam_errors(est, cfg.algorithm.adv_estimator_kwargs))
     if loss in POLICY_LOSSES:
         e.extend(policy_loss_hparam_errors(loss, cfg.actor.policy_loss_kwargs))
     return e
-
-
-def _mode_is_on_policy(mode: str) -> bool:
-    """The mode registry's ``on_policy`` flag; an unknown mode counts as off-policy (its own
-    registry error is reported by the registry checks)."""
-    import importlib
-
-    try:
-        modes = importlib.import_module("postrl.trainer.modes")
-    except ImportError:
-        return False
-    if modes.TRAINER_MODES.check(mode):
-        return False
-    return modes.is_on_policy(mode)

@@ -55,7 +55,6 @@ import time
 from typing import Any
 
 from postrl.protocol import DataProto
-from postrl.rollout.restart import ReplicaRestarter
 from postrl.trainer.idle_switch import IdleSwitch
 from postrl.trainer.modes import off_policy_stream, register_trainer
 
@@ -64,7 +63,73 @@ logger = logging.getLogger(__name__)
 __all__ = ["FullyAsyncMode"]
 
 
-@register_trainer("fully_async", on_policy=False, dedicated_rollout=True, minibatch_steps=True)
+def config_errors(cfg: Any) -> list[str]:
+    """What ``fully_async`` asks of the config (registered as the mode's ``config_errors``;
+    config validation calls it): one mini-batch per step and a push every
+    ``parameter_sync_step`` steps, staleness >= 1, replica processes' settings, no determinism,
+    the idle switch's settings."""
+    t, ac, e = cfg.trainer, cfg.trainer.async_, []
+    mini, k = cfg.actor.ppo_mini_batch_size, cfg.data.train_batch_size
+    if ac.parameter_sync_step < 1:
+        e.append(f"trainer.async.parameter_sync_step={ac.parameter_sync_step} must be >= 1")
+    elif k != ac.parameter_sync_step * mini:
+        e.append(
+            f"data.train_batch_size={k} with trainer.mode={t.mode}: a step trains one mini-batch "
+            f"and weights are pushed every trainer.async.parameter_sync_step="
+            f"{ac.parameter_sync_step} steps, so data.train_batch_size must equal "
+            f"parameter_sync_step × actor.ppo_mini_batch_size = {ac.parameter_sync_step * mini}; "
+            f"set data.train_batch_size={ac.parameter_sync_step * mini} or "
+            f"actor.ppo_mini_batch_size={max(k // max(ac.parameter_sync_step, 1), 1)}"
+        )
+    if ac.max_staleness < 1:
+        e.append(
+            f"trainer.async.max_staleness={ac.max_staleness} with trainer.mode={t.mode}: the "
+            f"replicas generate while weights move, so groups span versions; set "
+            f"trainer.async.max_staleness >= 1 (or use trainer.mode=sync)"
+        )
+    if ac.rollout_threads < 1:
+        e.append(f"trainer.async.rollout_threads={ac.rollout_threads} must be >= 1")
+    if ac.replica_health_interval_s <= 0 or ac.replica_health_timeout_s <= 0:
+        e.append(
+            f"trainer.async.replica_health_interval_s={ac.replica_health_interval_s} and "
+            f"replica_health_timeout_s={ac.replica_health_timeout_s} must be > 0 (seconds)"
+        )
+    if t.deterministic:
+        e.append(
+            f"trainer.deterministic=true with trainer.mode={t.mode}: rollout processes run "
+            f"concurrently with training, so the interleaving is not reproducible; use "
+            f"trainer.mode=one_step_off for bit-exact async runs"
+        )
+    if not 0 <= ac.rollout_nice <= 19:
+        e.append(f"trainer.async.rollout_nice={ac.rollout_nice} must be in 0..19 (os.nice)")
+    if ac.max_replica_restarts < 0:
+        e.append(
+            f"trainer.async.max_replica_restarts={ac.max_replica_restarts} must be >= 0 "
+            f"(0: a dead rollout replica is not started again)"
+        )
+    if ac.idle_switch not in ("never", "auto", "always"):
+        e.append(f"trainer.async.idle_switch={ac.idle_switch!r} must be one of never, auto, always")
+    elif ac.idle_switch != "never" and t.backend != "local":
+        e.append(
+            f"trainer.async.idle_switch={ac.idle_switch} with trainer.backend={t.backend}: the "
+            f"idle switch loads the actor's weights into a replica in the trainer process, "
+            f"which needs the in-process actor; set trainer.backend=local or "
+            f"trainer.async.idle_switch=never"
+        )
+    return e
+
+
+_FACTS: dict[str, Any] = dict(
+    on_policy=False,
+    dedicated_rollout=True,
+    minibatch_steps=True,
+    idle_switch=True,
+    config_errors=config_errors,
+)
+"""What ``fully_async`` declares in its registry entry (and ``separate_async``, its alias)."""
+
+
+@register_trainer("fully_async", **_FACTS)
 class FullyAsyncMode:
     """Continuous generation on dedicated replicas, one mini-batch per step (module docstring).
     Built from a :class:`~postrl.trainer.context.TrainerContext` whose fleet holds
@@ -89,9 +154,8 @@ class FullyAsyncMode:
             ac.replica_health_timeout_s,
             ac.replica_busy_timeout_s or None,
         )
-        self.restarter = ReplicaRestarter(
-            ctx.fleet, ctx.replica_spawner or _no_spawner, ac.max_replica_restarts
-        )
+        ctx.fleet.enable_restarts(ctx.replica_spawner or _no_spawner, ac.max_replica_restarts)
+        self.restarter = ctx.fleet.restarter
         self.switch: IdleSwitch | None = None
         if ac.idle_switch != "never":  # made before the loop thread starts: it loads weights
             self.switch = IdleSwitch(ctx, ac.idle_switch)
@@ -109,7 +173,7 @@ class FullyAsyncMode:
         """Top up admission, then take the next mini-batch as soon as it is complete."""
         self.step = step
         ctx = self.ctx
-        self.restarter.begin()
+        ctx.fleet.restart_dead()
         t0 = time.perf_counter()
         batch, metrics = ctx.run_async(self._next(step), poll=self._rescue)
         wait = time.perf_counter() - t0
@@ -134,25 +198,23 @@ class FullyAsyncMode:
         lb = self.ctx.fleet.balancer
         deadline = time.monotonic() + (lb.restart_wait_s if lb is not None else 300.0)
         while not self.ctx.fleet.live:
-            if not self.restarter.expected() or time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if not self.restarter.expected() or left <= 0:
                 raise ReplicaDeadError(
                     -1, "no rollout replica is left and none could be restarted in time"
                 )
+            self.ctx.fleet.restart_dead()
+            self.restarter.wait_ready(left)  # woken when a replacement finished starting
             self._rescue()
-            time.sleep(0.1)
 
     def _rescue(self) -> None:
         """While the take waits (this thread, every ~0.2 s): start replacements for dead
         replicas, and when none is live, put one that came up in service at once with the
         actor's current weights as a new policy version (the usual push would only come
         after this batch, which no replica is left to generate)."""
-        self.restarter.begin()
         fleet = self.ctx.fleet
-        if fleet.live or not self.restarter.ready():
-            return
-        fleet.version += 1  # the actor's weights now: a version of their own
-        if not self.restarter.install(self.ctx.weight_source()):
-            fleet.version -= 1  # the replacement failed: nothing was pushed
+        fleet.restart_dead()
+        if not fleet.rescue(self.ctx.weight_source()):  # the actor's weights: a new version
             return
         logger.warning(
             "no rollout replica was live: a restarted one serves version %d", fleet.version
@@ -215,14 +277,14 @@ class FullyAsyncMode:
     def _fleet_metrics(self) -> dict[str, float]:
         reps = self.ctx.fleet.replicas
         client = self.ctx.agents.client
-        now, busy = time.perf_counter(), [r.busy_s for r in reps if not getattr(r, "dead", False)]
+        now, busy = time.perf_counter(), [r.busy_s for r in reps if not r.dead]
         t0, b0 = self._busy_mark
         self._busy_mark = (now, sum(busy))
         idle = {}
         if busy and now > t0:  # engine time in steps since the last take, per live replica
             frac = (sum(busy) - b0) / (len(busy) * (now - t0))
             idle["rollout/replica_idle_fraction"] = float(min(1.0, max(0.0, 1.0 - frac)))
-        dead = sum(1 for r in reps if getattr(r, "dead", False))
+        dead = sum(1 for r in reps if r.dead)
         return {
             **idle,
             # deaths so far: the dead still in their slots plus those a restart replaced
@@ -248,10 +310,9 @@ class FullyAsyncMode:
             self._await_replacement()  # the push goes to the replacement, as a rescue does
             return {"weights/version": float(self.ctx.fleet.version)}
         metrics = self.ctx.sync_weights()  # to the live replicas (a dead one is skipped)
-        self.restarter.install(self.ctx.weight_source())  # restarted ones get the same weights
-        self.restarter.begin()
-        live = [r for r in self.ctx.fleet.replicas if not getattr(r, "dead", False)]
-        swaps = [r.last_swap for r in live if getattr(r, "last_swap", None)]
+        self.ctx.fleet.install_restarted(self.ctx.weight_source())  # with the same weights
+        self.ctx.fleet.restart_dead()
+        swaps = [r.last_swap for r in self.ctx.fleet.live if r.last_swap]
         for key in ("pause_s", "recompute_s", "running"):
             vals = [s[key] for s in swaps if key in s]
             if vals:
@@ -300,7 +361,6 @@ class FullyAsyncMode:
         """Stop the watchdog and cancel the trajectories still running."""
         if self.ctx.closed:
             return
-        self.restarter.close()
         self.ctx.run_async(self._close())
         if self.switch is not None:
             self.switch.close()
@@ -315,6 +375,4 @@ def _no_spawner(slot: int) -> Any:
     raise RuntimeError(f"rollout replica {slot}: this context cannot start replicas")
 
 
-register_trainer("separate_async", on_policy=False, dedicated_rollout=True, minibatch_steps=True)(
-    FullyAsyncMode
-)
+register_trainer("separate_async", **_FACTS)(FullyAsyncMode)

@@ -43,7 +43,27 @@ logger = logging.getLogger(__name__)
 __all__ = ["OneStepOffMode"]
 
 
-@register_trainer("one_step_off", on_policy=False)
+def config_errors(cfg: Any) -> list[str]:
+    """What ``one_step_off`` asks of the config (the mode's registered ``config_errors``): a
+    staleness bound that admits the batches generated ahead, and the local backend."""
+    t, ac, e = cfg.trainer, cfg.trainer.async_, []
+    if ac.max_staleness < 1 + max(ac.num_warmup_batches, 0):
+        e.append(
+            f"trainer.async.max_staleness={ac.max_staleness} with trainer.mode={t.mode} "
+            f"and trainer.async.num_warmup_batches={ac.num_warmup_batches}: batches generated "
+            f"ahead of training are {1 + ac.num_warmup_batches} version(s) old when trained; "
+            f"set trainer.async.max_staleness >= {1 + max(ac.num_warmup_batches, 0)} (or use "
+            f"trainer.mode=sync for on-policy training)"
+        )
+    if t.backend != "local":
+        e.append(
+            f"trainer.mode={t.mode} runs with trainer.backend=local (rollout and training "
+            "share this process's devices); use trainer.backend=local"
+        )
+    return e
+
+
+@register_trainer("one_step_off", on_policy=False, config_errors=config_errors)
 class OneStepOffMode:
     """Generation runs one (or ``1 + num_warmup_batches``) batch ahead of training (module
     docstring). Built from a :class:`~postrl.trainer.context.TrainerContext`."""
