@@ -6,7 +6,7 @@ STAMP := $(VENV)/.postrl-installed
 RUN ?= runs/quickstart
 PYTEST_ARGS ?=
 
-.PHONY: quickstart test test-fast test-sanitize lint install clean vllm-venv
+.PHONY: quickstart test test-fast test-stress test-sanitize lint install clean vllm-venv
 
 install: $(STAMP)
 
@@ -46,6 +46,13 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not ray" $(PYTEST_ARGS)
+
+# The fault and concurrency tests (marker `fault`), STRESS_RUNS times under STRESS_LOAD busy
+# loops at nice 10 (tests/stress.py); run it before you stop. CI runs plain `make test`.
+STRESS_RUNS ?= 3
+STRESS_LOAD ?= 1
+test-stress: $(STAMP)
+	$(BIN)/python tests/stress.py --runs $(STRESS_RUNS) --load $(STRESS_LOAD) $(PYTEST_ARGS)
 
 # The C kernel tests against a -fsanitize=address,undefined build of the kernels (any finding
 # aborts); the ASan runtime must be preloaded into Python (see postrl/rollout/native/kernels.py).

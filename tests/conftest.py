@@ -12,6 +12,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+FAULT_MODULES = (
+    "tests/agent/test_tool_loop_faults.py",
+    "tests/rollout/test_native_swap.py",
+    "tests/rollout/test_ray_replica.py",
+    "tests/rollout/test_remote.py",
+    "tests/rollout/test_watchdog.py",
+    "tests/testing/test_faults.py",
+    "tests/trainer/test_fully_async.py",
+    "tests/trainer/test_fully_async_ray.py",
+    "tests/trainer/test_object_store.py",
+    "tests/trainer/test_one_step_off.py",
+)
+"""The kill, hang, restart, weight-push and random-timing tests: marked ``fault``, which
+``make test-stress`` (tests/stress.py) repeats under competing CPU load."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of :data:`FAULT_MODULES` ``fault``."""
+    for item in items:
+        if item.nodeid.split("::")[0] in FAULT_MODULES:
+            item.add_marker(pytest.mark.fault)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):

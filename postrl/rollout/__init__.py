@@ -6,6 +6,7 @@ registered lazily and imported on first ``create_rollout_backend(name, ...)``.
 
 from postrl.rollout.base import ROLLOUT_BACKENDS, create_rollout_backend, register_rollout_backend
 from postrl.rollout.client import LoadBalancer, RolloutClient, RolloutReplica
+from postrl.rollout.replica import RemoteReplica, Replica
 from postrl.rollout.types import (
     FinishReason,
     ReplicaDeadError,
@@ -22,6 +23,8 @@ __all__ = [
     "LoadBalancer",
     "RolloutClient",
     "RolloutReplica",
+    "RemoteReplica",
+    "Replica",
     "ROLLOUT_BACKENDS",
     "create_rollout_backend",
     "register_rollout_backend",

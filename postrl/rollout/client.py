@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from postrl.rollout.checksum import ReceivedWeights
 from postrl.rollout.types import (
     ReplicaDeadError,
     RolloutError,
@@ -64,6 +65,8 @@ class RolloutReplica:
         so between two switches."""
         self.last_swap: dict[str, float] = {}
         """Metrics of the last atomic weight swap (``pause_s``, ``recompute_s``, ``running``)."""
+        self.received = ReceivedWeights()
+        """Per-tensor checksums of what this replica loaded (the weight-sync contract)."""
         self._inflight: set[str] = set()
         self._paused = False
         self._swap_open = False  # this replica opened a backend swap (multi-bucket update)
@@ -75,6 +78,22 @@ class RolloutReplica:
     def load(self) -> int:
         """Number of in-flight requests (the load balancer's metric)."""
         return len(self._inflight)
+
+    @property
+    def dead(self) -> bool:
+        """Always False: an in-process replica lives as long as its trainer."""
+        return False
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Always None (see :attr:`dead`)."""
+        return None
+
+    def close(self) -> None:
+        """Close the backend (engines with processes or threads of their own shut them down)."""
+        close = getattr(self.backend, "close", None)
+        if callable(close):
+            close()
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
@@ -127,13 +146,21 @@ class RolloutReplica:
         ``update_weights(weights)``.
         """
         new = self.policy_version + 1 if version is None else int(version)
+        self.received.begin()
+        weights = self.received.track(weights)
         if self._swaps:
             self._load_in_swap(weights, close_at=new)
         elif self._accepts_version(self.backend.update_weights):
             self.backend.update_weights(weights, version=new)
         else:
             self.backend.update_weights(weights)
+        self.received.end()
         self.policy_version = new
+
+    @property
+    def last_received(self) -> dict[str, int]:
+        """``{name: crc32}`` of the tensors of the last complete weight update."""
+        return self.received.last
 
     def status(self) -> dict[str, Any]:
         """The health answer remote callers get: policy version, running / waiting requests
@@ -154,6 +181,8 @@ class RolloutReplica:
         out: dict[str, Any] = {"policy_version": self.policy_version}
         if last and self.last_swap:
             out["swap"] = dict(self.last_swap)
+        if last:
+            out["received"] = self.received.last
         return out
 
     def receive_bucket(self, frame: bytes) -> bool:
@@ -169,6 +198,9 @@ class RolloutReplica:
 
         bucket = decode_frame(frame)
         items = unpack_bucket(bucket)  # validates the header before the engine is held
+        if int(bucket.header.get("index", 0)) == 0:
+            self.received.begin()
+        items = list(self.received.track(items))
         last = bool(bucket.header.get("last"))
         v = bucket.header.get("version")
         new = self.policy_version + 1 if v is None else int(v)
@@ -177,6 +209,7 @@ class RolloutReplica:
         else:
             self._load_in_swap(items, close_at=new if last else None)
         if last:
+            self.received.end()
             self.policy_version = new
         return last
 
@@ -252,7 +285,7 @@ class LoadBalancer:
         live = self.live
         if not live:
             reasons = "; ".join(
-                f"{i}: {getattr(r, 'dead_reason', '?')}" for i, r in enumerate(self.replicas)
+                f"{i}: {r.dead_reason or 'standby'}" for i, r in enumerate(self.replicas)
             )
             raise ReplicaDeadError(-1, f"no rollout replica is left ({reasons})")
         idx = min(live, key=lambda i: (self._assigned[i] + self.replicas[i].load, i))
@@ -294,7 +327,7 @@ class LoadBalancer:
 
 def _serving(replica: Any) -> bool:
     """Whether ``replica`` takes new requests (not ``dead``, not on ``standby``)."""
-    return not getattr(replica, "dead", False) and not getattr(replica, "standby", False)
+    return not replica.dead and not replica.standby
 
 
 async def _await_restart(lb: LoadBalancer, err: ReplicaDeadError) -> None:
@@ -438,9 +471,7 @@ class RolloutClient:
                     lb.release(idx)
                 tokens += out.token_ids
                 logps += out.log_probs
-                versions += out.versions or [
-                    (len(out.token_ids), getattr(replica, "policy_version", 0))
-                ]
+                versions += out.versions or [(len(out.token_ids), replica.policy_version)]
                 done = out.finish_reason != "abort" or request_id in self._cancelled
                 if done or len(tokens) >= sampling.max_new_tokens:
                     reason = (

@@ -108,6 +108,8 @@ class RayRolloutReplica(Liveness):
         self.timeout_s = timeout_s
         self.request_timeout_s = request_timeout_s
         self.policy_version = 0
+        self.standby = False
+        """Out of service without being dead (nothing is routed to it)."""
         self.last_swap: dict[str, float] = {}
         self.busy_s = 0.0
         """The replica engine's seconds in steps, as of the last health ping."""

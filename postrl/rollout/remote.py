@@ -98,7 +98,11 @@ class HTTPRolloutReplica(Liveness):
         self.process = process
         self.log_path = log_path
         self.policy_version = 0
+        self.standby = False
+        """Out of service without being dead (nothing is routed to it)."""
         self.last_swap: dict[str, float] = {}
+        self.last_received: dict[str, int] = {}
+        """``{name: crc32}`` of the last complete update, as the replica loaded it."""
         self.busy_s = 0.0
         """The replica engine's seconds in steps, as of the last health ping."""
         Liveness.__init__(self)
@@ -304,6 +308,8 @@ class HTTPRolloutReplica(Liveness):
         self.policy_version = int(d.get("policy_version", self.policy_version))
         if d.get("swap"):
             self.last_swap = {k: float(v) for k, v in d["swap"].items()}
+        if "received" in d:
+            self.last_received = {k: int(v) for k, v in d["received"].items()}
 
     def _send_frame_raw(self, frame: bytes) -> dict[str, Any]:
         """One frame over a blocking connection to the stream port (opened once, kept; a

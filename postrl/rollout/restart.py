@@ -94,6 +94,16 @@ class ReplicaRestarter:
         """Whether a replacement has finished starting (successfully or not)."""
         return any(f.done() for f in self._pending.values())
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until some replacement has finished starting (True), or ``timeout_s`` passed
+        or none is starting (False)."""
+        if not self._pending:
+            return False
+        done, _ = concurrent.futures.wait(
+            list(self._pending.values()), timeout=timeout_s, return_when="FIRST_COMPLETED"
+        )
+        return bool(done)
+
     def wait_started(self, timeout_s: float) -> None:
         """Block until every replacement begun so far has finished starting (successfully or
         not); ``TimeoutError`` naming the slots still starting after ``timeout_s``."""

@@ -122,8 +122,7 @@ class IdleSwitch:
         cfg = ctx.cfg
         backend = create_rollout_backend(cfg.rollout.backend, cfg.model.path, **ctx.rollout_options)
         self.replica = RolloutReplica(backend, replica_id=len(ctx.fleet.replicas))
-        self.replica.standby = True
-        ctx.fleet.balancer.add(self.replica)
+        ctx.fleet.add_standby(self.replica)
         ac = cfg.trainer.async_
         self.share = 1.0 / (1.0 + len(ctx.fleet.replicas) * ac.rollout_threads)
         """The share of the in-flight requests moved to it at a switch-in: one torch thread

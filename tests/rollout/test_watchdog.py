@@ -130,3 +130,22 @@ def test_a_failed_restart_is_retried_then_a_named_error():
     assert rs.install(lambda v: None) == 1 and fleet.replicas[0] is not dead[0]
     assert fleet.restarts == 1 and dead[0].killed and tries == [0, 1, 0]
     rs.close()
+
+
+def test_every_replica_kind_implements_the_protocol(tiny_model_dir):
+    """The in-process, subprocess and Ray replica classes all satisfy ``Replica`` (the remote
+    ones ``RemoteReplica``): the fleet and the balancer probe none of them."""
+    from postrl.rollout import RemoteReplica, Replica, RolloutReplica, create_rollout_backend
+    from postrl.rollout.ray_replica import RayRolloutReplica
+    from postrl.rollout.remote import HTTPRolloutReplica
+
+    local = RolloutReplica(create_rollout_backend("native", tiny_model_dir, max_model_len=32))
+    assert isinstance(local, Replica) and not isinstance(local, RemoteReplica)
+    assert not local.dead and local.dead_reason is None and not local.standby
+    http = HTTPRolloutReplica("http://127.0.0.1:9", 0)  # a handle; nothing is contacted
+    ray_handle = RayRolloutReplica(actor=None, replica_id=1)
+    for h in (http, ray_handle):
+        assert isinstance(h, RemoteReplica) and isinstance(h, Replica)
+        assert not h.dead and not h.standby and h.local_pid is None
+    http.close()
+    local.close()
