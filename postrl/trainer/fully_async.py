@@ -94,6 +94,11 @@ def config_errors(cfg: Any) -> list[str]:
             f"trainer.async.replica_health_interval_s={ac.replica_health_interval_s} and "
             f"replica_health_timeout_s={ac.replica_health_timeout_s} must be > 0 (seconds)"
         )
+    if ac.replica_busy_timeout_s < 0:
+        e.append(
+            f"trainer.async.replica_busy_timeout_s={ac.replica_busy_timeout_s} must be >= 0 "
+            f"(seconds; 0 = max(10 × replica_health_timeout_s, 60))"
+        )
     if t.deterministic:
         e.append(
             f"trainer.deterministic=true with trainer.mode={t.mode}: rollout processes run "
