@@ -489,9 +489,11 @@ class AsyncConfig:
     process, which scores them and builds the batch. ``object_store`` (``trainer.backend=ray``):
     the rollout replicas run the agent loops and the reward themselves and put each scored group
     into Ray's object store; the driver keeps references and tags (lengths, score, policy
-    versions) and each training worker fetches and pads its own shard. Needs an outcome
-    advantage estimator and no critic, KL in the reward, reward model or downsampling; a KL loss
-    against the reference model is carried (``docs/async.md``)."""
+    versions) and each training worker fetches and pads its own shard. Stages that read tensors
+    on the driver (GAE with a critic, KL in the reward, token-level estimators, downsampling,
+    rejection sampling) get the taken groups fetched there. Refused in modes without replicas
+    of their own (``sync``, ``one_step_off``) and with a reward model or the idle switch
+    (``docs/async.md``)."""
     max_replica_restarts: int = 2
     """``fully_async``: how many dead rollout replicas the run starts again (over the whole
     run; 0 = never). A restart begins at the next step after the death, in the background,
