@@ -38,6 +38,7 @@ T = TypeVar("T")
 
 AGENT_LOOPS: Registry[type] = Registry("agent loop")
 AGENT_LOOPS.add_lazy("tool_agent", "postrl.agent.tool_loop:ToolAgentLoop")
+AGENT_LOOPS.add_lazy("gateway", "postrl.agent.gateway.loop:GatewayAgentLoop")
 AGENT_LOOPS.add_lazy("env_agent", "postrl.agent.env_loop:EnvAgentLoop")
 
 
@@ -72,6 +73,12 @@ class AgentLoopOutput:
     one spanning updates, has several); observation tokens carry version ``-1`` (no policy
     produced them). ``None``: the loop does not know (every token gets ``-1``).
 
+    ``segments``: earlier trajectories of the same run that do not share this one's context
+    (a ``gateway`` agent that rewrote its history). Each becomes a batch row of its own with
+    this row's dataset columns, ``uid``, ``sample_index`` and ``agent_extra``; it takes this
+    row's reward and sequence advantage and is not a sample of its group's baseline (the
+    batch's ``segment`` column: 0 on this row, 1, 2, ... on its segments' rows).
+
     ``extra["reward"]``, when present, is the trajectory's own score (a number, or a dict with
     ``score`` and per-sample extras such as ``acc``, as a reward function returns; or
     ``{"error": text}`` to fail the sample): the reward stage uses it and calls no reward
@@ -87,6 +94,7 @@ class AgentLoopOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     response_versions: list[tuple[int, int]] | None = None
+    segments: list[AgentLoopOutput] = field(default_factory=list)
 
 
 def token_versions(out: Any, num_tokens: int) -> list[tuple[int, int]]:

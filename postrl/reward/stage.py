@@ -22,6 +22,9 @@ How one row's score is made (B rows; every step is a column operation)::
     score += tool_reward_weight × Σ tool rewards of the trajectory   (reward_delta + calc_reward)
     score += overlong penalty                                         (reward.overlong.enable)
 
+A trajectory's ``segments`` (rows with ``segment > 0``) are not scored: each takes the
+score of its trajectory's own row (same ``uid`` and ``sample_index``).
+
 A failed row (rule failure, non-finite reward-model score) stays failed through every step: its
 score is a 0 placeholder no estimator reads, ``sample_valid`` is False and its
 ``response_mask`` is zeroed. :meth:`RewardLoop.check_failures` enforces
@@ -42,6 +45,7 @@ import torch
 
 from postrl.algos import overlong_reward_penalty
 from postrl.protocol import DataProto
+from postrl.protocol.layout import segment_parents
 from postrl.reward.loop import RewardLoop
 from postrl.reward.types import RewardRequest, RewardResult, SampleScore, classify, failed
 
@@ -133,7 +137,7 @@ class RewardStage:
             return
         request = RewardRequest(
             data_source=str(row["data_source"]),
-            solution_str=self.tokenizer.decode(output.response_ids, skip_special_tokens=True),
+            solution_str=_solution(self.tokenizer, output.response_ids, output.extra),
             ground_truth=row["ground_truth"],
             extra_info=dict(row.get("extra_info") or {}),
             uid=row.get("uid"),
@@ -158,15 +162,22 @@ class RewardStage:
         if "token_level_scores" in batch.batch:
             return batch, {}
         metrics: dict[str, float] = {}
-        rule = self.rule_scores(batch) if self.rule_functions else None
+        parents = segment_parents(batch.non_tensor_batch)
+        own = None if parents is None else [i for i, p in enumerate(parents) if p == i]
+        scored = batch if own is None else batch[own]  # segment rows share their run's score
+        rule = self.rule_scores(scored) if self.rule_functions else None
         rm = None
         if self.reward_model is not None:
             t0 = time.perf_counter()
-            raw, metrics = self.rm_scores(batch)
+            raw, metrics = self.rm_scores(scored)
             rm = raw * self.rm_weight
             metrics["timing_s/reward_model"] = time.perf_counter() - t0
-        result = combine_scores(rule, rm, list(batch.non_tensor_batch["uid"]))
-        result, tm = self._add_tool_rewards(batch, result)
+        result = combine_scores(rule, rm, list(scored.non_tensor_batch["uid"]))
+        result, tm = self._add_tool_rewards(scored, result)
+        if parents is not None:
+            assert own is not None
+            pos = {row: j for j, row in enumerate(own)}
+            result = _take(result, [pos[p] for p in parents])
         metrics.update(tm)
         if check_failures:
             self.loop.check_failures(result)
@@ -198,6 +209,9 @@ class RewardStage:
         if missing:
             sub = batch if len(missing) == n else batch[missing]
             texts = decode_responses(self.tokenizer, sub)
+            extras = nt.get("agent_extra")
+            if extras is not None:  # a loop's own answer text (the gateway's final message)
+                texts = [_solution(None, t, extras[i]) for t, i in zip(texts, missing)]
             reqs = [
                 RewardRequest(
                     str(nt["data_source"][i]),
@@ -262,6 +276,29 @@ def _own_score(value: Any) -> SampleScore:
     if isinstance(value, dict) and "error" in value:
         return failed("exception", str(value["error"]))
     return classify(value)
+
+
+def _solution(tokenizer: Any, response: Any, extra: Any) -> str:
+    """The text a rule function scores: the loop's ``extra["solution_str"]`` when it gives one
+    (the ``gateway`` loop: the agent's final assistant message), else the decoded response
+    (``response``: ids with a ``tokenizer``, or text already decoded)."""
+    text = (extra or {}).get("solution_str") if isinstance(extra, dict) else None
+    if text is not None:
+        return str(text)
+    if tokenizer is None:
+        return str(response)
+    return tokenizer.decode(response, skip_special_tokens=True)
+
+
+def _take(result: RewardResult, rows: list[int]) -> RewardResult:
+    """``result``'s rows in the order ``rows`` (repeats allowed)."""
+    return RewardResult.from_columns(
+        result.scores[torch.as_tensor(rows, dtype=torch.long)],
+        [result.failure_reason[i] for i in rows],
+        [result.failure_detail[i] for i in rows],
+        {k: [v[i] for i in rows] for k, v in result.extra.items()},
+        [result.uids[i] for i in rows],
+    )
 
 
 def combine_scores(

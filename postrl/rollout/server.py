@@ -9,6 +9,9 @@ Routes (JSON unless noted):
 - ``POST /v1/generate``          token-in/token-out: ``{prompt_ids, sampling, request_id,
   trajectory_id}`` → ``{token_ids, log_probs, finish_reason, stop_reason, versions}``
 - ``POST /v1/abort``             ``{request_id}``
+- ``POST /inference/v1/generate`` vLLM's token-in route (``{model, token_ids, sampling_params}``
+  → ``choices[0].token_ids`` + ``logprobs.content``), :mod:`postrl.rollout.token_route`;
+  ``/v1/models`` lists ``max_model_len`` as vLLM does
 - ``POST /v1/weights/bucket``    body = one ``postrl.weights`` frame (raw bytes + JSON header;
   never unpickled)
 - ``POST /v1/pause`` / ``/v1/resume`` / ``/v1/sleep`` / ``/v1/wake_up``
@@ -62,6 +65,7 @@ from postrl.rollout.openai_compat import (
     sse,
     trim_stop,
 )
+from postrl.rollout.token_route import add_token_routes
 from postrl.rollout.types import RolloutError, SamplingParams
 
 __all__ = [
@@ -201,6 +205,7 @@ def create_app(
     """
     app = FastAPI(title="postrl rollout server")
     client = RolloutClient(replica)
+    add_token_routes(app, client, default_max_tokens, top_logprobs)  # vLLM's token-in route
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
@@ -281,7 +286,16 @@ def create_app(
     async def models():
         return {
             "object": "list",
-            "data": [{"id": model_name, "object": "model", "owned_by": "postrl", "created": 0}],
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "owned_by": "postrl",
+                    "created": 0,
+                    # vLLM's ModelCard extension: clients check prompt lengths against it
+                    "max_model_len": getattr(replica.backend, "max_model_len", None),
+                }
+            ],
         }
 
     @app.post("/v1/generate")

@@ -21,7 +21,7 @@ from postrl.algos import (
     rollout_correction_with_health,
 )
 from postrl.protocol import DataProto
-from postrl.protocol.layout import concat_rollouts
+from postrl.protocol.layout import concat_rollouts, segment_parents
 from postrl.trainer.metrics import compute_data_metrics, compute_throughput_metrics
 
 logger = logging.getLogger(__name__)
@@ -117,11 +117,42 @@ def compute_advantage_stage(batch: DataProto, algo: Any) -> DataProto:
     for opt in ADV_ESTIMATORS.meta(name).get("optional", ()):
         if opt in b:
             kwargs[opt] = b[opt]
-    advantages, returns = fn(**kwargs)
+    parents = segment_parents(batch.non_tensor_batch)
+    if parents is None:
+        advantages, returns = fn(**kwargs)
+    else:
+        advantages, returns = _advantage_with_segments(fn, kwargs, parents)
     b["token_level_rewards"] = rewards
     b["advantages"] = advantages
     b["returns"] = returns
     return DataProto(b, batch.non_tensor_batch, batch.meta_info)
+
+
+def _advantage_with_segments(
+    fn: Any, kwargs: dict[str, Any], parents: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The estimator over the trajectories' own rows only (segment rows are not samples of a
+    group), then every segment row takes its trajectory's sequence advantage: the mean of the
+    trajectory row's advantages (returns) over its response tokens, on the segment's tokens.
+    Exact for outcome estimators (one advantage per sequence: GRPO, RLOO, REINFORCE++, ...);
+    for per-token estimators (GAE) it is the sequence average."""
+    own = [i for i, p in enumerate(parents) if p == i]
+    sel = torch.as_tensor(own, dtype=torch.long)
+    sub = {
+        k: (v[sel] if isinstance(v, torch.Tensor) else v[own] if isinstance(v, np.ndarray) else v)
+        for k, v in kwargs.items()
+    }
+    adv_own, ret_own = fn(**sub)  # (P, R) each
+    mask = kwargs["response_mask"].to(adv_own.dtype)  # (B, R)
+    m_own = mask[sel]
+    denom = m_own.sum(-1).clamp(min=1)  # (P,)
+    seq_adv, seq_ret = (adv_own * m_own).sum(-1) / denom, (ret_own * m_own).sum(-1) / denom
+    where = {row: j for j, row in enumerate(own)}
+    pos = torch.as_tensor([where[p] for p in parents], dtype=torch.long)  # (B,)
+    advantages = seq_adv[pos].unsqueeze(-1) * mask  # (B, R)
+    returns = seq_ret[pos].unsqueeze(-1) * mask
+    advantages[sel], returns[sel] = adv_own, ret_own
+    return advantages, returns
 
 
 _BOUND: dict[tuple[str, str], Any] = {}
