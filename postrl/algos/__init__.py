@@ -9,7 +9,9 @@ decorators and select them by name in the config):
   (``actor.policy_loss``);
 * ``KL_ESTIMATORS`` — :func:`register_kl_estimator`, :func:`kl_penalty`
   (``actor.kl_loss_type``, ``algorithm.kl_penalty``);
-* ``AGG_MODES`` — :func:`register_agg_mode`, :func:`agg_loss` (``actor.loss_agg_mode``).
+* ``AGG_MODES`` — :func:`register_agg_mode`, :func:`agg_loss` (``actor.loss_agg_mode``);
+* ``DISTILL_LOSSES`` — :func:`register_distill_loss` (``distill.loss``: on-policy distillation
+  from a teacher, ``postrl/algos/distill.py``).
 
 Hyperparameters are typed keyword-only arguments, bound once at startup:
 :func:`bind_policy_loss` (``actor.policy_loss_kwargs``), :func:`bind_adv_estimator`
@@ -46,6 +48,7 @@ from postrl.algos.advantages_extra import (
 )
 from postrl.algos.aggregation import AGG_MODES, agg_loss, register_agg_mode
 from postrl.algos.dapo import filter_groups, overlong_reward_penalty
+from postrl.algos.distill import DISTILL_LOSSES, register_distill_loss
 from postrl.algos.entropy import entropy_from_logits
 from postrl.algos.health import off_policy_health
 from postrl.algos.hparams import HParamError
@@ -92,6 +95,7 @@ __all__ = [
     "bind_policy_loss",
     "policy_loss_hparam_errors",
     "AGG_MODES",
+    "DISTILL_LOSSES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "AdaptiveKLController",
@@ -130,6 +134,7 @@ __all__ = [
     "overlong_reward_penalty",
     "register_adv_est",
     "register_agg_mode",
+    "register_distill_loss",
     "register_kl_estimator",
     "register_policy_loss",
 ]

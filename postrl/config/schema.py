@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from postrl.config.distill import DistillConfig
+
 
 def config_key(f: dataclasses.Field) -> str:
     """The YAML / override key of a config field: its name, or ``metadata["key"]`` where the
@@ -595,6 +597,8 @@ class PostRLConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher (``postrl/config/distill.py``)."""
 
     @property
     def train_group_size(self) -> int:

@@ -39,6 +39,8 @@ def _registry_checks(cfg: PostRLConfig) -> list[str]:
             cfg.rollout.agent.tool_parser,
         ),
     ]
+    if cfg.distill.enabled:
+        checks.append(("postrl.algos.distill", "DISTILL_LOSSES", "distill.loss", cfg.distill.loss))
     if ":" not in cfg.data.sampler:
         checks.append(("postrl.data.samplers", "PROMPT_SAMPLERS", "data.sampler", cfg.data.sampler))
     for module, attr, key, value in checks:
@@ -276,6 +278,7 @@ def validate_config(
             f"(got {bad_marks})"
         )
 
+    e.extend(distill_errors(cfg, check_files))
     e.extend(async_errors(cfg))
     if check_registries:
         e.extend(_registry_checks(cfg))
@@ -283,6 +286,34 @@ def validate_config(
 
     if e:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
+
+
+def distill_errors(cfg: PostRLConfig, check_files: bool = True) -> list[str]:
+    """Problems with ``distill.*`` (the tokenizer check needs the files and runs at trainer
+    startup: :func:`postrl.trainer.teacher.check_teacher_tokenizer`)."""
+    d, e = cfg.distill, []
+    if d.teacher_path and d.teacher_url:
+        e.append(
+            f"distill.teacher_path={d.teacher_path!r} and distill.teacher_url={d.teacher_url!r} "
+            "are both set: one teacher per run; unset one of them"
+        )
+    if d.teacher_path and check_files and not Path(d.teacher_path).exists():
+        e.append(
+            f"distill.teacher_path={d.teacher_path!r} does not exist: point it at the teacher's "
+            "Hugging Face directory (or serve the teacher and set distill.teacher_url)"
+        )
+    if d.teacher_url and not d.teacher_url.startswith(("http://", "https://")):
+        e.append(f"distill.teacher_url={d.teacher_url!r} must start with http:// or https://")
+    for key, value, ok, why in (
+        ("distill.coef", d.coef, d.coef >= 0, ">= 0"),
+        ("distill.task_reward_weight", d.task_reward_weight, d.task_reward_weight >= 0, ">= 0"),
+        ("distill.topk", d.topk, d.topk >= 1, ">= 1"),
+        ("distill.beta", d.beta, 0 <= d.beta <= 1, "in [0, 1]"),
+        ("distill.timeout_s", d.timeout_s, d.timeout_s > 0, "> 0"),
+    ):
+        if not ok:
+            e.append(f"{key}={value} must be {why}")
+    return e
 
 
 def async_errors(cfg: PostRLConfig) -> list[str]:

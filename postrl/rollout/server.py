@@ -9,6 +9,8 @@ Routes (JSON unless noted):
 - ``POST /v1/generate``          token-in/token-out: ``{prompt_ids, sampling, request_id,
   trajectory_id}`` → ``{token_ids, log_probs, finish_reason, stop_reason, versions}``
 - ``POST /v1/abort``             ``{request_id}``
+- ``POST /v1/score``             token-in log-probs of given responses (a remote distillation
+  teacher, :mod:`postrl.rollout.teacher`); ``GET /v1/tokenizer`` its tokenizer's fingerprint
 - ``POST /inference/v1/generate`` vLLM's token-in route (``{model, token_ids, sampling_params}``
   → ``choices[0].token_ids`` + ``logprobs.content``), :mod:`postrl.rollout.token_route`;
   ``/v1/models`` lists ``max_model_len`` as vLLM does
@@ -109,6 +111,18 @@ class _AbortBody(BaseModel):
     request_id: str
 
 
+class _ScoreSeq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt_ids: list[int] = Field(min_length=1)
+    response_ids: list[int]
+
+
+class _ScoreBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sequences: list[_ScoreSeq]
+    temperature: float = Field(default=1.0, gt=0)
+
+
 class TopLogprobs:
     """The ``k`` most likely tokens at each generated position, from a Hugging Face copy.
 
@@ -134,6 +148,30 @@ class TopLogprobs:
                 if name in params:
                     params[name].data.copy_(t.to(params[name].dtype))
 
+    def _load(self) -> None:
+        if self._model is None:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            self._model = AutoModelForCausalLM.from_pretrained(
+                self.model_dir, torch_dtype=torch.float32
+            ).eval()
+
+    def score(
+        self, sequences: list[tuple[list[int], list[int]]], temperature: float
+    ) -> list[list[float]]:
+        """Log-probs of each response token (:func:`postrl.rollout.teacher.score_sequences`)."""
+        from postrl.rollout.teacher import score_sequences
+
+        with self._lock:
+            if self._stale:
+                raise ValueError(
+                    "scores are unavailable: the served weights changed before the scoring "
+                    "copy was loaded"
+                )
+            self._load()
+            return score_sequences(self._model, sequences, temperature)
+
     def top(
         self, prompt: list[int], out: list[int], k: int, temperature: float
     ) -> list[list[tuple[int, float]]]:
@@ -146,12 +184,7 @@ class TopLogprobs:
                     "top_logprobs is unavailable: the served weights changed before the scoring "
                     "copy was loaded (request top_logprobs once before pushing weights)"
                 )
-            if self._model is None:
-                from transformers import AutoModelForCausalLM
-
-                self._model = AutoModelForCausalLM.from_pretrained(
-                    self.model_dir, torch_dtype=torch.float32
-                ).eval()
+            self._load()
             if not out:
                 return []
             ids = torch.tensor([list(prompt) + list(out)])
@@ -305,6 +338,20 @@ def create_app(
             body.prompt_ids, sp, body.request_id or uuid.uuid4().hex, body.trajectory_id
         )
         return out.to_dict()
+
+    @app.post("/v1/score")
+    async def score(body: _ScoreBody):
+        if top_logprobs is None:
+            raise ValueError("this server scores nothing (started without a scorer)")
+        seqs = [(s.prompt_ids, s.response_ids) for s in body.sequences]
+        lps = await asyncio.to_thread(top_logprobs.score, seqs, body.temperature)
+        return {"log_probs": lps}
+
+    @app.get("/v1/tokenizer")
+    async def tokenizer_info():
+        from postrl.rollout.teacher import tokenizer_fingerprint
+
+        return tokenizer_fingerprint(_tok())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):

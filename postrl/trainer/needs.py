@@ -2,7 +2,8 @@
 
 Registered algorithm entries declare the batch fields they read beyond rewards, mask and group
 ids (``@register_adv_est("gae", needs=("values",))``, ``@register_policy_loss("bypass_mode",
-needs=("rollout_log_prob",))``). Every such name has one row in :data:`NEEDS`: the batch field it
+needs=("rollout_log_prob",))``, ``@register_distill_loss("reverse_kl", needs=(...))`` when a
+teacher is configured). Every such name has one row in :data:`NEEDS`: the batch field it
 names, the stage of the step that produces it, the role that stage requires, and — for fields no
 standing stage produces — a producer the step runs after stage 5 (values), before the advantage.
 
@@ -22,6 +23,9 @@ proximal_log_prob   old_log_probs       4 old log-probs     not ``bypass_mode``;
                     (π_prox)            (or the fused       ``rollout_correction.rollout_is``
                                         update's forward)   (the loss weights by π_prox/μ)
 rollout_is_weights  rollout_is_weights  6 rollout correct.  ``rollout_correction.rollout_is``
+teacher_log_prob    teacher_log_prob    4 teacher           ``distill.teacher_path`` or ``_url``
+teacher_topk        teacher_topk_log_   —                   not produced yet (refused)
+                    probs
 ==================  ==================  ==================  =================================
 
 Config validation calls :func:`check_needs` (a need nothing produces, or whose producer cannot
@@ -97,12 +101,12 @@ class Need:
     """The batch field holding it."""
     stage: str
     """Who produces it (for messages and docs): ``values``, ``old_log_prob``, ``reference``,
-    ``rollout``, ``rollout_correction`` or ``producer``."""
+    ``teacher``, ``rollout``, ``rollout_correction`` or ``producer``."""
     doc: str
     """What it is, one line."""
     role: str | None = None
-    """The worker the producing stage runs on when it is not always built: ``critic`` or
-    ``reference`` (:func:`roles_needed`)."""
+    """The worker the producing stage runs on when it is not always built: ``critic``,
+    ``reference`` or ``teacher`` (:func:`roles_needed`)."""
     before_update: bool = False
     """Produced by the old-log-prob pass and read before the update: old-log-prob fusion (which
     computes them inside the update) is impossible while it is needed."""
@@ -227,6 +231,16 @@ def _rollout_is_check(cfg: Any) -> list[str]:
     ]
 
 
+def _teacher_topk_check(cfg: Any) -> list[str]:
+    """No stage produces the teacher's top-k yet, and the update would need the student's
+    log-probs at those ids (a gather inside the chunked log-softmax of ``engine/logprob.py``)."""
+    return [
+        "no stage computes the teacher's top-k distribution, nor the student's log-probs at "
+        "those ids inside the update, yet (the loss itself is postrl.algos.distill."
+        "generalized_jsd_topk): use distill.loss=reverse_kl"
+    ]
+
+
 def _proximal_check(cfg: Any) -> list[str]:
     """Decoupled PPO's proximal policy must be recomputed, and its π_prox/μ weight is the loss's
     own (a stage-6 weight would apply twice)."""
@@ -297,6 +311,21 @@ for _need in (
         check=_proximal_check,
     ),
     Need(
+        "teacher_log_prob",
+        "teacher_log_prob",
+        "teacher",
+        "log-probs of the sampled tokens under the distillation teacher (B, T)",
+        role="teacher",
+    ),
+    Need(
+        "teacher_topk",
+        "teacher_topk_log_probs",
+        "teacher",
+        "the teacher's top-k token ids and log-probs at each response position (B, T, k)",
+        role="teacher",
+        check=_teacher_topk_check,
+    ),
+    Need(
         "rollout_is_weights",
         "rollout_is_weights",
         "rollout_correction",
@@ -309,14 +338,19 @@ for _need in (
 
 # ---------------------------------------------------------------------------- queries
 def _declared(cfg: Any) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(config key, entry name, needs) of the configured estimator and policy loss."""
+    """(config key, entry name, needs) of the configured estimator, policy loss and — with a
+    teacher (``distill.*``) — distillation loss."""
     from postrl.algos import ADV_ESTIMATORS, POLICY_LOSSES
+    from postrl.algos.distill import DISTILL_LOSSES
 
     out = []
-    for key, registry, name in (
+    entries = [
         ("algorithm.adv_estimator", ADV_ESTIMATORS, cfg.algorithm.adv_estimator),
         ("actor.policy_loss", POLICY_LOSSES, cfg.actor.policy_loss),
-    ):
+    ]
+    if cfg.distill.enabled:
+        entries.append(("distill.loss", DISTILL_LOSSES, cfg.distill.loss))
+    for key, registry, name in entries:
         if name in registry:  # an unknown name is reported by the registry check
             out.append((key, name, tuple(registry.meta(name).get("needs", ()))))
     return out
@@ -374,7 +408,7 @@ def fusion_blockers(cfg: Any) -> list[str]:
 
 
 def roles_needed(cfg: Any) -> set[str]:
-    """Workers the declared needs require (``critic``, ``reference``)."""
+    """Workers the declared needs require (``critic``, ``reference``, ``teacher``)."""
     return {NEEDS.get(n).role for n in required_needs(cfg) if n in NEEDS and NEEDS.get(n).role}
 
 

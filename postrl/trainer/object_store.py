@@ -421,9 +421,9 @@ def driver_tensor_reasons(cfg: Any) -> list[str]:
     references alone). Each reason is a fact a stage declares: an advantage estimator that is
     not registered ``outcome=True`` or declares ``needs`` / ``optional`` inputs (GAE with its
     critic's values, token-level estimators, ReMax's baseline, the optimal token baseline),
-    KL in the reward, downsampling and rollout rejection sampling (all read token tensors
-    before the update). With any of them the taken groups are fetched to the driver
-    (:func:`fetch_batch`) and the step runs as on the ``driver`` plane."""
+    KL in the reward, downsampling, rollout rejection sampling and a distillation teacher (all
+    read token tensors before the update). With any of them the taken groups are fetched to the
+    driver (:func:`fetch_batch`) and the step runs as on the ``driver`` plane."""
     from postrl.algos import ADV_ESTIMATORS
 
     a = cfg.algorithm
@@ -438,6 +438,8 @@ def driver_tensor_reasons(cfg: Any) -> list[str]:
         out.append("algorithm.downsample.enable=true")
     if a.rollout_correction.rollout_rs:
         out.append(f"algorithm.rollout_correction.rollout_rs={a.rollout_correction.rollout_rs}")
+    if cfg.distill.enabled:  # the teacher scores the sampled tokens (stage 4)
+        out.append("distill.teacher_path / teacher_url (a distillation teacher)")
     return out
 
 

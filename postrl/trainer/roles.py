@@ -1,8 +1,10 @@
-"""The worker groups of a run — actor, reference, critic, reward model — behind the step's calls.
+"""The worker groups of a run — actor, reference, critic, reward model, distillation teacher —
+behind the step's calls.
 
 :func:`build_roles` creates them on ``trainer.backend`` (``local`` or ``ray``) once; the step
 talks to :class:`Roles` only. Every stage method returns ``(batch, metrics)`` and is a no-op for
-a role the run does not have (no critic, no reference, fused old log-probs, dp = 1), so the step
+a role the run does not have (no critic, no reference, no teacher, fused old log-probs, dp = 1),
+so the step
 has no branches on roles.
 """
 
@@ -35,6 +37,9 @@ class Roles:
     critic: Any = None
     reward_model: Any = None
     """Worker group of ``RewardModelWorker`` when ``reward.model.enable`` (else None)."""
+    teacher: Any = None
+    """The distillation teacher (``distill.*``): a ``TeacherWorker`` group or a remote client,
+    both answering ``compute_teacher_log_prob`` (:func:`postrl.trainer.teacher.build_teacher`)."""
     dp_size: int = 1
     use_lora_ref: bool = False
     """The reference is the actor with its LoRA adapters off (no reference group)."""
@@ -82,6 +87,13 @@ class Roles:
             return batch, {}
         group = self.actor if self.use_lora_ref else self.ref
         return batch.union(group.compute_ref_log_prob(batch)), {}
+
+    def teacher_log_probs(self, batch: DataProto) -> Staged:
+        """Stage 4: the distillation teacher's log-probs of the sampled tokens
+        (``teacher_log_prob``)."""
+        if self.teacher is None:
+            return batch, {}
+        return batch.union(self.teacher.compute_teacher_log_prob(batch)), {}
 
     def values(self, batch: DataProto) -> Staged:
         """Stage 5: critic values (GAE runs only)."""
@@ -185,7 +197,7 @@ class Roles:
 
     def close(self) -> None:
         """Shut every worker group down."""
-        for obj in (self.actor, self.ref, self.critic, self.reward_model):
+        for obj in (self.actor, self.ref, self.critic, self.reward_model, self.teacher):
             if obj is not None and hasattr(obj, "shutdown"):
                 obj.shutdown()
 
@@ -198,9 +210,18 @@ def _metrics_of(out: Any) -> dict[str, float]:
     return dict(out)
 
 
-def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_critic: bool) -> Roles:
-    """Create the worker groups on ``trainer.backend``."""
+def build_roles(
+    cfg: PostRLConfig,
+    total_steps: int,
+    *,
+    use_ref: bool,
+    use_critic: bool,
+    use_teacher: bool = False,
+) -> Roles:
+    """Create the worker groups on ``trainer.backend`` (the teacher when the declared needs
+    require one: :func:`postrl.trainer.needs.roles_needed`)."""
     from postrl.controller import create_worker_group
+    from postrl.trainer.teacher import build_teacher
     from postrl.workers import ActorWorker, CriticWorker, RefWorker, RewardModelWorker
 
     tc = cfg.trainer
@@ -218,6 +239,7 @@ def build_roles(cfg: PostRLConfig, total_steps: int, *, use_ref: bool, use_criti
         ref=group(RefWorker, "ref") if use_ref and not use_lora_ref else None,
         critic=group(CriticWorker, "critic") if use_critic else None,
         reward_model=group(RewardModelWorker, "reward_model") if cfg.reward.model.enable else None,
+        teacher=build_teacher(cfg, group) if use_teacher else None,
         dp_size=dp,
         use_lora_ref=use_lora_ref,
         fuse_old_log_prob=resolve_fuse_old_log_prob(cfg),

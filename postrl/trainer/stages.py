@@ -172,8 +172,10 @@ def advantage_stage(batch: DataProto, ctx: Any, kl_ctrl: Any) -> tuple[DataProto
     """Stage 6: the producers of declared needs the batch still lacks (``trainer/needs.py``:
     e.g. ReMax's greedy baseline), KL in the reward (``algorithm.use_kl_in_reward``), rollout
     correction (IS weights / rejection + health metrics, when old log-probs exist before the
-    update), then the configured estimator."""
+    update), the configured estimator, then the distillation term (``distill.*``: a no-op
+    without teacher log-probs)."""
     from postrl.trainer.needs import missing_needs, produce_missing
+    from postrl.trainer.teacher import distill_stage
 
     algo = ctx.cfg.algorithm
     metrics: dict[str, float] = {}
@@ -184,7 +186,9 @@ def advantage_stage(batch: DataProto, ctx: Any, kl_ctrl: Any) -> tuple[DataProto
         metrics.update(km)
     batch, cm = rollout_correction_stage(batch, algo.rollout_correction)
     metrics.update(cm)
-    return compute_advantage_stage(batch, algo), metrics
+    batch, dm = distill_stage(compute_advantage_stage(batch, algo), ctx.cfg)
+    metrics.update(dm)
+    return batch, metrics
 
 
 def downsample_stage(batch: DataProto, cfg: Any, step: int) -> tuple[DataProto, dict[str, float]]:

@@ -8,9 +8,10 @@ DESIGN.md's stages, each in its own module, visited once and in order:
     1 rollout        mode.next_batch                (trainer/modes.py → context.generate)
     2 reward         ctx.reward.finish              (reward/stage.py)
     3 balance        roles.balance                  (trainer/roles.py)
-    4 old/ref logp   roles.old_log_probs, ref_log_probs
+    4 old/ref logp   roles.old_log_probs, ref_log_probs, teacher_log_probs (distillation)
     5 values         roles.values
-    6 advantage      stages.advantage_stage         (needs, KL-in-reward, correction, estimator)
+    6 advantage      stages.advantage_stage         (needs, KL-in-reward, correction, estimator,
+                                                     distillation term)
     7 update         roles.update_critic, update_actor
     8 weight sync    mode.sync_weights              (rollout/fleet.py → weights/)
     9 bookkeeping    stages.step_metrics
@@ -50,6 +51,7 @@ from postrl.trainer.metrics import reduce_metrics, timer
 from postrl.trainer.modes import TRAINER_MODES
 from postrl.trainer.object_store import RefBatch
 from postrl.trainer.roles import build_roles
+from postrl.trainer.teacher import check_teacher_tokenizer
 from postrl.trainer.validation import validate
 
 logger = logging.getLogger(__name__)
@@ -151,8 +153,13 @@ class RLTrainer:
             if ds is not None
             for r in ds.rows
         }
+        check_teacher_tokenizer(cfg, self.tokenizer)  # before any model is loaded
         self.roles = build_roles(
-            cfg, self.total_steps, use_ref=self.use_ref, use_critic=self.use_critic
+            cfg,
+            self.total_steps,
+            use_ref=self.use_ref,
+            use_critic=self.use_critic,
+            use_teacher="teacher" in roles_needed,
         )
         self.ctx = build_context(
             cfg,
@@ -199,6 +206,7 @@ class RLTrainer:
         batch.meta_info.update(temperature=cfg.rollout.temperature, global_step=step)
         batch = run("old_log_prob", roles.old_log_probs, batch)  # 4. old / ref log-probs
         batch = run("ref", roles.ref_log_probs, batch)
+        batch = run("teacher", roles.teacher_log_probs, batch)  # (on-policy distillation)
         batch = run("values", roles.values, batch)  # 5. values
         batch = run("adv", stages.advantage_stage, batch, ctx, self.kl_ctrl)  # 6. advantage
         batch = run("update_critic", roles.update_critic, batch)  # 7. update

@@ -1,0 +1,185 @@
+"""On-policy distillation from a teacher: the per-token reverse KL term and generalised JSD.
+
+The student samples responses; a frozen teacher scores the same tokens. Symbols: ``B`` rows,
+``T`` response tokens, ``K`` teacher top-k, ``V`` vocabulary; ``s_t = log π_student(y_t | ·)``
+and ``q_t = log π_teacher(y_t | ·)`` the log-probs of the sampled token ``y_t``.
+
+Two losses, registered in :data:`DISTILL_LOSSES` (config ``distill.loss``). Each entry declares
+its facts in the registry metadata instead of the trainer testing its name:
+
+* ``kind``: ``advantage`` (a per-token term added to the advantages before the unchanged policy
+  update) or ``loss`` (a term of the update's loss, computed from the student's logits);
+* ``needs``: the batch fields it reads (``postrl.trainer.needs`` rows; e.g. ``old_log_probs``
+  read before the update blocks old-log-prob fusion).
+
+``reverse_kl`` — on-policy distillation as RL with a dense reward (Agarwal et al. 2024, "On-Policy
+Distillation of Language Models: Learning from Self-Generated Mistakes" (GKD), arXiv 2306.13649,
+the β = 1 / λ = 1 corner; Thinking Machines, "On-Policy Distillation", 2025). The per-token
+sampled estimate of the reverse KL ``KL(π_s ‖ π_t)`` at position t is ``k_t = s_t − q_t`` (its
+expectation over ``y_t ~ π_s`` is the exact per-position reverse KL). It enters as a per-token
+advantage::
+
+    A_t = w · A^task_t − c · (s_t − q_t)        (masked: 0 where response_mask is 0)
+
+with ``w`` = ``distill.task_reward_weight`` (0: pure distillation) and ``c`` = ``distill.coef``.
+The policy-gradient of ``−k_t`` with discount 0 (each token judged by its own KL only, as
+Thinking Machines do) is what the PPO/GRPO loss then optimises. Deviation from GKD: GKD
+differentiates the divergence through the full student distribution; here the sampled-token
+estimate is a reward (no extra forward, any policy loss).
+
+``gkd`` — generalised Jensen-Shannon divergence JSD(β) between teacher ``P`` and student ``Q``
+(GKD, eq. 3; the convention of TRL's ``GKDTrainer``)::
+
+    M = β P + (1 − β) Q
+    JSD(β)(P ‖ Q) = β KL(P ‖ M) + (1 − β) KL(Q ‖ M)          for 0 < β < 1
+    β = 0 → KL(P ‖ Q) (forward KL),  β = 1 → KL(Q ‖ P) (reverse KL)   (the two limits used)
+
+computed over the teacher's **top-k** tokens only: at each position both distributions are
+restricted to the teacher's ``K`` most likely tokens and **renormalised over them** (log-softmax
+of the gathered log-probs), so ``P`` and ``Q`` are proper distributions on the same ``K``
+support. At ``K = V`` this is exactly the dense divergence (tested). Deviation: the mass outside
+the teacher's top-k is ignored (it is ≤ 1 − Σ top-k of the teacher; the metric
+``distill/teacher_topk_mass`` reports what was kept).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from postrl.algos.utils import masked_mean
+from postrl.registry import Registry
+
+__all__ = [
+    "DISTILL_LOSSES",
+    "register_distill_loss",
+    "reverse_kl_per_token",
+    "reverse_kl_advantages",
+    "generalized_jsd",
+    "generalized_jsd_topk",
+    "distill_metrics",
+]
+
+DISTILL_LOSSES: Registry[Callable[..., Any]] = Registry("distillation loss")
+
+
+def register_distill_loss(name: str, *, kind: str, needs: tuple[str, ...] = (), **meta: Any):
+    """Register a distillation loss (config ``distill.loss``).
+
+    Args:
+        kind: ``advantage`` — ``fn(student_log_prob, teacher_log_prob, response_mask,
+            task_advantages, *, coef, task_weight) -> advantages (B, T)``; ``loss`` — a term of
+            the update's loss over the student's logits (``fn(student_topk_log_probs,
+            teacher_topk_log_probs, response_mask, *, beta) -> per-token loss (B, T)``).
+        needs: batch fields it reads (rows of ``postrl.trainer.needs``).
+    """
+    if kind not in ("advantage", "loss"):
+        raise ValueError(f"kind={kind!r} must be 'advantage' or 'loss'")
+    return DISTILL_LOSSES.register(name, kind=kind, needs=tuple(needs), **meta)
+
+
+def reverse_kl_per_token(
+    student_log_prob: torch.Tensor, teacher_log_prob: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """``k_t = (log π_s(y_t) − log π_t(y_t)) · m_t`` (B, T): the sampled-token estimate of the
+    per-position reverse KL ``KL(π_s ‖ π_t)``, zero on masked tokens."""
+    diff = student_log_prob.float() - teacher_log_prob.float()  # (B, T)
+    return torch.where(response_mask.bool(), diff, torch.zeros_like(diff))
+
+
+@register_distill_loss("reverse_kl", kind="advantage", needs=("old_log_probs", "teacher_log_prob"))
+def reverse_kl_advantages(
+    student_log_prob: torch.Tensor,
+    teacher_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    task_advantages: torch.Tensor,
+    *,
+    coef: float = 1.0,
+    task_weight: float = 1.0,
+) -> torch.Tensor:
+    """``A_t = w · A^task_t − c · (s_t − q_t)`` on valid tokens, 0 elsewhere (B, T).
+
+    Args:
+        student_log_prob: (B, T) ``s_t``, the sampling policy's log-probs (π_old).
+        teacher_log_prob: (B, T) ``q_t``, the teacher's log-probs of the same tokens.
+        response_mask: (B, T) 1 on trained tokens.
+        task_advantages: (B, T) the configured estimator's advantages of the task reward.
+        coef: ``c``, weight of the distillation term (``distill.coef``).
+        task_weight: ``w``, weight of the task advantages (0: pure distillation).
+    """
+    k = reverse_kl_per_token(student_log_prob, teacher_log_prob, response_mask)  # (B, T)
+    adv = task_weight * task_advantages.float() - coef * k  # (B, T)
+    return torch.where(response_mask.bool(), adv, torch.zeros_like(adv))
+
+
+def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """``KL(P ‖ Q) = Σ_v P_v (log P_v − log Q_v)`` over the last dim (0·log 0 = 0)."""
+    p = log_p.exp()
+    return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+
+
+def generalized_jsd(
+    teacher_log_probs: torch.Tensor, student_log_probs: torch.Tensor, *, beta: float = 0.5
+) -> torch.Tensor:
+    """JSD(β)(P ‖ Q) over the last dimension (dense; the reference of the top-k version).
+
+    Args:
+        teacher_log_probs: (..., V) normalised log-probs ``log P`` of the teacher.
+        student_log_probs: (..., V) normalised log-probs ``log Q`` of the student.
+        beta: β in [0, 1]; 0 = forward KL(P‖Q), 1 = reverse KL(Q‖P).
+
+    Returns:
+        (...,) the divergence at each position.
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta={beta} must be in [0, 1]")
+    lp, lq = teacher_log_probs.float(), student_log_probs.float()
+    if beta == 0.0:
+        return _kl(lp, lq)
+    if beta == 1.0:
+        return _kl(lq, lp)
+    # log M = logsumexp(log β + log P, log(1−β) + log Q), elementwise over the two mixtures
+    log_m = torch.logsumexp(torch.stack([lp + math.log(beta), lq + math.log1p(-beta)]), dim=0)
+    return beta * _kl(lp, log_m) + (1.0 - beta) * _kl(lq, log_m)
+
+
+@register_distill_loss("gkd", kind="loss", needs=("teacher_topk",))
+def generalized_jsd_topk(
+    student_topk_log_probs: torch.Tensor,
+    teacher_topk_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    beta: float = 0.5,
+) -> torch.Tensor:
+    """Per-token JSD(β) restricted to the teacher's top-k tokens, both sides renormalised.
+
+    Args:
+        student_topk_log_probs: (B, T, K) the student's (unnormalised-over-K) log-probs of the
+            teacher's top-k token ids at each position (full-vocabulary log-softmax gathered).
+        teacher_topk_log_probs: (B, T, K) the teacher's log-probs of its top-k tokens.
+        response_mask: (B, T) 1 on trained tokens.
+        beta: β of :func:`generalized_jsd`.
+
+    Returns:
+        (B, T) the divergence per token, 0 on masked tokens (aggregate with ``agg_loss``).
+    """
+    lq = torch.log_softmax(student_topk_log_probs.float(), dim=-1)  # (B, T, K) renormalised
+    lp = torch.log_softmax(teacher_topk_log_probs.float(), dim=-1)  # (B, T, K)
+    d = generalized_jsd(lp, lq, beta=beta)  # (B, T)
+    return torch.where(response_mask.bool(), d, torch.zeros_like(d))
+
+
+def distill_metrics(
+    student_log_prob: torch.Tensor, teacher_log_prob: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``distill/reverse_kl`` (token mean of ``s_t − q_t``) and ``distill/teacher_logprob``
+    (token mean of ``q_t``), detached 0-d tensors over valid tokens."""
+    mask = response_mask.float()
+    k = reverse_kl_per_token(student_log_prob, teacher_log_prob, response_mask)
+    return {
+        "distill/reverse_kl": masked_mean(k, mask).detach(),
+        "distill/teacher_logprob": masked_mean(teacher_log_prob.float(), mask).detach(),
+    }

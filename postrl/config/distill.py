@@ -1,0 +1,52 @@
+"""Typed options of on-policy distillation (the ``distill`` section of the RL config).
+
+A teacher scores every token the student sampled; the step computes its log-probs as one more
+stage beside the reference policy's (``postrl/trainer/teacher.py``), and the configured loss
+(``postrl.algos.distill.DISTILL_LOSSES``) turns them into a dense per-token signal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DistillConfig"]
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation from a frozen teacher (off when neither ``teacher_path`` nor
+    ``teacher_url`` is set)."""
+
+    teacher_path: str = ""
+    """Hugging Face directory of the teacher, loaded as a frozen worker group beside the
+    reference policy (same backend, dp size and strategy as the reference). Its tokenizer must
+    be the student's (vocabulary and special tokens; checked at startup)."""
+    teacher_url: str = ""
+    """Base URL of a ``postrl serve`` server holding the teacher (e.g. ``http://host:8000``):
+    its ``/v1/score`` route returns the log-probs of given response tokens after given prompt
+    tokens, and ``/v1/tokenizer`` its tokenizer's fingerprint (checked at startup). Exclusive
+    with ``teacher_path``."""
+    api_key: str = ""
+    """Bearer token for ``teacher_url`` (empty: none, or the ``POSTRL_API_KEY`` variable)."""
+    timeout_s: float = 120.0
+    """Deadline of one scoring request to ``teacher_url`` (a step's whole batch)."""
+    loss: str = "reverse_kl"
+    """Distillation loss (``postrl.algos.DISTILL_LOSSES``): ``reverse_kl`` — the per-token
+    reverse KL ``log π_student − log π_teacher`` of each sampled token as a per-token advantage
+    term (Agarwal et al. 2024; Thinking Machines 2025); ``gkd`` — generalised JSD(β) over the
+    teacher's top-k tokens (not wired into the update yet: refused at startup)."""
+    coef: float = 1.0
+    """Weight ``c`` of the distillation term: advantages ``w · A_task − c · (log π_s −
+    log π_t)``."""
+    task_reward_weight: float = 1.0
+    """Weight ``w`` of the task reward's advantages (0 = pure distillation: the reward is still
+    computed and logged, but does not train)."""
+    topk: int = 32
+    """``gkd``: teacher tokens kept per position (both distributions renormalised over them)."""
+    beta: float = 0.5
+    """``gkd``: β of JSD(β) (0 = forward KL(teacher‖student), 1 = reverse KL)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a teacher is configured."""
+        return bool(self.teacher_path or self.teacher_url)
