@@ -228,7 +228,9 @@ class AgentConfig:
     max_tool_response_length: int = 256
     """Tool responses are truncated to this many characters."""
     tool_parser: str = "hermes"
-    """Registered tool-call parser."""
+    """Tool-call format of the policy's replies (a ``TOOL_PARSERS`` name): hermes, qwen3_coder,
+    gpt-oss, llama3_json, mistral, deepseek_v3, deepseek_v31, glm45 or kimi_k2
+    (``docs/tools.md``)."""
     check_token_faithfulness: bool = False
     """Compare trained ids with apply_chat_template of the conversation
     (agent/token_drift_ratio)."""
