@@ -319,6 +319,18 @@ CASES = [
         0,
         "",
     ),
+    # llama.cpp's copy of the GLM-4.5 template (models/templates/glm_4_5.jinja): its
+    # whitespace control glues the first key to the name and drops the newline before the end
+    (
+        "glm45-llamacpp-template",
+        "glm45",
+        "<think></think>\n<tool_call>get_weather<arg_key>city</arg_key>\n<arg_value>Oslo"
+        "</arg_value><arg_key>days</arg_key>\n<arg_value>2</arg_value></tool_call>",
+        [("get_weather", {"city": "Oslo", "days": 2})],
+        "<think></think>",
+        0,
+        "",
+    ),
     (
         "glm45-malformed",
         "glm45",
