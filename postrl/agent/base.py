@@ -38,7 +38,12 @@ T = TypeVar("T")
 
 AGENT_LOOPS: Registry[type] = Registry("agent loop")
 AGENT_LOOPS.add_lazy("tool_agent", "postrl.agent.tool_loop:ToolAgentLoop")
-AGENT_LOOPS.add_lazy("gateway", "postrl.agent.gateway.loop:GatewayAgentLoop")
+AGENT_LOOPS.add_lazy(
+    "gateway",
+    "postrl.agent.gateway.loop:GatewayAgentLoop",
+    segments=True,
+    config_errors="postrl.agent.gateway.loop:check_gateway_config",
+)
 AGENT_LOOPS.add_lazy("env_agent", "postrl.agent.env_loop:EnvAgentLoop")
 
 

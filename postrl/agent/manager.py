@@ -15,6 +15,8 @@ this batch, not the configured maxima, so no compute is spent on padding that ne
 
 Non-tensor columns: ``uid`` (one per prompt, shared by its n samples), ``sample_index`` (k),
 ``data_source``, ``ground_truth``, ``extra_info``, ``messages``, ``num_turns``, ``finish_reason``,
+``segment`` (int64 per row: 0, or ``s`` on the row of a trajectory's ``s``-th entry of
+``AgentLoopOutput.segments``, which shares its trajectory's ``uid`` and ``sample_index``),
 ``min_version`` / ``max_version`` (int64 per row: the oldest / newest policy version among the
 row's sampled tokens, -1 when none is known — the replay buffer's tags read these, never the
 tensor).
@@ -138,8 +140,17 @@ class AgentLoopManager:
         )
         return await self._loop(row.get("agent_name")).run(sp, **row)
 
+    async def aclose(self) -> None:
+        """Release what the agent loops hold (the ``gateway`` loop's HTTP server)."""
+        for loop in self._loops.values():
+            close = getattr(loop, "aclose", None)
+            if close is not None:
+                await close()
+
     def assemble(self, outputs: list[AgentLoopOutput], rows: list[dict[str, Any]]) -> DataProto:
-        """Pad trajectories into the batch layout described in the module docstring."""
+        """Pad trajectories into the batch layout described in the module docstring; the
+        ``segments`` of a trajectory become rows after all the trajectories' own rows."""
+        outputs, rows, segment = _expand_segments(outputs, rows)
         B = len(outputs)
         plen = torch.tensor([len(o.prompt_ids) for o in outputs], dtype=torch.long)
         rlen = torch.tensor([len(o.response_ids) for o in outputs], dtype=torch.long)
@@ -197,6 +208,7 @@ class AgentLoopManager:
         non_tensors["finish_reason"] = [o.finish_reason for o in outputs]
         non_tensors["agent_extra"] = [o.extra for o in outputs]
         non_tensors["agent_metrics"] = [o.metrics for o in outputs]
+        non_tensors["segment"] = np.asarray(segment, dtype=np.int64)
         non_tensors["min_version"] = vmin.numpy()
         non_tensors["max_version"] = vmax.numpy()
         return DataProto.from_dict(
@@ -212,6 +224,22 @@ class AgentLoopManager:
             },
             non_tensors,
         )
+
+
+def _expand_segments(
+    outputs: list[AgentLoopOutput], rows: list[dict[str, Any]]
+) -> tuple[list[AgentLoopOutput], list[dict[str, Any]], list[int]]:
+    """Trajectories followed by the rows of their ``segments`` (each with its trajectory's row
+    and ``agent_extra``), and the ``segment`` number of every row (0: a trajectory's own)."""
+    if not any(o.segments for o in outputs):
+        return outputs, rows, [0] * len(outputs)
+    outs, rws, seg = list(outputs), list(rows), [0] * len(outputs)
+    for o, r in zip(outputs, rows):
+        for s, part in enumerate(o.segments, start=1):
+            outs.append(replace(part, extra=o.extra, segments=[]))
+            rws.append(r)
+            seg.append(s)
+    return outs, rws, seg
 
 
 def _version_segments(

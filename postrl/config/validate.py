@@ -244,6 +244,7 @@ def validate_config(
         e.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if not 0 <= cfg.reward.max_failure_ratio <= 1:
         e.append(f"reward.max_failure_ratio={cfg.reward.max_failure_ratio} must be in [0, 1]")
+    e.extend(_agent_loop_errors(cfg))
     if not 0 <= r.agent.env.gamma <= 1:
         e.append(
             f"rollout.agent.env.gamma={r.agent.env.gamma} must be in [0, 1] (1 = sum the "
@@ -429,8 +430,39 @@ def old_log_prob_fusion_blockers(cfg: PostRLConfig) -> list[str]:
             "older weights, so the update's own forward is not the behaviour policy; "
             "actor.policy_loss=decoupled takes μ from the rollout and may fuse)"
         )
+    if _agent_loop_facts(cfg).get("segments"):
+        out.append(
+            f"rollout.agent.default_agent_loop={cfg.rollout.agent.default_agent_loop!r} may "
+            "turn one run into several rows (segments), so a step's batch can exceed one "
+            "mini-batch"
+        )
     out.extend(_need_blockers(cfg))
     return out
+
+
+def _agent_loop_facts(cfg: PostRLConfig) -> dict:
+    """The registry metadata of ``rollout.agent.default_agent_loop`` (``postrl/agent``: e.g.
+    ``segments``: one run may yield several rows; ``config_errors``: ``"module:function"``
+    checking ``rollout.agent``); empty for an unknown loop (the registry check reports it)."""
+    import importlib
+
+    try:
+        loops = importlib.import_module("postrl.agent").AGENT_LOOPS
+    except (ImportError, AttributeError):
+        return {}
+    name = cfg.rollout.agent.default_agent_loop
+    return {} if loops.check(name) else dict(loops.meta(name))
+
+
+def _agent_loop_errors(cfg: PostRLConfig) -> list[str]:
+    """Errors the default agent loop declares for ``rollout.agent`` (its ``config_errors``)."""
+    target = _agent_loop_facts(cfg).get("config_errors")
+    if not target:
+        return []
+    import importlib
+
+    module, _, attr = str(target).partition(":")
+    return list(getattr(importlib.import_module(module), attr)(cfg.rollout.agent))
 
 
 def _reads_proximal(cfg: PostRLConfig) -> bool:

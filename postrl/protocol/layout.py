@@ -8,14 +8,42 @@ trajectories of its shard with it, so both build the same padded batch.
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 from postrl.protocol.data import DataProto
 
-__all__ = ["concat_rollouts"]
+__all__ = ["concat_rollouts", "segment_parents"]
 
 _PAD_VALUES = {"rollout_policy_version": -1}
 """Padding values of batch fields whose padding is not 0."""
+
+
+def segment_parents(non_tensor: dict[str, Any]) -> list[int] | None:
+    """Per row, the row of the trajectory it belongs to: itself for a trajectory's own row
+    (``segment == 0``), the row with the same ``(uid, sample_index)`` and segment 0 for a
+    segment row (``AgentLoopOutput.segments``). None when the batch has no segment rows.
+
+    Raises:
+        ValueError: a segment row whose trajectory row is not in the batch.
+    """
+    seg = non_tensor.get("segment")
+    if seg is None or not (np.asarray(seg) > 0).any():
+        return None
+    uids, ks = non_tensor["uid"], non_tensor["sample_index"]
+    own = {(uids[i], int(ks[i])): i for i in range(len(seg)) if int(seg[i]) == 0}
+    parents = []
+    for i in range(len(seg)):
+        p = own.get((uids[i], int(ks[i]))) if int(seg[i]) else i
+        if p is None:
+            raise ValueError(
+                f"row {i} is segment {int(seg[i])} of trajectory ({uids[i]}, {int(ks[i])}), "
+                "whose own row is not in the batch: segments must travel with their trajectory"
+            )
+        parents.append(p)
+    return parents
 
 
 def concat_rollouts(parts: list[DataProto]) -> DataProto:

@@ -632,6 +632,7 @@ def _output_from_json(d: dict[str, Any], cls: type) -> Any:
     d = dict(d)
     if d.get("response_versions") is not None:
         d["response_versions"] = [tuple(s) for s in d["response_versions"]]
+    d["segments"] = [_output_from_json(s, cls) for s in d.get("segments") or ()]
     return cls(**d)
 
 
