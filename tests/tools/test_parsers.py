@@ -230,6 +230,18 @@ CASES = [
         0,
         "",
     ),
+    # llama.cpp's copy of the Mistral-Small-3.1 template renders OpenAI history: the function
+    # object through tojson (arguments as a JSON string), then the id
+    (
+        "mistral-small-3.1-template",
+        "mistral",
+        '[TOOL_CALLS] [{"arguments": "{\\"city\\": \\"Paris\\"}", "name": "get_weather", '
+        '"id": "abcDEF123"}]</s>',
+        [("get_weather", {"city": "Paris"})],
+        "</s>",
+        0,
+        "",
+    ),
     (
         "mistral-v11-call-id",
         "mistral",
