@@ -30,9 +30,11 @@ offset"), ``VLLM_CPU_KVCACHE_SPACE=1`` GiB (else 92 % of RAM), ``VLLM_HOST_IP=12
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from postrl.rollout.base import register_rollout_backend
@@ -48,6 +50,8 @@ from postrl.rollout.types import (
 __all__ = ["VLLMBackend", "PostRLWorkerExtension", "engine_defaults"]
 
 _CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+# a replica process's stdout carries its port line only: vLLM logs to stderr
+_ENV = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 
 
 def _import_vllm() -> Any:
@@ -139,9 +143,8 @@ class VLLMBackend:
         control_timeout_s: float = 300.0,
         **engine_kwargs: Any,
     ) -> None:
-        if device == "cpu":
-            for k, v in _CPU_ENV.items():
-                os.environ.setdefault(k, v)
+        for k, v in {**_ENV, **(_CPU_ENV if device == "cpu" else {})}.items():
+            os.environ.setdefault(k, v)
         vllm = _import_vllm()
         kw: dict[str, Any] = dict(engine_defaults(device), **engine_kwargs)
         kw.setdefault("worker_extension_cls", f"{__name__}.PostRLWorkerExtension")
@@ -170,7 +173,8 @@ class VLLMBackend:
 
             return AsyncLLM.from_engine_args(args)
 
-        self.engine = self._loop.call(make(), timeout_s=startup_timeout_s)
+        with _stdout_to_stderr():  # the engine's processes inherit it
+            self.engine = self._loop.call(make(), timeout_s=startup_timeout_s)
 
     # ------------------------------------------------------------------ generation
     @property
@@ -319,6 +323,20 @@ class VLLMBackend:
             self.engine.shutdown()
         finally:
             self._loop.close()
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """File descriptor 1 points at stderr inside the block (processes started there keep it)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _token_output(final: Any, logprobs: bool, version: int) -> TokenOutput:
