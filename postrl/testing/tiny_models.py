@@ -37,13 +37,43 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 
 # ChatML, as used by Qwen. Tool messages are rendered as a user turn wrapped in
 # <tool_response> tags (Qwen2.5 convention); the generation prompt opens an assistant turn.
+# With ``tools`` the schemas open the conversation in a system turn (merged with a leading
+# system message) as in Qwen2.5, but compact: ``<tools>\n{schema}\n...\n</tools>`` without
+# Qwen's instructions (a byte-level tiny model pays a token per byte). An assistant message's
+# ``tool_calls`` follow its content as Hermes ``<tool_call>\n{"name": ..., "arguments": ...}
+# \n</tool_call>`` blocks (the text the model samples); a ``None`` content renders as empty.
+# Without tools and tool_calls the rendering is the plain ChatML one of before, byte for byte.
 CHATML_TEMPLATE = (
+    "{%- set ns = namespace(skip_first=false) %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{- (messages[0]['content'] or '') + '\\n\\n' }}"
+    "{%- set ns.skip_first = true %}"
+    "{%- endif %}"
+    "{{- '<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{%- if message['role'] == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] "
+    "{%- if loop.first and ns.skip_first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + (message['content'] or '') "
     "+ '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message['content'] %}{{- message['content'] + '\\n' }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call.get('function') else call %}"
+    "{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
+    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
     "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
