@@ -13,7 +13,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-__all__ = ["tensor_crc", "ReceivedWeights"]
+__all__ = ["PROBE_PREFIX", "tensor_crc", "ReceivedWeights"]
+
+PROBE_PREFIX = "weight-probe-"
+"""Request ids of the weight-sync probe: a paused replica serves them (the probe checks the
+update the pause was for, before the paused requests resume)."""
 
 
 def tensor_crc(t: torch.Tensor) -> int:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from postrl.rollout.checksum import ReceivedWeights
+from postrl.rollout.checksum import PROBE_PREFIX, ReceivedWeights
 from postrl.rollout.types import (
     ReplicaDeadError,
     RolloutError,
@@ -106,7 +106,7 @@ class RolloutReplica:
         if self.standby:
             return TokenOutput([], [], "abort", None, [])
         deadline = time.monotonic() + self.pause_timeout_s
-        while self._paused:
+        while self._paused and not request_id.startswith(PROBE_PREFIX):
             if time.monotonic() > deadline:
                 raise RolloutTimeoutError(
                     f"replica {self.replica_id} stayed paused > {self.pause_timeout_s}s; "
