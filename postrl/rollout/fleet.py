@@ -109,6 +109,14 @@ class RolloutFleet:
                 if not any(r.dead for r in live):
                     raise
 
+    def resend(self, open_source: Callable[[int], Any]) -> dict[str, float]:
+        """Push the current version again to every live replica (a sync that failed its
+        verification, ``trainer/weight_check.py``); the ``weights/*`` metrics."""
+        stats = self.weight_sync.sync_weights(
+            open_source(self.version), self.live, version=self.version
+        )
+        return stats.metrics()
+
     def install(self, slot: int, replica: Replica, open_source: Callable[[int], Any]) -> None:
         """Put ``replica`` (a restart of the dead one in ``slot``) in service: deliver the
         current version's weights to it first (``open_source`` as for :meth:`sync_weights`;
