@@ -69,7 +69,7 @@ def test_tool_calls_are_token_faithful_across_turns(tokenizer):
         == p0
         == tokenizer.encode(
             tokenizer.apply_chat_template(
-                row["messages"], tokenize=False, add_generation_prompt=True
+                row["messages"], tools=[gw_agents.CALC], tokenize=False, add_generation_prompt=True
             )
         )
     )
