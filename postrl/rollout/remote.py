@@ -700,6 +700,9 @@ def spawn_replica(
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
+    if python and python != sys.executable:  # another venv runs this source tree's postrl
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     cmd = [
         python or sys.executable,
         "-m",
