@@ -8,7 +8,8 @@ or by hand against any OpenAI-compatible server (``OPENAI_BASE_URL``, ``OPENAI_A
 ``POSTRL_TASK`` = a JSON file with ``messages``). The model sees the ``calculator`` function
 through ``tools=``; every call it makes is evaluated here (integers and + - * / // % ** only)
 and sent back as a ``tool`` message, until the model answers without a call or ``MAX_TURNS``
-replies were made. The dataset's reward function scores the final answer.
+replies were made; a call without an expression evaluates the task's own problem (tool-arith's
+``bound`` style). The dataset's reward function scores the final answer.
 """
 
 import ast
@@ -69,6 +70,10 @@ def main() -> None:
     with open(os.environ["POSTRL_TASK"]) as f:
         task = json.load(f)
     client = OpenAI()  # reads OPENAI_BASE_URL and OPENAI_API_KEY
+    # tool-arith's `bound` style calls the calculator without arguments: it evaluates the
+    # task's own problem (as postrl's ProblemCalculatorTool does for the built-in tool loop)
+    kwargs = ((task.get("extra_info") or {}).get("tools_kwargs") or {}).get("calculator") or {}
+    problem = (kwargs.get("create_kwargs") or {}).get("expression", "")
     messages = list(task["messages"])
     for _ in range(MAX_TURNS):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
@@ -81,6 +86,7 @@ def main() -> None:
                 expression = json.loads(call.function.arguments).get("expression", "")
             except (json.JSONDecodeError, AttributeError):
                 expression = ""
+            expression = expression or problem  # a call without arguments: the task's own
             messages.append(
                 {"role": "tool", "tool_call_id": call.id, "content": calculate(expression)}
             )

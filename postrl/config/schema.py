@@ -206,6 +206,11 @@ class GatewayConfig:
     output_limit_bytes: int = 65536
     """stdout and stderr kept per agent process (each; the last bytes are kept, the rest is
     counted and dropped)."""
+    render_tools: bool = True
+    """Render a request's ``tools`` into the prompt with the chat template (OpenAI's meaning).
+    False: ``tools`` only turn tool-call parsing on and the prompt is rendered without them —
+    for a model that learned its tool format elsewhere (its system prompt, SFT data), e.g. the
+    tool-arith recipe."""
 
 
 @dataclass

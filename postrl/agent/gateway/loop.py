@@ -142,7 +142,7 @@ class GatewayAgentLoop(AgentLoopBase):
             key="sk-postrl-" + secrets.token_urlsafe(24),
             client=self.client,
             tokenizer=self.tokenizer,
-            transcript=Transcript(self.delta, self.max_model_len),
+            transcript=Transcript(self.delta, self.max_model_len, self.gw.render_tools),
             sampling=sampling,
             request_id=rid,
             parser=self.parser,

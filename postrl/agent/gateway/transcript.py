@@ -99,11 +99,14 @@ class Transcript:
         delta: the tokenizer's :class:`~postrl.agent.tool_loop.ChatDelta` (renders and encodes).
         max_len: most tokens a segment may hold (prompt + response + 1, the rollout's KV
             capacity); ``None``: no limit.
+        render_tools: render a request's ``tools`` into a new segment's prompt
+            (``rollout.agent.gateway.render_tools``).
     """
 
-    def __init__(self, delta: Any, max_len: int | None = None) -> None:
+    def __init__(self, delta: Any, max_len: int | None = None, render_tools: bool = True) -> None:
         self.delta = delta
         self.max_len = max_len
+        self.render_tools = render_tools
         self.segments: list[Segment] = []
         self.tokenized = 0
         """Ids made by tokenising text (segment prompts and observation deltas)."""
@@ -142,7 +145,7 @@ class Transcript:
             seg.observations += 1
             self.tokenized += len(obs)
             return seg.prompt_ids + seg.response_ids
-        kw = {"tools": tools} if tools else {}
+        kw = {"tools": tools} if tools and self.render_tools else {}
         ids = self.delta.encode(self.delta.render(messages, add_generation_prompt=True, **kw))
         self._check(len(ids) + room)
         if seg is not None:
