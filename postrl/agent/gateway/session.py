@@ -192,7 +192,7 @@ class GatewaySession:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = out.finish_reason
         if use_tools:
-            content, calls = tool_calls_of(self.parser, text)
+            content, calls = tool_calls_of(self.parser, text, body.tools)
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 finish = "tool_calls"
