@@ -195,5 +195,19 @@ def e2e_main() -> int:
     return 0
 
 
+RUNNING = {"now": 0, "max": 0}
+
+
+async def busy_agent(base_url, api_key, task, task_path, reward_url):
+    """Counts agents running at once (``RUNNING``); asks nothing."""
+    import asyncio
+
+    RUNNING["now"] += 1
+    RUNNING["max"] = max(RUNNING["max"], RUNNING["now"])
+    await asyncio.sleep(0.05)
+    RUNNING["now"] -= 1
+    return 1.0
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1]))

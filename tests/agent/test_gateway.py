@@ -241,3 +241,12 @@ def test_task_file_holds_the_row(tokenizer, tmp_path):
         "index": 4,
     }
     assert out.extra["gateway_failure"] == "no_requests"  # it never asked the model
+
+
+def test_max_concurrency_caps_running_agents(tokenizer):
+    gw_agents.RUNNING.update(now=0, max=0)
+    client, loop = _loop(tokenizer, ["x"], entrypoint="gw_agents:busy_agent", max_concurrency=2)
+    rows = [make_row(tokenizer, request_id=f"r{i}") for i in range(6)]
+    outs = _run(loop, rows)
+    assert gw_agents.RUNNING["max"] == 2
+    assert [o.extra["gateway_failure"] for o in outs] == ["no_requests"] * 6
