@@ -66,7 +66,7 @@ def _cmd_data(args: argparse.Namespace) -> int:
             )
         else:
             rows = generate_tool_arith(args.n, seed=args.seed, split=args.split, **kw)
-    elif args.task in _env_names():
+    elif args.task in _env_names() or ":" in args.task:  # "module:Class" of an environment
         rows = _env_data(args)
     elif args.task in data.TASKS:
         extra = {}

@@ -66,8 +66,10 @@ def register_env(name: str, **meta: Any) -> Callable[[T], T]:
 
 
 def make_env(name: str, **kwargs: Any) -> Env:
-    """A fresh environment ``name`` built with ``kwargs`` (unknown names list the choices)."""
-    env = ENVS.get(name)(**kwargs)
+    """A fresh environment ``name`` built with ``kwargs``: a registered name, or
+    ``"module:Class"`` of an importable class that is not registered (unknown names list the
+    choices)."""
+    env = ENVS.get_or_import(name, "extra_info.env")(**kwargs)
     if not isinstance(env, Env):
         raise TypeError(
             f"environment {name!r} ({type(env).__name__}) lacks reset(seed) and/or "

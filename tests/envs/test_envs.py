@@ -170,3 +170,28 @@ def test_registry_errors_and_custom_env():
     env = make_env("test_counter")
     assert isinstance(env, Env) and env.reset(1) == "1"
     assert env.step("a") == ("2", 1.0, False) and env.step("a") == ("3", 1.0, True)
+
+
+class Countdown:
+    """An unregistered environment, named by its import path."""
+
+    def __init__(self, start: int = 2) -> None:
+        self.start = start
+
+    def reset(self, seed: int) -> str:
+        self.n = self.start + seed
+        return str(self.n)
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        self.n -= 1
+        return str(self.n), -1.0, self.n <= 0
+
+
+def test_an_unregistered_env_by_import_path():
+    env = make_env("test_envs:Countdown", start=1)
+    assert env.reset(1) == "2" and env.step("x") == ("1", -1.0, False)
+    rows = env_rows("test_envs:Countdown", 2, env_kwargs={"start": 5})
+    assert rows[0]["extra_info"]["env"] == "test_envs:Countdown"
+    assert rows[0]["prompt"][-1]["content"] == str(5 + rows[0]["extra_info"]["seed"])
+    with pytest.raises(ValueError, match="extra_info.env"):
+        make_env("test_envs:Nope")
