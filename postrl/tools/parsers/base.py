@@ -317,23 +317,45 @@ def find_first(text: str, markers: tuple[str, ...], pos: int) -> tuple[int, str]
     return best, which
 
 
-_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|"|[{}\[\]]')
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|"|[{}\[\]]')
+_STR_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*')  # a string's text up to its quote
 
 
-def json_value_end(text: str, start: int) -> int | None:
+def json_value_end(text: str, start: int, memo: dict | None = None) -> int | None:
     """End index of the JSON object/array opening at ``text[start]`` (``{`` or ``[``), found
-    by bracket matching outside strings; None when the text ends first."""
-    depth = 0
-    for m in _JSON_TOKEN.finditer(text, start):
+    by bracket matching outside strings; None when the text ends first.
+
+    ``memo`` (a dict kept across calls on a growing text, e.g. a stream's state) resumes the
+    scan where the last incomplete one stopped when the text still starts with what was
+    scanned — the scan state depends only on that text — so streaming stays linear.
+    """
+    pos, depth, in_str = start, 0, False
+    saved = memo.get("json") if memo is not None else None
+    if saved is not None and text.startswith(saved[0], start):
+        pos, depth, in_str = start + len(saved[0]), saved[1], saved[2]
+    while True:
+        if in_str:  # inside a string: find its closing quote
+            body_end = _STR_BODY.match(text, pos).end()
+            if body_end == len(text) or text[body_end] != '"':  # the text ends in the string
+                if memo is not None:
+                    memo["json"] = (text[start:body_end], depth, True)
+                return None
+            pos, in_str = body_end + 1, False
+        m = _JSON_TOKEN.search(text, pos)
+        if m is None:
+            if memo is not None:
+                memo["json"] = (text[start:], depth, False)
+            return None
         tok = m.group()
-        if tok == '"':
-            return None  # an unterminated string runs to the end of the text
+        if tok == '"':  # an unterminated string: continue inside it
+            pos, in_str = m.end(), True
+            continue
+        pos = m.end()
         if tok[0] == '"':
             continue
         depth += 1 if tok in "{[" else -1
         if depth == 0:
-            return m.end()
-    return None
+            return pos
 
 
 # ----------------------------------------------------------------------------- schemas
@@ -484,6 +506,7 @@ _FENCE = "```"
 @dataclass
 class _BlockState:
     in_fence: bool = False
+    memo: dict = field(default_factory=dict)
 
 
 class BlockScanner:
@@ -492,7 +515,8 @@ class BlockScanner:
     A subclass sets ``starts`` (markers opening a block), optionally ``drops`` (structural
     markers removed from content, e.g. a calls-section wrapper) and ``fence`` (blocks inside
     markdown code fences are content, counted in ``ignored_in_code``), and implements
-    ``block_end(text, body_start, marker) -> end index | None`` (None: not complete yet) and
+    ``block_end(text, body_start, marker, state) -> end index | None`` (None: not complete
+    yet; ``state.memo`` may keep scanning progress across deltas) and
     ``parse_block(raw, body, marker, complete, sink)``.
     """
 
@@ -514,7 +538,7 @@ class BlockScanner:
         """Fresh per-reply scanning state."""
         return _BlockState()
 
-    def block_end(self, text: str, body: int, marker: str) -> int | None:
+    def block_end(self, text: str, body: int, marker: str, state: Any = None) -> int | None:
         """Index just after the block that opened with ``marker`` (body starts at ``body``)."""
         raise NotImplementedError
 
@@ -540,7 +564,7 @@ class BlockScanner:
         if m in self.drops:
             return i + len(m)
         body = i + len(m)
-        end = self.block_end(text, body, m)
+        end = self.block_end(text, body, m, state)
         if end is None and not final:
             return i  # wait for the rest of the block
         raw = text[i : end if end is not None else len(text)]

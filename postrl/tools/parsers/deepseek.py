@@ -28,6 +28,7 @@ that mixes them still parses. The section markers are removed from the content; 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from postrl.tools.parsers.base import (
     TOOL_PARSERS,
@@ -59,7 +60,7 @@ class DeepSeekV3ToolParser(BlockScanner):
         f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}NAME\n```json\n{{...}}\n```{CALL_END}{CALLS_END}"
     )
 
-    def block_end(self, text: str, body: int, marker: str) -> int | None:
+    def block_end(self, text: str, body: int, marker: str, state: Any = None) -> int | None:
         """The call ends after ``<｜tool▁call▁end｜>``."""
         return end_marker_block(text, body, CALL_END)
 

@@ -28,6 +28,7 @@ Rules:
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from postrl.tools.parsers.base import TOOL_PARSERS, BlockScanner, end_marker_block
 
@@ -52,7 +53,7 @@ class GLM45ToolParser(BlockScanner):
     def __init__(self, calls_in_code_blocks: bool = False) -> None:
         self.fence = not calls_in_code_blocks
 
-    def block_end(self, text: str, body: int, marker: str) -> int | None:
+    def block_end(self, text: str, body: int, marker: str, state: Any = None) -> int | None:
         """The block ends after ``</tool_call>``."""
         return end_marker_block(text, body, self.end_tag)
 

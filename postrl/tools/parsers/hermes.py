@@ -23,6 +23,8 @@ Rules:
 
 from __future__ import annotations
 
+from typing import Any
+
 from postrl.tools.parsers.base import (
     TOOL_PARSERS,
     BlockScanner,
@@ -49,7 +51,7 @@ class HermesToolParser(BlockScanner):
         self.calls_in_code_blocks = calls_in_code_blocks
         self.fence = not calls_in_code_blocks
 
-    def block_end(self, text: str, body: int, marker: str) -> int | None:
+    def block_end(self, text: str, body: int, marker: str, state: Any = None) -> int | None:
         """The block ends after ``</tool_call>``."""
         return end_marker_block(text, body, self.end_tag)
 

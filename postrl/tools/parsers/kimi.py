@@ -29,6 +29,7 @@ The markers are special tokens: the OpenAI server decodes with special tokens ke
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from postrl.tools.parsers.base import (
     TOOL_PARSERS,
@@ -61,7 +62,7 @@ class KimiK2ToolParser(BlockScanner):
         "<|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>"
     )
 
-    def block_end(self, text: str, body: int, marker: str) -> int | None:
+    def block_end(self, text: str, body: int, marker: str, state: Any = None) -> int | None:
         """The call ends after ``<|tool_call_end|>``."""
         return end_marker_block(text, body, _END)
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from postrl.tools.parsers.base import (
     TOOL_PARSERS,
@@ -48,6 +49,7 @@ _KEYS = ("parameters", "arguments")
 class _State:
     in_fence: bool = False
     at_start: bool = True
+    memo: dict = field(default_factory=dict)
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -56,10 +58,10 @@ def _skip_ws(text: str, i: int) -> int:
     return i
 
 
-def _objects_end(text: str, i: int) -> int | None:
+def _objects_end(text: str, i: int, memo: dict | None = None) -> int | None:
     """End of ``{...}; {...}`` starting at ``text[i] == "{"``; None while undecided."""
     while True:
-        e = json_value_end(text, i)
+        e = json_value_end(text, i, memo)
         if e is None:
             return None
         k = _skip_ws(text, e)
@@ -117,7 +119,7 @@ class Llama3JsonToolParser(BlockScanner):
         return super().step(text, pos, final, state, sink)
 
     def _bare(self, text, pos, i, final, state, sink) -> int:
-        end = _objects_end(text, i)
+        end = _objects_end(text, i, state.memo)
         if end is None and not final:
             return pos
         end = len(text) if end is None else end
@@ -141,7 +143,7 @@ class Llama3JsonToolParser(BlockScanner):
         if rest.strip().rstrip(";").strip():
             sink.error(raw, f"text after the tool calls is not a JSON call: {rest[:80]!r}")
 
-    def block_end(self, text: str, body: int, marker: str) -> int | None:
+    def block_end(self, text: str, body: int, marker: str, state: Any = None) -> int | None:
         """After the last ``;``-separated JSON object (non-JSON: up to the next special
         token)."""
         i = _skip_ws(text, body)
@@ -150,7 +152,7 @@ class Llama3JsonToolParser(BlockScanner):
         if text[i] != "{":
             j = text.find("<|", i)
             return None if j < 0 else j
-        return _objects_end(text, i)
+        return _objects_end(text, i, state.memo if state is not None else None)
 
     def parse_block(self, raw, body, marker, complete, sink) -> None:
         """The JSON objects after the tag (a reply ending right after them is complete)."""

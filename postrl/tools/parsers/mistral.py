@@ -26,6 +26,7 @@ import json
 import random
 import re
 import string
+from typing import Any
 
 from postrl.tools.parsers.base import (
     TOOL_PARSERS,
@@ -57,7 +58,7 @@ class MistralToolParser(BlockScanner):
         9 alphanumeric characters."""
         return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
-    def block_end(self, text: str, body: int, marker: str) -> int | None:
+    def block_end(self, text: str, body: int, marker: str, state: Any = None) -> int | None:
         """After the JSON array (v3) or the JSON object following ``NAME[ARGS]`` (v11+)."""
         i = body
         while i < len(text) and text[i].isspace():
@@ -69,14 +70,14 @@ class MistralToolParser(BlockScanner):
             and not text.startswith("[CALL_ID]", i)
             and not text.startswith("[ARGS]", i)
         ):
-            return json_value_end(text, i)
+            return json_value_end(text, i, state.memo if state is not None else None)
         brace = text.find("{", i)
         if brace < 0:
             return None
         m = _NAME_FORM.match(text, i)
         if m is None or m.end() != brace:
             return brace  # not a name form: the block (an error) ends before the brace
-        return json_value_end(text, brace)
+        return json_value_end(text, brace, state.memo if state is not None else None)
 
     def parse_block(self, raw, body, marker, complete, sink) -> None:
         """A JSON array of calls, or one ``NAME[ARGS]{json}`` call."""

@@ -33,6 +33,7 @@ Rules:
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from postrl.tools.parsers.base import TOOL_PARSERS, BlockScanner, end_marker_block
 
@@ -62,7 +63,7 @@ class Qwen3CoderToolParser(BlockScanner):
     def __init__(self, calls_in_code_blocks: bool = False) -> None:
         self.fence = not calls_in_code_blocks
 
-    def block_end(self, text: str, body: int, marker: str) -> int | None:
+    def block_end(self, text: str, body: int, marker: str, state: Any = None) -> int | None:
         """``<tool_call>`` blocks end after ``</tool_call>``, bare functions after
         ``</function>``."""
         return end_marker_block(text, body, self._ends[marker])
