@@ -25,7 +25,10 @@ The arms (``--arms``; each is ``examples/grpo_addition_3digit.yaml`` plus overri
   lr 1e-4; ``psr0-lr3e-4-nofilter``: PSR at lr 3e-4 without dynamic sampling;
 * ``dapo-n16``: ``dapo`` with 16 responses per prompt (larger groups);
 * ``recipe``: the shipped recipe as it is (dynamic sampling + PSR at lr 3e-4);
-  ``recipe-cosine``: its step size decayed by a cosine to 10 % over 950 optimizer steps.
+  ``recipe-cosine``: its step size decayed by a cosine to 10 % over 950 optimizer steps;
+* ``opd``: on-policy distillation from ``--teacher`` (``examples/opd_addition_3digit.yaml``:
+  the per-token reverse KL to the teacher is the advantage, no task reward); ``opd-mixed``: the
+  same plus the task reward's GRPO advantages (``distill.task_reward_weight=1``).
 
 ``--task quickstart`` runs the quickstart's task instead: 1-digit sums from the quickstart's SFT
 model (``runs/quickstart/sft-model``, built by ``make quickstart``), ``examples/grpo_addition.yaml``
@@ -72,6 +75,17 @@ W1 = [
 
 DAPO = "algorithm.filter_groups.enable=true"  # dynamic sampling, exact refill
 PSR0 = "algorithm.adv_estimator_kwargs={negative_weight: 0}"  # positive-sample reinforcement
+# on-policy distillation (issue 36): the teacher (``--teacher``, built by
+# examples/opd_addition_3digit.sh) scores every token the student samples; the per-token reverse
+# KL is the advantage (distill.loss=reverse_kl). "opd" is examples/opd_addition_3digit.yaml.
+TEACHER = "@TEACHER@"  # replaced by --teacher
+OPD = [
+    "algorithm.filter_groups.enable=false",  # every group carries the teacher's signal
+    "algorithm.adv_estimator_kwargs={}",
+    "actor.entropy_coeff=0",
+    "actor.optim.lr=1e-4",
+    f"distill.teacher_path={TEACHER}",
+]
 ARMS: dict[str, list[str]] = {
     "w1": W1,
     "dapo": [*W1, DAPO],
@@ -112,6 +126,10 @@ ARMS: dict[str, list[str]] = {
     "recipe-ent0": ["actor.entropy_coeff=0"],
     # the previous recipe (dynamic sampling, lr 1e-4) with 16 responses per prompt
     "dapo-n16": [*W1, DAPO, "rollout.n=16"],
+    # on-policy distillation: pure (the task reward logged, not trained), and mixed with the
+    # task reward's GRPO advantages at weight 1
+    "opd": [*OPD, "distill.task_reward_weight=0"],
+    "opd-mixed": [*OPD, "distill.task_reward_weight=1"],
 }
 
 # the quickstart task (1-digit sums from the quickstart's SFT model), validated greedily
@@ -173,7 +191,7 @@ def _run(arm: str, seed: int, a: argparse.Namespace, train: Path, test: Path) ->
         f"trainer.num_threads={a.threads}",
         "trainer.resume_mode=disable",
         "trainer.loggers=[jsonl]",
-        *arms[arm],
+        *(o.replace(TEACHER, a.teacher) for o in arms[arm]),
         *a.extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
@@ -254,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--test-size", type=int, default=1000, help="held-out prompts")
     p.add_argument("--extra", nargs="*", default=[], help="overrides applied to every arm")
     p.add_argument(
+        "--teacher",
+        default="runs/opd/teacher",
+        help="the distillation teacher of the opd* arms (examples/opd_addition_3digit.sh)",
+    )
+    p.add_argument(
         "--report",
         nargs="+",
         default=None,
@@ -268,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     wrong = [x for x in a.arms if x not in arms]
     if wrong:
         p.error(f"--arms {wrong} are not arms of --task {a.task}; choose from {list(arms)}")
+    if any(TEACHER in o for x in a.arms for o in arms[x]) and not Path(a.teacher).exists():
+        p.error(
+            f"--teacher {a.teacher} does not exist: build it with examples/opd_addition_3digit.sh"
+        )
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     if a.report:

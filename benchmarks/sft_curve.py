@@ -13,6 +13,13 @@ as the RL arms' ``val/acc/mean``::
     python benchmarks/sft_curve.py --lr 1e-3 --budget-s 600 --marks 120 300 600
     python benchmarks/learning.py --report runs/learning/results.json runs/learning/sft/results.json
 
+``--teacher DIR`` trains on a teacher's greedy answers to the training prompts instead of the
+ground truth (off-policy distillation, "sequence-level knowledge distillation", Kim & Rush 2016:
+the ``sft-teacher`` arm of docs/learning.md's distillation table; results under
+``WORK_DIR/sft-teacher``)::
+
+    python benchmarks/sft_curve.py --teacher runs/opd/teacher --budget-s 600 --marks 120 300 600
+
 SFT sees the right answer of every training prompt (RL only its reward), so its curve says how
 fast this model *can* move on this task per second of CPU — an upper reference, not a competitor.
 Results go to ``WORK_DIR/sft/results.json`` in ``learning.py``'s shape.
@@ -58,6 +65,29 @@ def _evaluate(model: Path, test: Path, threads: int) -> float:
     raise SystemExit(f"postrl eval of {model} printed no val/acc/mean:\n{proc.stdout[-2000:]}")
 
 
+def _teacher_answers(teacher: str, tok, prompts: list[list[dict]], threads: int) -> list[str]:
+    """The teacher's greedy answer (at most 8 new tokens) to each prompt, in batches of 256."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    tok.padding_side = "left"
+    out: list[str] = []
+    for i in range(0, len(prompts), 256):
+        texts = [
+            tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+            for p in prompts[i : i + 256]
+        ]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            gen = model.generate(
+                **enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id
+            )
+        new = gen[:, enc["input_ids"].shape[1] :]
+        out += [t.strip() for t in tok.batch_decode(new, skip_special_tokens=True)]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train, save at the marks, validate the saved models; print and write the curve."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -72,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64, help="examples per optimizer step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--teacher",
+        default=None,
+        help="train on this model's greedy answers to the training prompts (off-policy "
+        "distillation) instead of the ground truth",
+    )
     a = p.parse_args(argv)
 
     import torch
@@ -89,12 +125,21 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(a.seed)
     work = Path(a.work_dir)
     train, test = _data(work, a.train_size, a.test_size, a.digits)
-    out = work / "sft"
+    out = work / ("sft-teacher" if a.teacher else "sft")
     tok = AutoTokenizer.from_pretrained(a.model)
     rows = [
         {"prompt": list(r["prompt"]), "response": str(r["reward_model"]["ground_truth"])}
         for r in read_rows(str(train))
     ]
+    if a.teacher:  # the teacher's answers replace the ground truth (timed apart from training)
+        t0 = time.perf_counter()
+        answers = _teacher_answers(a.teacher, tok, [r["prompt"] for r in rows], a.threads)
+        right = sum(x == r["response"] for x, r in zip(answers, rows)) / max(len(rows), 1)
+        rows = [{**r, "response": x} for r, x in zip(rows, answers)]
+        print(
+            f"teacher answers: {len(rows)} in {time.perf_counter() - t0:.0f} s, {right:.3f} right"
+        )
+        tok = AutoTokenizer.from_pretrained(a.model)  # right padding again
     data = tokenize_rows(tok, rows, 64)
     policy = load_policy(ModelSpec(path=a.model))
     params = list(policy.trainable_parameters())
@@ -132,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sft: {train_s:.0f}s, step {steps}, loss {float(loss):.4f} -> {path}")
     curve = [(0.0, _evaluate(Path(a.model), test, a.threads))]
     curve += [(t, _evaluate(path, test, a.threads)) for t, path in saved]
-    arm = f"sft-lr{a.lr:g}"
+    arm = f"sft-teacher-lr{a.lr:g}" if a.teacher else f"sft-lr{a.lr:g}"
     result = {"curve": curve, "steps": steps, "entropy_last": None, "kept_group_share": None}
     (out / "results.json").write_text(
         json.dumps({"args": vars(a), "runs": {arm: {str(a.seed): result}}}, indent=1)

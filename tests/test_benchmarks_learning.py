@@ -30,6 +30,7 @@ def _arm_configs(recipe, arms, digits, tmp_path, model_dir):
     data = write_parquet(generate_addition(8, max_digits=digits), tmp_path / f"d{digits}.parquet")
     for arm, over in arms.items():
         paths = [f"model.path={model_dir}", f"data.train_files=[{data}]"]
+        over = [o.replace("@TEACHER@", str(model_dir)) for o in over]  # the opd* arms' teacher
         cfg = load_config(recipe, [*paths, f"data.val_files=[{data}]", *over])
         validate_config(cfg, check_registries=True)
         yield arm, cfg

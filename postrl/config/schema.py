@@ -285,6 +285,15 @@ class RolloutConfig:
     ``trainer.backend=ray`` the actor streams bucket frames one at a time either way."""
     weight_bucket_mb: float = 64.0
     """Bucket size of bucketed weight streams (and of the Ray actor's frames), in MiB."""
+    verify_weights: bool = True
+    """Verify every weight sync before anything generated from it is trained: per-tensor
+    CRC-32 as sent vs as each replica loaded it, and each replica's log-probs of a fixed probe
+    sequence vs the trainer's (tolerance per backend and dtype); a mismatch is resent once, a
+    second one stops the run naming the tensor or probe token and the engine
+    (``weight_sync/*`` metrics; docs/rollout.md, "Weight sync")."""
+    weight_sync_timeout_s: float = 600.0
+    """Deadline of one weight push and of its verification: past it the run stops with a
+    ``WeightSyncTimeoutError`` naming the engine, never hangs."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Agent loop settings."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)

@@ -217,8 +217,11 @@ class TrainerContext:
         return lambda v: self.actor.get_per_tensor_param()
 
     def sync_weights(self) -> dict[str, float]:
-        """Stream the actor's weights into every replica; ``weights/*`` metrics."""
-        return self.fleet.sync_weights(self.weight_source())
+        """Stream the actor's weights into every replica and verify them (the weight-sync
+        contract, ``trainer/weight_check.py``); ``weights/*`` and ``weight_sync/*`` metrics."""
+        from postrl.trainer.weight_check import contract_for
+
+        return contract_for(self).sync(self.weight_source())
 
     def close(self) -> None:
         """Close the fleet, the reward stage and the event loop."""

@@ -85,6 +85,12 @@ EXPECTED_KEYS: dict[str, set[str]] = {
         "rollout/live_replicas",
         "actor/decoupled_is_mean",
     },
+    "opd_addition_3digit": {
+        "distill/reverse_kl",
+        "distill/teacher_logprob",
+        "timing_s/teacher",
+        "perf/train_time_s",
+    },
     "ppo_rm_addition": {
         "critic/vf_loss",
         "critic/values/mean",
@@ -135,6 +141,9 @@ def _shrunk(
         f"trainer.run_dir={run_dir}",
         "trainer.save_freq=0",
     ]
+    if name.startswith("opd"):  # the tiny model as its own teacher (same tokenizer): the
+        # reverse KL is 0, so the task reward is weighed in for the update to move the policy
+        ov += [f"distill.teacher_path={tiny_model_dir}", "distill.task_reward_weight=1"]
     if "fully_async" in name:  # one step = one mini-batch: make it the 4 prompts
         ov += ["actor.ppo_mini_batch_size=4", "trainer.async.parameter_sync_step=1"]
     if countdown:  # the real rule reward and a tiny validation pass
