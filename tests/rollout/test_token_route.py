@@ -5,6 +5,7 @@ own tokens and log-probs, extra keys ignored but listed and counted, unsupported
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import pytest
@@ -128,3 +129,73 @@ def test_n_seeds_and_top_logprobs(server):
 def test_models_lists_max_model_len(server):
     card = httpx.get(f"{server}/v1/models").json()["data"][0]
     assert card["max_model_len"] == 256
+
+
+VERIFIERS_PY = Path(__file__).resolve().parents[2] / ".venv-verifiers" / "bin" / "python"
+_RENDERER_CLIENT = """
+import asyncio, json, sys
+from openai import AsyncOpenAI
+from renderers import create_renderer
+from renderers.base import load_tokenizer
+from renderers.client import generate
+from renderers.configs import DefaultRendererConfig
+
+url, model_dir, model = sys.argv[1:4]
+
+
+async def main():
+    config = DefaultRendererConfig(tool_parser="qwen3")
+    renderer = create_renderer(load_tokenizer(model_dir), config)
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="x")
+    sp = {"max_tokens": 6, "temperature": 1.0, "seed": 5}
+    a = await generate(client=client, renderer=renderer, model=model, sampling_params=sp,
+                       messages=[{"role": "user", "content": "2+3?"}])
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    tools = [{"name": "add", "description": "add", "parameters": {"type": "object"}}]
+    msgs = [{"role": "user", "content": "2+3?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    b = await generate(client=client, renderer=renderer, model=model, sampling_params=sp,
+                       messages=msgs, tools=tools)
+    await client.close()
+    keys = ("prompt_ids", "completion_ids", "completion_logprobs", "finish_reason")
+    print(json.dumps([{k: r[k] for k in keys} for r in (a, b)]))
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not VERIFIERS_PY.exists(), reason="no .venv-verifiers (docs/agent.md)")
+def test_verifiers_renderer_client_against_the_server(server, tiny_model_dir, tmp_path):
+    """verifiers 0.4.0's token-in client (``renderers.client.generate``, what its
+    ``TrainClient`` calls), in its own venv, renders with our tokenizer's chat template, posts
+    to the route and accepts the answer; the tools + tool_calls conversation renders too."""
+    import json
+    import subprocess
+
+    model = httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
+    script = tmp_path / "client.py"
+    script.write_text(_RENDERER_CLIENT)
+    proc = subprocess.run(
+        [str(VERIFIERS_PY), str(script), server, str(tiny_model_dir), model],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain, tools = json.loads(proc.stdout.strip().splitlines()[-1])
+    for r in (plain, tools):
+        assert 1 <= len(r["completion_ids"]) == len(r["completion_logprobs"]) <= 6
+        assert all(lp < 0 for lp in r["completion_logprobs"])
+    # the same seed and prompt through /inference/v1/generate directly: the same tokens
+    direct = _post(
+        server,
+        {
+            "token_ids": plain["prompt_ids"],
+            "sampling_params": {"max_tokens": 6, "temperature": 1.0, "seed": 5},
+        },
+    ).json()
+    n = len(plain["completion_ids"])  # the renderer's stop ids may end it earlier
+    assert direct["choices"][0]["token_ids"][:n] == plain["completion_ids"]
+    assert len(tools["prompt_ids"]) > len(plain["prompt_ids"]) + 20  # schemas + call rendered
