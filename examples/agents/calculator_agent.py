@@ -8,14 +8,16 @@ or by hand against any OpenAI-compatible server (``OPENAI_BASE_URL``, ``OPENAI_A
 ``POSTRL_TASK`` = a JSON file with ``messages``). The model sees the ``calculator`` function
 through ``tools=``; every call it makes is evaluated here (integers and + - * / // % ** only)
 and sent back as a ``tool`` message, until the model answers without a call or ``MAX_TURNS``
-replies were made; a call without an expression evaluates the task's own problem (tool-arith's
-``bound`` style). The dataset's reward function scores the final answer.
+replies were made (``--max-turns N`` to change it); a call without an expression evaluates
+the task's own problem (tool-arith's ``bound`` style). The dataset's reward function scores
+the final answer.
 """
 
 import ast
 import json
 import operator
 import os
+import sys
 
 from openai import OpenAI
 
@@ -75,7 +77,10 @@ def main() -> None:
     kwargs = ((task.get("extra_info") or {}).get("tools_kwargs") or {}).get("calculator") or {}
     problem = (kwargs.get("create_kwargs") or {}).get("expression", "")
     messages = list(task["messages"])
-    for _ in range(MAX_TURNS):
+    turns = (
+        int(sys.argv[sys.argv.index("--max-turns") + 1]) if "--max-turns" in sys.argv else MAX_TURNS
+    )
+    for _ in range(turns):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         msg = reply.choices[0].message
         messages.append(msg.model_dump(exclude_none=True))

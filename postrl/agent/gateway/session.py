@@ -18,7 +18,8 @@ Request fields (everything else is refused with a 400 naming the field):
   ``presence_penalty`` / ``frequency_penalty`` (must be 0), ``response_format`` (text only).
 
 Sampling fields the agent omits come from the trajectory's rollout sampling (``rollout.*``);
-the seed of request ``k`` is derived from the trajectory's seed and ``k``.
+request 0 uses the trajectory's seed and request ``k > 0`` ``derive_seed(seed, k)``, as the tool
+loop seeds its turns (the same prompt ids sample the same tokens through either loop).
 """
 
 from __future__ import annotations
@@ -138,8 +139,8 @@ class GatewaySession:
         kw["max_new_tokens"] = min(asked or sp.max_new_tokens, sp.max_new_tokens)
         if body.seed is not None:
             kw["seed"] = body.seed
-        elif sp.seed is not None:
-            kw["seed"] = derive_seed(sp.seed, self.requests)
+        elif sp.seed is not None and self.requests > 1:  # as the tool loop seeds its turns
+            kw["seed"] = derive_seed(sp.seed, self.requests - 1)
         return replace(sp, **kw)
 
     async def chat(self, body: GatewayChatBody) -> dict[str, Any]:
