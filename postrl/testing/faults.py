@@ -7,7 +7,11 @@ callbacks a test installs:
 - :func:`kill_at` builds a hook that SIGKILLs this process when the point is reached;
 - :func:`install_kill_at` builds one and installs it in ``postrl.trainer.hooks.FAULT_HOOKS``;
 - ``python -m postrl.testing.faults_run --kill-at POINT train CONFIG k=v ...`` runs any
-  ``postrl`` command with the hook installed — how a test kills a training subprocess.
+  ``postrl`` command with the hook installed — how a test kills a training subprocess;
+- :class:`CorruptSync` (``faults_run --corrupt-sync STEP`` / ``--corrupt-sync-always STEP``)
+  corrupts one tensor of the weight sync after step ``STEP`` in transit (after its checksum was
+  taken): once (the weight-sync contract resends and the run recovers) or on every try (the run
+  stops naming the tensor).
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from __future__ import annotations
 import os
 import signal
 
+import torch
+
 from postrl.trainer.hooks import install
 
-__all__ = ["KillAt", "install_kill_at", "kill_at"]
+__all__ = ["CorruptSync", "KillAt", "install_corrupt_sync", "install_kill_at", "kill_at"]
 
 
 class KillAt:
@@ -51,3 +57,43 @@ def install_kill_at(point: str) -> KillAt:
     hook = KillAt(point)
     install(hook)
     return hook
+
+
+class CorruptSync:
+    """Corrupts the first tensor of the weight pushes that follow step ``step``'s update (its
+    bytes + 0.5, after the sender's checksum): the first push only (``always=False``) or every
+    push and resend (``always=True``). ``corrupted`` counts the tensors it changed; ``name``
+    is the one it corrupts."""
+
+    def __init__(self, step: int, always: bool = False) -> None:
+        if step < 1:
+            raise ValueError(f"--corrupt-sync STEP must be a step >= 1, got {step}")
+        self.step, self.always = step, always
+        self.armed = False
+        self.corrupted = 0
+        self.name: str | None = None
+
+    def on_point(self, point: str) -> None:
+        """Trainer fault hook: arm at ``step{step}:after_update``."""
+        if point == f"step{self.step}:after_update":
+            self.armed = True
+
+    def on_tensor(self, name: str, t: torch.Tensor) -> torch.Tensor | None:
+        """Transport fault (``postrl.weights.verify.TRANSPORT_FAULTS``)."""
+        if self.name is None:
+            self.name = name
+        if not self.armed or name != self.name:
+            return None
+        self.corrupted += 1
+        self.armed = self.always
+        return t.detach().clone() + 0.5
+
+
+def install_corrupt_sync(step: int, always: bool = False) -> CorruptSync:
+    """Install a :class:`CorruptSync` (trainer fault hook + weight transport fault)."""
+    from postrl.weights.verify import TRANSPORT_FAULTS
+
+    fault = CorruptSync(step, always)
+    install(fault.on_point)
+    TRANSPORT_FAULTS.append(fault.on_tensor)
+    return fault

@@ -1,4 +1,6 @@
-"""``python -m postrl.testing.faults_run --kill-at POINT <postrl command ...>``: crash on purpose.
+"""``python -m postrl.testing.faults_run --kill-at POINT <postrl command ...>``: crash on purpose
+(or ``--corrupt-sync STEP`` / ``--corrupt-sync-always STEP``: corrupt a weight sync in transit,
+see :class:`postrl.testing.faults.CorruptSync`).
 
 Installs a :class:`~postrl.testing.faults.KillAt` hook for ``POINT`` in this process, then runs
 the ``postrl`` command line that follows exactly as the ``postrl`` console script would (e.g.
@@ -32,18 +34,42 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--kill-at",
-        required=True,
         metavar="POINT",
         help="fault point to SIGKILL at, e.g. step3:after_gen (see postrl.trainer.hooks)",
     )
+    ap.add_argument(
+        "--corrupt-sync",
+        type=int,
+        metavar="STEP",
+        help="corrupt one tensor of the weight sync after step STEP, once (the run recovers)",
+    )
+    ap.add_argument(
+        "--corrupt-sync-always",
+        type=int,
+        metavar="STEP",
+        help="corrupt it on every try from step STEP on (the run stops naming the tensor)",
+    )
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the postrl command line to run")
     args = ap.parse_args(argv)
+    faults = [args.kill_at, args.corrupt_sync, args.corrupt_sync_always]
+    if sum(f is not None for f in faults) != 1:
+        ap.error("give exactly one of --kill-at POINT, --corrupt-sync STEP, --corrupt-sync-always")
     if not args.command:
-        ap.error("give the postrl command to run after --kill-at POINT, e.g. `train CONFIG`")
+        ap.error("give the postrl command to run after the fault, e.g. `train CONFIG`")
 
     from postrl.cli import main as postrl_main
-    from postrl.testing.faults import install_kill_at
+    from postrl.testing.faults import install_corrupt_sync, install_kill_at
 
+    if args.kill_at is None:
+        always = args.corrupt_sync is None
+        fault = install_corrupt_sync(
+            args.corrupt_sync_always if always else args.corrupt_sync, always
+        )
+        rc = postrl_main(args.command)
+        if fault.corrupted == 0:
+            sys.stderr.write("faults_run: no weight sync was corrupted (run too short?)\n")
+            return NOT_REACHED
+        return rc
     hook = install_kill_at(args.kill_at)
     rc = postrl_main(args.command)
     if rc == 0:
