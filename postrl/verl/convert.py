@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import sys
 from typing import Any
 
 from postrl.verl.rules import Unsupported
@@ -85,10 +86,13 @@ def _rollout_name(v, view):
     if v in ("native", "hf"):
         return {"rollout.backend": v}
     if v in ("vllm", "sglang"):
-        if importlib.util.find_spec(v) is None:
+        from postrl.rollout.base import replica_python, runs_in_own_process
+
+        own = runs_in_own_process(v) and replica_python(v) != sys.executable
+        if not own and importlib.util.find_spec(v) is None:  # (own: its venv, checked at start)
+            hint = "on CPU: `make vllm-venv`; on GPU: " if v == "vllm" else ""
             raise Unsupported(
-                f"{v} is not installed here; install it with `pip install 'postrl[{v}]'` "
-                f"(a CUDA GPU is needed)",
+                f"{v} is not installed here; {hint}`pip install 'postrl[{v}]'`",
                 f"{RO}.name=native (postrl's CPU engine, no extra needed) or {RO}.name=hf",
             )
         return {"rollout.backend": v}

@@ -165,11 +165,23 @@ def test_micro_batch_size_required_like_verl():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
-def test_vllm_without_vllm_names_the_extra_and_the_cpu_alternative():
-    with pytest.raises(VerlConfigError) as e:
+def test_vllm_without_vllm_names_the_extra_and_the_cpu_alternative(monkeypatch):
+    import sys
+
+    import postrl.rollout.base as base
+
+    monkeypatch.setattr(base, "replica_python", lambda name, configured="": sys.executable)
+    with pytest.raises(VerlConfigError) as e:  # no vLLM here and no vLLM venv
         translate([*MICRO, f"{RO}.name=vllm"])
-    assert "pip install 'postrl[vllm]'" in str(e.value)
+    assert "pip install 'postrl[vllm]'" in str(e.value) and "make vllm-venv" in str(e.value)
     assert f"{RO}.name=native" in str(e.value)
+
+
+def test_vllm_with_the_vllm_venv_is_the_vllm_backend(monkeypatch):
+    import postrl.rollout.base as base
+
+    monkeypatch.setattr(base, "replica_python", lambda name, configured="": "/venv/bin/python")
+    assert translate([*MICRO, f"{RO}.name=vllm"]).config.rollout.backend == "vllm"
 
 
 def test_vllm_engine_options_pass_through_when_installed(monkeypatch):
