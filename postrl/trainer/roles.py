@@ -11,6 +11,7 @@ has no branches on roles.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,10 +91,12 @@ class Roles:
 
     def teacher_log_probs(self, batch: DataProto) -> Staged:
         """Stage 4: the distillation teacher's log-probs of the sampled tokens
-        (``teacher_log_prob``)."""
+        (``teacher_log_prob``), timed as ``timing_s/teacher`` (absent without a teacher)."""
         if self.teacher is None:
             return batch, {}
-        return batch.union(self.teacher.compute_teacher_log_prob(batch)), {}
+        t0 = time.perf_counter()
+        out = self.teacher.compute_teacher_log_prob(batch)
+        return batch.union(out), {"timing_s/teacher": time.perf_counter() - t0}
 
     def values(self, batch: DataProto) -> Staged:
         """Stage 5: critic values (GAE runs only)."""

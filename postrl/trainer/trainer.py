@@ -206,7 +206,7 @@ class RLTrainer:
         batch.meta_info.update(temperature=cfg.rollout.temperature, global_step=step)
         batch = run("old_log_prob", roles.old_log_probs, batch)  # 4. old / ref log-probs
         batch = run("ref", roles.ref_log_probs, batch)
-        batch = run("teacher", roles.teacher_log_probs, batch)  # (on-policy distillation)
+        batch = run(None, roles.teacher_log_probs, batch)  # (distillation: timing_s/teacher)
         batch = run("values", roles.values, batch)  # 5. values
         batch = run("adv", stages.advantage_stage, batch, ctx, self.kl_ctrl)  # 6. advantage
         batch = run("update_critic", roles.update_critic, batch)  # 7. update
