@@ -256,6 +256,8 @@ def split_proto(ctx: DispatchContext, value: Any, n: int, arg_name: str) -> tupl
     passed through shard-by-shard: the data never visits the driver. Otherwise it is resolved.
     Returns ``(shards, pad_size)``.
     """
+    if hasattr(value, "ref_shards"):  # rows by reference: the batch shards itself, padded
+        return list(value.ref_shards(n)), 0  # with masked rows (protocol/refs.py)
     if _is_future(value):
         fut: GroupFuture = value
         shards = fut.dp_shards() if fut.backend == ctx.backend else None
@@ -280,7 +282,7 @@ def _split_args(
     pads: set[int] = set()
     split_args: list[list[Any]] = []
     for i, a in enumerate(args):
-        if isinstance(a, DataProto) or _is_future(a):
+        if isinstance(a, DataProto) or _is_future(a) or hasattr(a, "ref_shards"):
             shards, pad = split_proto(ctx, a, n, f"positional arg {i}")
             pads.add(pad)
             split_args.append(shards)
@@ -288,7 +290,7 @@ def _split_args(
             split_args.append([a] * n)
     split_kwargs: dict[str, list[Any]] = {}
     for k, v in kwargs.items():
-        if isinstance(v, DataProto) or _is_future(v):
+        if isinstance(v, DataProto) or _is_future(v) or hasattr(v, "ref_shards"):
             shards, pad = split_proto(ctx, v, n, f"argument {k!r}")
             pads.add(pad)
             split_kwargs[k] = shards

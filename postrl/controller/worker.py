@@ -22,6 +22,7 @@ import torch
 
 from postrl.controller.dispatch import DpInfo
 from postrl.controller.errors import WorkerError
+from postrl.protocol.refs import keep_remote, materialise_args
 
 __all__ = ["Worker", "WorkerContext", "worker_context", "RemoteFailure", "invoke"]
 
@@ -171,12 +172,18 @@ class RemoteFailure:
 
 
 def invoke(worker: Any, method: str, args: tuple, kwargs: dict, *, role: str, rank: int) -> Any:
-    """Call ``worker.method(*args, **kwargs)``; exceptions come back as :class:`RemoteFailure`."""
+    """Call ``worker.method(*args, **kwargs)``; exceptions come back as :class:`RemoteFailure`.
+
+    A :class:`~postrl.protocol.refs.RefShard` argument (rows by reference) is materialised here,
+    on the worker, and the answer's tensors stay here (:func:`~postrl.protocol.refs.keep_remote`):
+    the method body is the one the driver plane calls."""
     for v in (*args, *kwargs.values()):
         if isinstance(v, RemoteFailure):
             return v
     try:
-        return getattr(worker, method)(*args, **kwargs)
+        args, kwargs, by_ref = materialise_args(args, kwargs)  # rows by reference: fetch here
+        out = getattr(worker, method)(*args, **kwargs)
+        return keep_remote(out) if by_ref else out  # ...and their results stay here
     except Exception as e:
         return RemoteFailure(
             role, rank, method, type(e).__name__, str(e), traceback.format_exc(), e

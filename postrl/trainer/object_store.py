@@ -12,12 +12,14 @@ which scores it and pads the training batch. Here the trajectory never does:
   segments, score, validity and the reward metrics (:class:`RemoteTrajectory`).
 * **Driver.** The replay buffer, the staleness bound, DAPO filtering and the samplers decide
   from tags, as always. A taken mini-batch is a :class:`RefBatch` (references + per-row
-  scalars); the outcome advantage estimator runs on the per-row scores
-  (:func:`outcome_advantages`), and each training worker receives the references of its shard
-  and one advantage per row (``ActorWorker.update_actor_from_refs``): it fetches the payloads
-  from the object store, pads them with the same
-  :func:`~postrl.protocol.layout.concat_rollouts`, computes old log-probs, rollout correction and
-  the update, and returns metrics.
+  scalars), and ``RLTrainer.step`` runs its stages on it as on a padded batch — one step, two
+  transports: balance from the tagged lengths, the log-prob and update calls of the worker
+  groups with each rank's :class:`~postrl.protocol.refs.RefShard` (the rank materialises it
+  and runs the same ``compute_log_prob`` / ``update_actor`` body; results stay on the workers
+  as references), the outcome estimator on the rows' scores (:func:`outcome_advantages`: one
+  value per row, broadcast on the worker), the rollout correction on the workers, stage 9 from
+  the tags (:func:`tag_step_metrics`). A stage that reads tensors on the driver
+  (:func:`driver_tensor_reasons`) gets the taken groups fetched instead (:func:`fetch_batch`).
 
 :data:`~postrl.protocol.traffic.DRIVER_TRAFFIC` counts what crosses the driver;
 ``tests/trainer/test_object_store.py`` checks that no trajectory tensor does. Payloads pass
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -320,11 +323,74 @@ def _cancel(ref: Any) -> None:
         logger.debug("cancelling a trajectory task failed", exc_info=True)
 
 
+PAYLOAD_KEYS = (
+    "prompts",
+    "responses",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "response_mask",
+    "rollout_log_probs",
+    "rollout_policy_version",
+    "token_level_scores",
+    "sample_valid",
+)
+"""The columns a scored payload holds (the rollout layout plus the reward stage's)."""
+
+
+class DriverTensorError(RuntimeError):
+    """A stage read a tensor of a :class:`RefBatch` on the driver."""
+
+
+class _Columns(Mapping):
+    """``RefBatch.batch``: which columns the rows have (``in``), and the tags' per-row values
+    as ``(B,)`` tensors (``seq_len``); a tensor column lives in the object store, and reading
+    it here raises :class:`DriverTensorError` — a stage that needs it on the driver declares it
+    (:func:`driver_tensor_reasons`), and then the batch is fetched instead."""
+
+    def __init__(self, batch: RefBatch) -> None:
+        self._b = batch
+
+    def _tags(self) -> dict[str, torch.Tensor]:
+        s = self._b.scalars
+        lens = torch.as_tensor(s["prompt_len"] + s["response_len"]).long()
+        return {"seq_len": lens}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        tags = self._tags()
+        if key in tags:
+            return tags[key]
+        if key in self:
+            raise DriverTensorError(
+                f"batch[{key!r}] of a RefBatch lives in the object store "
+                f"(trainer.async.data_plane=object_store): a stage that reads it on the driver "
+                f"must be listed by trainer/object_store.py::driver_tensor_reasons, so the "
+                f"taken groups are fetched for it"
+            )
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        keys = [*PAYLOAD_KEYS, *self._b.column_keys, *self._b.row_values, "seq_len"]
+        return iter(dict.fromkeys(keys))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, key: object) -> bool:
+        return key in set(iter(self))
+
+
 @dataclass
 class RefBatch:
     """A training batch in the object store: one reference per row plus what the driver needs
     (uids and dataset indices for the ledger and the sampler, per-row scalars for advantages
-    and metrics). ``len()`` is the number of rows."""
+    and metrics). ``len()`` is the number of rows.
+
+    It goes through the step's stages like a ``DataProto``: ``batch`` says which columns the
+    rows have (:class:`_Columns`), :meth:`reorder` balances it, a dp-split call gets one
+    :class:`~postrl.protocol.refs.RefShard` per rank (:meth:`ref_shards`) and answers with
+    :class:`~postrl.protocol.refs.RemoteProto` columns that :meth:`union` keeps by reference,
+    per-row values from the driver (an outcome advantage) join as ``row_values``."""
 
     refs: list[Any]
     rows: list[int]
@@ -332,9 +398,89 @@ class RefBatch:
     non_tensor_batch: dict[str, np.ndarray]
     scalars: dict[str, np.ndarray]
     meta_info: dict[str, Any] = field(default_factory=dict)
+    masked: np.ndarray | None = None
+    """Rows that train nothing (a filtered group standing in for an empty batch)."""
+    columns: list[list[Any]] = field(default_factory=list)
+    """Answers of earlier dp calls on this batch, one ``RemoteProto`` per rank each."""
+    column_keys: tuple[str, ...] = ()
+    row_values: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per-row values from the driver, broadcast over each row's response mask on the worker."""
+    timeout_s: float | None = None
+    """Deadline of the workers' fetches (``trainer.async.timeout_s``)."""
 
     def __len__(self) -> int:
         return len(self.refs)
+
+    @property
+    def batch(self) -> _Columns:
+        """The columns the rows have (module docstring of :class:`_Columns`)."""
+        return _Columns(self)
+
+    def reorder(self, perm: Any) -> RefBatch:
+        """The rows in the order ``perm`` (before any dp call: columns are per shard)."""
+        if self.columns:
+            raise ValueError("RefBatch.reorder after a dp call: its columns are per shard")
+        idx = [int(i) for i in perm]
+        return dataclasses.replace(
+            self,
+            refs=[self.refs[i] for i in idx],
+            rows=[self.rows[i] for i in idx],
+            non_tensor_batch={k: v[idx] for k, v in self.non_tensor_batch.items()},
+            scalars={k: v[idx] for k, v in self.scalars.items()},
+            masked=None if self.masked is None else self.masked[idx],
+            row_values={k: v[idx] for k, v in self.row_values.items()},
+        )
+
+    def union(self, other: Any) -> RefBatch:
+        """This batch with a dp call's answers joined (one ``RemoteProto`` per rank, made on
+        :meth:`ref_shards` of this batch: they stay in the object store)."""
+        if not isinstance(other, list) or not all(hasattr(o, "keys") for o in other):
+            raise TypeError(f"RefBatch.union takes a dp call's RemoteProto answers, not {other!r}")
+        keys = tuple(k for o in other[:1] for k in o.keys)
+        return dataclasses.replace(
+            self,
+            columns=[*self.columns, list(other)],
+            column_keys=tuple(dict.fromkeys([*self.column_keys, *keys])),
+        )
+
+    def with_row_values(self, **values: Any) -> RefBatch:
+        """This batch with per-row values (``(B,)`` each) joined."""
+        rv = {k: np.asarray(v, dtype=np.float64) for k, v in values.items()}
+        return dataclasses.replace(self, row_values={**self.row_values, **rv})
+
+    def ref_shards(self, n: int) -> list[Any]:
+        """One :class:`~postrl.protocol.refs.RefShard` per dp rank: the rows in order, the
+        last shard padded with masked copies of the first rows (the same layout every call,
+        so a rank's columns line up with its rows)."""
+        from postrl.engine.minibatch import ZEROED_KEYS
+        from postrl.protocol.refs import RefShard
+
+        rows = len(self)
+        if rows == 0:
+            raise ValueError("RefBatch.ref_shards of an empty batch")
+        pad = (-rows) % n
+        picks = list(range(rows)) + [i % rows for i in range(pad)]
+        masked = [bool(self.masked[i]) if self.masked is not None else False for i in range(rows)]
+        masked += [True] * pad
+        size = len(picks) // n
+        shards = []
+        for r in range(n):
+            sl = range(r * size, (r + 1) * size)
+            shards.append(
+                RefShard(
+                    refs=[self.refs[picks[j]] for j in sl],
+                    rows=[self.rows[picks[j]] for j in sl],
+                    masked=[masked[j] for j in sl],
+                    columns=[col[r] for col in self.columns if col[r].ref is not None],
+                    row_values={
+                        k: [float(v[picks[j]]) for j in sl] for k, v in self.row_values.items()
+                    },
+                    meta_info=dict(self.meta_info),
+                    zeroed_keys=tuple(ZEROED_KEYS),
+                    timeout_s=self.timeout_s,
+                )
+            )
+        return shards
 
     @classmethod
     def from_groups(cls, groups: list[tuple[str, int, list[Any]]]) -> RefBatch:

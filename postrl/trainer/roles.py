@@ -10,6 +10,7 @@ has no branches on roles.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any
 from postrl.config import PostRLConfig
 from postrl.engine.minibatch import pad_masked_rows
 from postrl.protocol import DataProto
+from postrl.protocol.refs import RemoteProto
 from postrl.trainer import stages
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,9 @@ class Roles:
             return batch, {}
         from postrl.controller import balance_for_dp
 
-        return balance_for_dp(batch, self.dp_size)
+        # rows by reference carry their lengths in their tags (``seq_len``)
+        key = "seq_len" if "seq_len" in batch.batch else "attention_mask"
+        return balance_for_dp(batch, self.dp_size, length_key=key)
 
     def old_log_probs(self, batch: DataProto) -> Staged:
         """Stage 4: recompute old log-probs, reuse the rollout's (bypass mode), or nothing when
@@ -72,9 +76,10 @@ class Roles:
         from postrl.trainer.needs import log_prob_meta
 
         flags = log_prob_meta(self.cfg)  # needs from the same forward (e.g. sum_pi_squared)
-        query = DataProto(batch.batch, batch.non_tensor_batch, dict(batch.meta_info))
-        query.meta_info.update(calculate_entropy=True, **flags)  # this pass only, not the ref's
+        query = _with_meta(batch, calculate_entropy=True, **flags)  # this pass only
         out = self.actor.compute_log_prob(query)
+        if not isinstance(out, DataProto):  # rows by reference: the columns stay on the workers
+            return batch.union(out), _metrics_of(out)
         metrics: dict[str, float] = {}
         if "entropys" in out.batch:
             ent, mask = out.batch.pop("entropys"), batch.batch["response_mask"].float()
@@ -108,7 +113,7 @@ class Roles:
         """Stage 7: one critic update (padding rows masked, as for the actor)."""
         if self.critic is None:
             return batch, {}
-        out = self.critic.update_critic(pad_masked_rows(batch, self.dp_size))
+        out = self.critic.update_critic(_padded(batch, self.dp_size))
         return batch, _metrics_of(out)
 
     def update_actor(self, batch: DataProto) -> Staged:
@@ -118,7 +123,7 @@ class Roles:
         they join the batch here, and the rollout-vs-training mismatch metrics are measured on
         them (their one pass: with fusion no correction runs before the update).
         """
-        out = self.actor.update_actor(pad_masked_rows(batch, self.dp_size))
+        out = self.actor.update_actor(_padded(batch, self.dp_size))
         metrics = _metrics_of(out)
         if isinstance(out, DataProto) and "old_log_probs" in out.batch:
             old = out.batch["old_log_probs"][: len(batch)]
@@ -128,62 +133,6 @@ class Roles:
             )
             metrics.update(rc)
         return batch, metrics
-
-    def update_from_refs(self, batch: Any, advantages: Any) -> dict[str, float]:
-        """Stages 3-7 for a :class:`~postrl.trainer.object_store.RefBatch` (object-store data
-        plane): balance the rows over the dp ranks from their tagged lengths, pad the last
-        shard with masked copies, and let each rank fetch, pad and train its shard
-        (``ActorWorker.update_actor_from_refs``; reference log-probs for a KL loss come from the
-        reference ranks' same shards through the object store, or from the actor with its LoRA
-        adapters off). Shard-local metrics (old-log-prob entropy,
-        rollout correction, health) are averaged over ranks."""
-        from postrl.protocol.balance import balanced_permutation
-        from postrl.trainer.needs import log_prob_meta
-
-        cfg, dp, n = self.cfg, self.dp_size, len(batch)
-        metrics: dict[str, float] = {}
-        order = list(range(n))
-        if cfg.trainer.balance_batch and dp > 1:
-            lens = (batch.scalars["prompt_len"] + batch.scalars["response_len"]).astype(int)
-            perm, metrics = balanced_permutation(lens.tolist(), dp)
-            order = perm.tolist()
-        pad = (-n) % dp
-        picks = order + [order[i % n] for i in range(pad)]  # batch row of each shard slot
-        masked = [False] * n + [True] * pad
-        size = len(picks) // dp
-        shards = [range(r * size, (r + 1) * size) for r in range(dp)]
-        rc = cfg.algorithm.rollout_correction
-        meta = {
-            "meta_info": {
-                "temperature": cfg.rollout.temperature,
-                "global_step": batch.meta_info.get("global_step", 0),
-            },
-            "fused": self.fuse_old_log_prob,
-            "bypass": bool(rc.bypass_mode),
-            "log_prob_flags": log_prob_meta(cfg),
-            "correction": stages.correction_kwargs(rc),
-            "timeout_s": cfg.trainer.async_.timeout_s,
-        }
-        adv = advantages.tolist()
-        refs = [[batch.refs[picks[j]] for j in s] for s in shards]
-        offsets = [[batch.rows[picks[j]] for j in s] for s in shards]
-        pads = [[masked[j] for j in s] for s in shards]
-        metas = [meta] * dp
-        if self.use_lora_ref:  # the actor computes them with its adapters off
-            metas = [{**meta, "ref": "lora"}] * dp
-        elif self.ref is not None:  # each reference rank stores its shard's; the actor's fetches
-            stored = self.ref.compute_ref_log_prob_from_refs(refs, offsets, pads, metas)
-            metas = [{**meta, "ref": r[0]} for r in stored]
-        out = self.actor.update_actor_from_refs(
-            refs, offsets, [[adv[picks[j]] for j in s] for s in shards], pads, metas
-        )
-        metrics.update(out[0]["update"])
-        local: dict[str, list[float]] = {}
-        for o in out:
-            for k, v in o["local"].items():
-                local.setdefault(k, []).append(float(v))
-        metrics.update({k: sum(v) / len(v) for k, v in local.items()})
-        return metrics
 
     # --- checkpoints ------------------------------------------------------------------
     def save(self, ckpt_dir: Path) -> None:
@@ -208,9 +157,29 @@ class Roles:
 def _metrics_of(out: Any) -> dict[str, float]:
     if isinstance(out, DataProto):
         return dict(out.meta_info.get("metrics", {}))
+    if isinstance(out, list) and out and isinstance(out[0], RemoteProto):  # rows by reference
+        m = dict(out[0].meta_info.get("metrics", {}))  # the same on every rank (all-reduced)
+        local: dict[str, list[float]] = {}  # each rank's shard: averaged
+        for o in out:
+            for k, v in o.meta_info.get("local", {}).items():
+                local.setdefault(k, []).append(float(v))
+        return {**m, **{k: sum(v) / len(v) for k, v in local.items()}}
     if isinstance(out, list):  # one dict per collected rank: identical after all-reduce
         return dict(out[0])
     return dict(out)
+
+
+def _with_meta(batch: Any, **meta: Any) -> Any:
+    """``batch`` with ``meta`` added to a copy of its ``meta_info`` (the tensors shared)."""
+    if isinstance(batch, DataProto):
+        return DataProto(batch.batch, batch.non_tensor_batch, {**batch.meta_info, **meta})
+    return dataclasses.replace(batch, meta_info={**batch.meta_info, **meta})
+
+
+def _padded(batch: Any, dp: int) -> Any:
+    """``batch`` padded to whole dp shards with masked rows (rows by reference pad their own
+    shards: :meth:`~postrl.trainer.object_store.RefBatch.ref_shards`)."""
+    return pad_masked_rows(batch, dp) if isinstance(batch, DataProto) else batch
 
 
 def build_roles(

@@ -8,6 +8,7 @@ special-cases an algorithm name: estimators declare what they need in their regi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -23,6 +24,7 @@ from postrl.algos import (
 from postrl.protocol import DataProto
 from postrl.protocol.layout import concat_rollouts, segment_parents
 from postrl.trainer.metrics import compute_data_metrics, compute_throughput_metrics
+from postrl.trainer.object_store import RefBatch, outcome_advantages, tag_step_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ __all__ = [
     "compute_advantage_stage",
     "rollout_correction_stage",
     "kl_in_reward_stage",
+    "row_scores",
 ]
 
 
@@ -68,6 +71,9 @@ def rollout_correction_stage(batch: DataProto, rc: Any) -> tuple[DataProto, dict
     The metrics are always computed when rollout log-probs exist (they cost one pass over the
     batch) so a silent training/inference mismatch is visible even with correction off.
     """
+    if isinstance(batch, RefBatch):  # the tensors are on the workers: the update applies it
+        meta = {**batch.meta_info, "rollout_correction": correction_kwargs(rc)}
+        return dataclasses.replace(batch, meta_info=meta), {}
     b = dict(batch.batch)
     if "rollout_log_probs" not in b or "old_log_probs" not in b:
         return batch, {}
@@ -186,6 +192,10 @@ def advantage_stage(batch: DataProto, ctx: Any, kl_ctrl: Any) -> tuple[DataProto
         metrics.update(km)
     batch, cm = rollout_correction_stage(batch, algo.rollout_correction)
     metrics.update(cm)
+    if isinstance(batch, RefBatch):  # rows by reference: an outcome estimator on the tags
+        adv, am = outcome_advantages(batch, algo)  # (one value per row: the same numbers)
+        metrics.update(am)
+        return batch.with_row_values(advantages=adv.numpy(), returns=adv.numpy()), metrics
     batch, dm = distill_stage(compute_advantage_stage(batch, algo), ctx.cfg)
     metrics.update(dm)
     return batch, metrics
@@ -220,11 +230,22 @@ def downsample_stage(batch: DataProto, cfg: Any, step: int) -> tuple[DataProto, 
 
 
 def step_metrics(batch: DataProto, cfg: Any, step_seconds: float, dp_size: int) -> dict[str, float]:
-    """Stage 9: data, agent and throughput metrics of the trained batch."""
+    """Stage 9: data, agent and throughput metrics of the trained batch (of a
+    :class:`~postrl.trainer.object_store.RefBatch`: the same names, from its tags)."""
+    if isinstance(batch, RefBatch):
+        return tag_step_metrics(batch, cfg, step_seconds, dp_size)
     m: dict[str, Any] = dict(compute_data_metrics(batch, cfg.rollout.response_length))
     m.update(_agent_metrics(batch))
     m.update(compute_throughput_metrics(batch, step_seconds, dp_size))
     return m
+
+
+def row_scores(batch: Any) -> list[float]:
+    """Each row's score (the sum of its ``token_level_scores``; a
+    :class:`~postrl.trainer.object_store.RefBatch`'s tags hold the same sums)."""
+    if isinstance(batch, RefBatch):
+        return batch.scalars["score"].tolist()
+    return batch.batch["token_level_scores"].sum(-1).tolist()
 
 
 def _agent_metrics(batch: DataProto) -> dict[str, float]:

@@ -115,7 +115,7 @@ class GroupStream:
         self._owed = 0  # refill prompts owed (evictions not yet refilled)
         self._retry: list[tuple[int, int]] = []  # (dataset index, epoch) of stale groups
         self._refills = 0  # refill prompts admitted during the current take
-        self._dropped_batch: DataProto | None = None  # a filtered group (all-masked fallback)
+        self._dropped: _Group | None = None  # a filtered group (the all-masked fallback)
         self._error: BaseException | None = None
         self._last_failure = ""
         self._parts: list[tuple[int, dict[str, float]]] = []  # reward metrics per scored group
@@ -129,6 +129,31 @@ class GroupStream:
         """The object-store plane hands the step a scored batch fetched to the driver (a stage
         reads tensors there: :func:`~postrl.trainer.object_store.driver_tensor_reasons`)
         instead of a :class:`~postrl.trainer.object_store.RefBatch`."""
+
+    def _remote_batch(self, taken: list[_Group]) -> Any:
+        """The object-store plane's batch of ``taken``: a
+        :class:`~postrl.trainer.object_store.RefBatch` (rows by reference), or the groups
+        fetched to the driver when a stage reads tensors there."""
+        groups = [
+            (g.uid, g.index, g.batch if isinstance(g.batch, list) else _rows(g.batch))
+            for g in taken
+        ]
+        timeout_s = self.ctx.cfg.trainer.async_.timeout_s
+        if self.fetch_tensors:  # a stage reads tensors on the driver: fetch them here
+            return fetch_batch(groups, timeout_s)
+        batch = RefBatch.from_groups(groups)
+        batch.timeout_s = timeout_s
+        return batch
+
+    def _masked(self, g: _Group) -> Any:
+        """Group ``g``'s batch with every token masked (it trains nothing)."""
+        batch = g.batch if self.remote is None else self._remote_batch([g])
+        if isinstance(batch, RefBatch):
+            batch.masked = np.ones(len(batch), dtype=bool)
+            return batch
+        b = dict(batch.batch)
+        b["response_mask"] = b["response_mask"] * 0
+        return DataProto(b, batch.non_tensor_batch, dict(batch.meta_info))
 
     # ------------------------------------------------------------------ admission
     @property
@@ -259,7 +284,7 @@ class GroupStream:
             if task is not None:
                 task.cancel()
         if e.reason == "filtered" and g is not None and g.batch is not None:
-            self._dropped_batch = g.batch
+            self._dropped = g
         if e.reason == "stale" and g is not None:  # too old to train, not a bad prompt: its
             self._retry.append((g.index, g.epoch))  # refill is itself, on the current weights
         self._counts[e.reason] += 1
@@ -305,27 +330,15 @@ class GroupStream:
         taken = [self._groups.pop(u) for u in uids]
         self.buffer.assemble(uids)  # releases the payloads (the groups hold the outputs)
         metrics: dict[str, float] = {}
-        if not taken and self.remote is not None:
-            batch = RefBatch.from_groups([])  # nothing to train: the step skips the update
-        elif not taken:
-            batch = self._dropped_batch
-            if batch is None:
+        if not taken:  # nothing to train: a filtered group, every token masked
+            if self._dropped is None:
                 raise RuntimeError(
                     f"no group to train on at step {step}: the loader ran dry or every refill "
                     f"was evicted; check algorithm.filter_groups and the data"
                 )
-            b = dict(batch.batch)
-            b["response_mask"] = b["response_mask"] * 0
-            batch = DataProto(b, batch.non_tensor_batch, dict(batch.meta_info))
+            batch = self._masked(self._dropped)
         elif self.remote is not None:  # references and tags; the payloads stay put
-            groups = [
-                (g.uid, g.index, g.batch if isinstance(g.batch, list) else _rows(g.batch))
-                for g in taken
-            ]
-            if self.fetch_tensors:  # a stage reads tensors on the driver: fetch them here
-                batch = fetch_batch(groups, self.ctx.cfg.trainer.async_.timeout_s)
-            else:
-                batch = RefBatch.from_groups(groups)
+            batch = self._remote_batch(taken)
         elif self.score_on_completion:
             from postrl.trainer.stages import concat_rollouts
 

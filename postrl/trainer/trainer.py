@@ -49,7 +49,6 @@ from postrl.trainer.hooks import fire
 from postrl.trainer.ledger import TrainedLedger, trained_groups
 from postrl.trainer.metrics import reduce_metrics, timer
 from postrl.trainer.modes import TRAINER_MODES
-from postrl.trainer.object_store import RefBatch
 from postrl.trainer.roles import build_roles
 from postrl.trainer.teacher import check_teacher_tokenizer
 from postrl.trainer.validation import validate
@@ -192,13 +191,9 @@ class RLTrainer:
             batch, gm = self.mode.next_batch(step)  # (sync owns DAPO's filter and refill)
         m.update(gm)
         fire(f"step{step}:after_gen")
-        if isinstance(batch, RefBatch):  # the object-store data plane: tags here, data there
-            return self._step_from_refs(step, batch, t, m, t_step)
         batch = run("reward", ctx.reward.finish, batch)  # 2. reward
         self.loader.observe(  # the prompt sampler learns each group's success
-            batch.non_tensor_batch["index"],
-            batch.non_tensor_batch["uid"],
-            batch.batch["token_level_scores"].sum(-1).tolist(),
+            batch.non_tensor_batch["index"], batch.non_tensor_batch["uid"], stages.row_scores(batch)
         )
         m.update(self.loader.sampler.metrics())
         batch = run(None, stages.downsample_stage, batch, cfg, step)  # (PODS: a subset trains)
@@ -219,39 +214,6 @@ class RLTrainer:
         m.update(stages.step_metrics(batch, cfg, t["timing_s/step"], roles.dp_size))
         m["training/epoch"] = float(batch.meta_info.get("epoch", 0))
         self.trained = [] if m.get("dynamic_sampling/skipped_update") else trained_groups(batch)
-        self.trained_epochs = batch.meta_info.get("group_epochs")
-        self.traffic = DRIVER_TRAFFIC.take()  # what crossed the driver since the last step
-        m.update(DriverTraffic.metrics(self.traffic))
-        return reduce_metrics(m)
-
-    def _step_from_refs(
-        self, step: int, batch: RefBatch, t: dict[str, float], m: dict[str, Any], t_step: float
-    ) -> dict[str, float]:
-        """Stages 2-9 for a batch that stays in the object store
-        (``trainer.async.data_plane=object_store``): scored on the rollout side, advantages
-        from the rows' scores here, the update on the workers from references."""
-        from postrl.trainer.object_store import outcome_advantages, tag_step_metrics
-
-        cfg, roles = self.cfg, self.roles
-        nt = batch.non_tensor_batch
-        if len(batch):
-            self.loader.observe(nt["index"], nt["uid"], batch.scalars["score"].tolist())
-        m.update(self.loader.sampler.metrics())
-        if len(batch):
-            with timer("adv", t):
-                adv, am = outcome_advantages(batch, cfg.algorithm)
-            m.update(am)
-            batch.meta_info["global_step"] = step
-            with timer("update_actor", t):
-                m.update(roles.update_from_refs(batch, adv))
-        fire(f"step{step}:after_update")
-        with timer("sync_weights", t):
-            m.update(self.mode.sync_weights())
-        t["timing_s/step"] = time.perf_counter() - t_step
-        m.update(t)
-        m.update(tag_step_metrics(batch, cfg, t["timing_s/step"], roles.dp_size))
-        m["training/epoch"] = float(batch.meta_info.get("epoch", 0))
-        self.trained = [] if not len(batch) else trained_groups(batch)  # type: ignore[arg-type]
         self.trained_epochs = batch.meta_info.get("group_epochs")
         self.traffic = DRIVER_TRAFFIC.take()  # what crossed the driver since the last step
         m.update(DriverTraffic.metrics(self.traffic))

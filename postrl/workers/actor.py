@@ -51,7 +51,6 @@ from postrl.workers.common import (
     optim_spec,
     policy_loss_spec,
     setup,
-    shard_from_refs,
     shard_if,
     share_prefix,
 )
@@ -85,8 +84,17 @@ class ActorWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        """``old_log_probs`` (B, R) with the current policy (temperature from meta_info)."""
-        return self.actor.compute_log_prob(data)
+        """``old_log_probs`` (B, R) with the current policy (temperature from meta_info).
+
+        Rows by reference (``meta_info["by_ref"]``, ``protocol/refs.py``): the answer stays on
+        this side, so the entropy's mean over this shard's policy tokens is reported in
+        ``meta_info["local"]`` (``actor/entropy_old``) instead of the ``entropys`` column."""
+        out = self.actor.compute_log_prob(data)
+        if data.meta_info.get("by_ref") and "entropys" in out.batch:
+            ent, mask = out.batch.pop("entropys"), data.batch["response_mask"].float()
+            entropy = float((ent * mask).sum() / mask.sum().clamp(min=1))
+            out.meta_info["local"] = {"actor/entropy_old": entropy}
+        return out
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
@@ -99,93 +107,30 @@ class ActorWorker(Worker):
 
         When ``data`` has no ``old_log_probs`` (fused on-policy update) the output also carries
         the ``old_log_probs`` the update computed, row-aligned with ``data``.
+
+        Rows by reference (``protocol/refs.py``) bring stage 6's rollout correction with them
+        (``meta_info["rollout_correction"]``: its keyword arguments, since the log-probs it
+        reads stay on the workers): it runs here, before the update, or after a fused one on
+        the update's own old log-probs (its metrics only); the shard's correction, health and
+        fetch metrics come back in ``meta_info["local"]``.
         """
+        local = dict(data.meta_info.get("timing", {}))
+        rc = data.meta_info.get("rollout_correction")
+        if rc is not None and "old_log_probs" in data.batch:
+            data = _corrected(data, rc, local)
+        t0 = time.perf_counter()
         out = self.actor.update_policy(data)
+        if rc is not None and out.old_log_probs is not None:  # fused: measured on its own pass
+            data.batch["old_log_probs"] = out.old_log_probs[: len(data)]
+            _corrected(data, rc, local)
+        if data.meta_info.get("by_ref"):
+            local["timing_s/update_policy"] = time.perf_counter() - t0
+            return DataProto(meta_info={"metrics": out.metrics, "local": local})
         if out.old_log_probs is None:
             return metrics_proto(out.metrics)
         return DataProto.from_dict(
             {"old_log_probs": out.old_log_probs}, meta_info={"metrics": out.metrics}
         )
-
-    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
-    def update_actor_from_refs(
-        self,
-        refs: list[Any],
-        rows: list[int],
-        advantages: list[float],
-        masked: list[bool],
-        meta: dict[str, Any],
-    ) -> dict[str, dict[str, float]]:
-        """Object-store data plane: fetch this rank's trajectories from Ray's object store, pad
-        them into the rollout layout, and run what the driver would (old log-probs, rollout
-        correction, one PPO update) on them.
-
-        Args:
-            refs: one object reference per row (``{"batch": scored DataProto}``; the rows of
-                one payload share its reference).
-            rows: each row's index within its payload.
-            advantages: the row's outcome advantage (broadcast over its policy tokens).
-            masked: rows that only pad the shard to the group's size (they train nothing).
-            meta: ``meta_info`` (temperature, global step), ``fused`` / ``bypass`` (where old
-                log-probs come from), ``log_prob_flags``, ``correction`` (the rollout
-                correction's keyword arguments), ``timeout_s`` (the fetch deadline), ``ref``:
-                None, ``"lora"`` (reference log-probs from this model, adapters off) or the
-                reference group's reference to this shard's ``ref_log_prob``.
-
-        Returns:
-            ``{"update": the update's metrics (the same on every rank), "local": this shard's
-            old-log-prob entropy and rollout-correction / health metrics}``.
-        """
-        import ray
-
-        from postrl.algos import rollout_correction_with_health
-
-        batch, local = shard_from_refs(
-            refs, rows, masked, meta.get("meta_info", {}), meta.get("timeout_s")
-        )
-        b = batch.batch
-        adv = torch.tensor(advantages, dtype=torch.float32)[:, None] * b["response_mask"]
-        b.update(advantages=adv, returns=adv, token_level_rewards=b["token_level_scores"])
-        if meta.get("ref") == "lora":  # the reference is this model with its adapters off
-            ref = self.actor.compute_log_prob(batch, reference=True)
-            b["ref_log_prob"] = ref.batch["ref_log_prob"]
-        elif meta.get("ref") is not None:  # the reference group's log-probs of this shard
-            b["ref_log_prob"] = ray.get(meta["ref"], timeout=meta.get("timeout_s"))
-
-        def correct(data: DataProto) -> DataProto:
-            d = dict(data.batch)
-            weights, d["response_mask"], cm = rollout_correction_with_health(
-                d["old_log_probs"], d["rollout_log_probs"], d["response_mask"], **meta["correction"]
-            )
-            if weights is not None:
-                d["rollout_is_weights"] = weights
-            local.update(cm)
-            return DataProto(d, data.non_tensor_batch, data.meta_info)
-
-        if not meta.get("fused"):
-            if meta.get("bypass"):
-                old = batch.batch["rollout_log_probs"]
-            else:
-                query = DataProto(batch.batch, batch.non_tensor_batch, dict(batch.meta_info))
-                query.meta_info.update(calculate_entropy=True, **meta.get("log_prob_flags", {}))
-                out = self.actor.compute_log_prob(query)
-                m = batch.batch["response_mask"].float()
-                if "entropys" in out.batch:
-                    ent = out.batch["entropys"]
-                    local["actor/entropy_old"] = float((ent * m).sum() / m.sum().clamp(min=1))
-                for key in ("sum_pi_squared",):
-                    if key in out.batch:
-                        batch.batch[key] = out.batch[key]
-                old = out.batch["old_log_probs"]
-            batch.batch["old_log_probs"] = old
-            batch = correct(batch)
-        t3 = time.perf_counter()
-        result = self.actor.update_policy(batch)
-        local["timing_s/update_policy"] = time.perf_counter() - t3
-        if result.old_log_probs is not None:  # fused: the update's own old log-probs
-            batch.batch["old_log_probs"] = result.old_log_probs[: len(batch)]
-            correct(batch)
-        return {"update": dict(result.metrics), "local": local}
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
     def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -282,20 +227,6 @@ class RefWorker(Worker):
         ActorWorker)."""
         return {**param_numel(self.policy.module), "dummy_passes": self.policy.dummy_passes}
 
-    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
-    def compute_ref_log_prob_from_refs(
-        self, refs: list[Any], rows: list[int], masked: list[bool], meta: dict[str, Any]
-    ) -> list[Any]:
-        """Object-store data plane: this rank's shard (the actor rank's, built the same way by
-        :func:`~postrl.workers.common.shard_from_refs`) → its ``ref_log_prob`` (B, R), put into
-        the object store; returns ``[reference]`` for the actor rank to fetch."""
-        import ray
-
-        batch, _ = shard_from_refs(
-            refs, rows, masked, meta.get("meta_info", {}), meta.get("timeout_s")
-        )
-        return [ray.put(self.engine.compute_log_prob(batch).batch["old_log_probs"])]
-
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, R) under the reference policy."""
@@ -303,3 +234,19 @@ class RefWorker(Worker):
         return DataProto.from_dict(
             {"ref_log_prob": out.batch["old_log_probs"]}, meta_info=out.meta_info
         )
+
+
+def _corrected(data: DataProto, rc: dict[str, Any], local: dict[str, float]) -> DataProto:
+    """Stage 6's rollout correction (``algos.rollout_correction_with_health``, as
+    ``trainer/stages.py::rollout_correction_stage`` runs it on the driver plane) on this
+    shard; its metrics into ``local``."""
+    from postrl.algos import rollout_correction_with_health
+
+    d = dict(data.batch)
+    weights, d["response_mask"], cm = rollout_correction_with_health(
+        d["old_log_probs"], d["rollout_log_probs"], d["response_mask"], **rc
+    )
+    if weights is not None:
+        d["rollout_is_weights"] = weights
+    local.update({k: float(v) for k, v in cm.items()})
+    return DataProto(d, data.non_tensor_batch, data.meta_info)

@@ -33,7 +33,6 @@ __all__ = [
     "setup",
     "shard_if",
     "share_prefix",
-    "shard_from_refs",
 ]
 
 S = TypeVar("S")
@@ -104,41 +103,3 @@ def barrier(group) -> None:
     """``dist.barrier`` on ``group`` when dp > 1."""
     if group is not None:
         dist.barrier(group)
-
-
-def shard_from_refs(
-    refs: list[Any], rows: list[int], masked: list[bool], meta_info: dict[str, Any], timeout_s: Any
-) -> tuple[DataProto, dict[str, float]]:
-    """A rank's shard of the object-store data plane: fetch each payload once (``{"batch":
-    scored DataProto}``), take the wanted ``rows`` of each, pad them into the rollout layout with
-    :func:`~postrl.protocol.layout.concat_rollouts` in the shard's order, and mask the
-    ``masked`` rows (they only pad the shard to the group's size). The actor and the reference
-    build the same shard from the same arguments. Returns the batch and its
-    ``timing_s/fetch_refs`` / ``timing_s/collate``."""
-    import time
-
-    import ray
-
-    from postrl.engine.minibatch import ZEROED_KEYS
-    from postrl.protocol.layout import concat_rollouts
-
-    t0 = time.perf_counter()
-    unique = list(dict.fromkeys(refs))  # each payload once
-    payloads = dict(zip(unique, ray.get(unique, timeout=timeout_s), strict=True))
-    t1 = time.perf_counter()
-    wanted: dict[Any, list[int]] = {}  # payload -> positions in the shard, in order
-    for pos, ref in enumerate(refs):
-        wanted.setdefault(ref, []).append(pos)
-    parts, order = [], []
-    for ref, positions in wanted.items():
-        parts.append(payloads[ref]["batch"][torch.tensor([rows[p] for p in positions])])
-        order += positions
-    batch = concat_rollouts(parts)[torch.tensor(order).argsort()]  # the shard's row order
-    b = dict(batch.batch)
-    pads = torch.tensor(masked, dtype=torch.bool)
-    if bool(pads.any()):
-        for key in ZEROED_KEYS:
-            if key in b:
-                b[key] = b[key].masked_fill(pads.view(-1, *([1] * (b[key].dim() - 1))), 0)
-    out = DataProto(b, batch.non_tensor_batch, dict(meta_info))
-    return out, {"timing_s/fetch_refs": t1 - t0, "timing_s/collate": time.perf_counter() - t1}

@@ -2,13 +2,15 @@
 rollout side (Ray's object store); the driver sees tags and references only, each training
 worker fetches its own shard, and nothing is lost or trained twice.
 
-* the update from references equals the driver's update on the same trajectories (weights
-  within float tolerance after one step: same padding, advantages, old log-probs, loss);
+* the step's stages on rows by reference (each rank materialises its shard, log-probs stay on
+  the workers) equal the driver's update on the same trajectories (weights within float
+  tolerance after one step: same padding, advantages, old log-probs, loss);
 * a ``fully_async`` run on Ray with the object-store plane moves no tensor through the driver
   (counted per step by ``DRIVER_TRAFFIC``), where the driver plane moves every batch;
 * a SIGKILLed replica loses nothing: its running trajectories run again elsewhere, its finished
   ones survive in the payload owner's store;
-* a SIGKILLed driver resumes from its checkpoint with every prompt trained once.
+* a SIGKILLed driver resumes from its checkpoint with every prompt trained once;
+* GAE with a critic and KL in the reward train on the plane (the taken groups fetched).
 """
 
 from __future__ import annotations
@@ -127,12 +129,13 @@ def test_object_store_moves_no_tensor_through_the_driver_and_survives_a_killed_r
     assert len(traffic) == 16
     for step in traffic:
         data = {k: v for k, v in step.items() if k[1] not in ("weights", "actor.next_weight_frame")}
-        assert all(t == 0 for _, t, _ in data.values()), data  # no tensor, either way
+        tensors = {k: v for k, v in data.items() if v[1]}
+        assert not tensors, tensors  # no tensor, either way
         n, _, calls = step.get(("in", "rollout.trajectory"), (0, 0, 0))
         # a call answers a group's 4 samples: per sample a tag (lengths, versions, score, ...)
         assert n <= 4 * 700 * calls, (n, calls)
-        n, _, _ = step[("out", "actor.update_actor_from_refs")]
-        assert n < 2000, n  # 8 references, 8 advantages, the meta
+        n, _, _ = step[("out", "actor.update_actor")]
+        assert n < 3000, n  # 8 references and rows, 8 advantages, column references, meta
     for r in rows:
         assert r["driver/in_tensor_bytes"] == 0 and r["driver/out_tensor_bytes"] == 0, r
         assert np.isfinite(r["actor/pg_loss"])
@@ -180,10 +183,13 @@ def _scored_rows(tokenizer_vocab: int, n_rows: int, seed: int) -> list:
         pytest.param(["trainer.num_workers=1", "model.lora_rank=4"], id="lora-ref-dp1"),
     ],
 )
-def test_update_from_refs_equals_the_driver_update(ray_cluster, tiny_model_dir, tmp_path, kl):
+def test_stages_on_rows_by_reference_equal_the_driver_update(
+    ray_cluster, tiny_model_dir, tmp_path, kl
+):
     """The same trajectories trained through the driver (pad, balance, old and reference
-    log-probs, rollout correction, advantages, update with a KL loss) and from references on the
-    workers give the same weights: on 2 dp ranks with a reference group and a shard padded by a
+    log-probs, rollout correction, advantages, update with a KL loss) and by the same stages on
+    rows by reference (each rank materialises its shard; log-probs stay on the workers) give the
+    same weights: on 2 dp ranks with a reference group and a shard padded by a
     masked row, and with a LoRA model whose reference is itself with the adapters off."""
     from safetensors.torch import load_file
 
@@ -224,12 +230,18 @@ def test_update_from_refs_equals_the_driver_update(ray_cluster, tiny_model_dir, 
                 batch, _ = stages.rollout_correction_stage(batch, cfg.algorithm.rollout_correction)
                 batch = stages.compute_advantage_stage(batch, cfg.algorithm)
                 _, metrics = roles.update_actor(batch)
-            else:
+            else:  # the same stages on rows by reference (no advantage here: the tags')
                 groups = [(f"g{j}", j, rows[2 * j : 2 * j + 2]) for j in range(5)]
-                ref_batch = RefBatch.from_groups(groups)
-                ref_batch.meta_info["global_step"] = 1
-                adv, _ = outcome_advantages(ref_batch, cfg.algorithm)
-                metrics = roles.update_from_refs(ref_batch, adv)
+                batch = RefBatch.from_groups(groups)
+                batch.meta_info.update(temperature=cfg.rollout.temperature, global_step=1)
+                batch, _ = roles.balance(batch)
+                batch, _ = roles.old_log_probs(batch)
+                batch, _ = roles.ref_log_probs(batch)
+                batch, _ = stages.rollout_correction_stage(batch, cfg.algorithm.rollout_correction)
+                adv, _ = outcome_advantages(batch, cfg.algorithm)
+                batch = batch.with_row_values(advantages=adv.numpy(), returns=adv.numpy())
+                _, metrics = roles.update_actor(batch)
+                assert set(batch.column_keys) >= {"old_log_probs", "ref_log_prob"}
             roles.save(tmp_path / plane)
         finally:
             roles.close()
