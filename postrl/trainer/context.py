@@ -9,6 +9,7 @@ as the source of weights — and nothing else of the trainer. :func:`build_conte
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any
 from postrl.config import PostRLConfig
 from postrl.data import PromptLoader
 from postrl.protocol import DataProto
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TrainerContext", "build_context", "kv_capacity"]
 
@@ -224,7 +227,16 @@ class TrainerContext:
         return contract_for(self).sync(self.weight_source())
 
     def close(self) -> None:
-        """Close the fleet, the reward stage and the event loop."""
+        """Close the agent loops (the gateway's server), the fleet, the reward stage and the
+        event loop."""
+        alive = self._thread.is_alive() if self._thread is not None else not self._loop.is_running()
+        if not self._loop.is_closed() and alive:
+            close = getattr(self.agents, "aclose", None)
+            if close is not None:
+                try:
+                    self.run_async(close())
+                except Exception as e:  # closing must go on: the fleet and reward still close
+                    logger.warning("closing the agent loops failed: %r", e)
         self.fleet.close()
         self.reward.close()
         if self._thread is not None:
