@@ -128,13 +128,14 @@ class WeightContract:
     def check(self, expected: dict[str, int]) -> list[str]:
         """Every problem of every live replica: transport checksums, then the probe."""
         live = self.fleet.live
-        problems = []
+        problems: list[str] = []
         for r in live:
             received = getattr(r, "last_received", None)
             if received is not None:
                 who = f"replica {getattr(r, 'replica_id', '?')}"
                 problems += [f"{who}: {p}" for p in transport_mismatches(expected, received)]
-        return problems + self.probe(live)
+        serving = [r for r in live if not getattr(r, "standby", False)]  # standby: no answers
+        return problems + self.probe(serving)
 
     def probe(self, replicas: list[Any]) -> list[str]:
         """Probe tokens whose engine log-prob differs from the trainer's by more than atol."""
