@@ -139,6 +139,8 @@ class WeightContract:
 
     def probe(self, replicas: list[Any]) -> list[str]:
         """Probe tokens whose engine log-prob differs from the trainer's by more than atol."""
+        if not replicas:
+            return []
         sp = SamplingParams(  # seeded: an engine draws nothing from a global generator
             temperature=0.0, max_new_tokens=PROBE_NEW_TOKENS, ignore_eos=True, seed=0
         )
