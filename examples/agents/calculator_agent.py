@@ -68,14 +68,31 @@ def calculate(expression: str) -> str:
         return f"Error: {e}"
 
 
+def _problem(task: dict) -> str:
+    """tool-arith's `bound` style calls the calculator without arguments: it evaluates the
+    task's own problem (as postrl's ProblemCalculatorTool does for the built-in tool loop)."""
+    kwargs = ((task.get("extra_info") or {}).get("tools_kwargs") or {}).get("calculator") or {}
+    return (kwargs.get("create_kwargs") or {}).get("expression", "")
+
+
+def _results(msg, problem: str) -> list[dict]:
+    """The tool messages answering ``msg``'s calls."""
+    out = []
+    for call in msg.tool_calls:
+        try:
+            expression = json.loads(call.function.arguments).get("expression", "")
+        except (json.JSONDecodeError, AttributeError):
+            expression = ""
+        expression = expression or problem  # a call without arguments: the task's own
+        out.append({"role": "tool", "tool_call_id": call.id, "content": calculate(expression)})
+    return out
+
+
 def main() -> None:
+    """The command form: ``python calculator_agent.py [--max-turns N]``."""
     with open(os.environ["POSTRL_TASK"]) as f:
         task = json.load(f)
     client = OpenAI()  # reads OPENAI_BASE_URL and OPENAI_API_KEY
-    # tool-arith's `bound` style calls the calculator without arguments: it evaluates the
-    # task's own problem (as postrl's ProblemCalculatorTool does for the built-in tool loop)
-    kwargs = ((task.get("extra_info") or {}).get("tools_kwargs") or {}).get("calculator") or {}
-    problem = (kwargs.get("create_kwargs") or {}).get("expression", "")
     messages = list(task["messages"])
     turns = (
         int(sys.argv[sys.argv.index("--max-turns") + 1]) if "--max-turns" in sys.argv else MAX_TURNS
@@ -86,15 +103,24 @@ def main() -> None:
         messages.append(msg.model_dump(exclude_none=True))
         if not msg.tool_calls:
             break
-        for call in msg.tool_calls:
-            try:
-                expression = json.loads(call.function.arguments).get("expression", "")
-            except (json.JSONDecodeError, AttributeError):
-                expression = ""
-            expression = expression or problem  # a call without arguments: the task's own
-            messages.append(
-                {"role": "tool", "tool_call_id": call.id, "content": calculate(expression)}
-            )
+        messages += _results(msg, _problem(task))
+
+
+async def run(base_url, api_key, task, task_path, reward_url, max_turns: int = MAX_TURNS):
+    """The in-process form (``rollout.agent.gateway.entrypoint=calculator_agent:run`` with
+    ``examples/agents`` on ``PYTHONPATH``): the same agent on ``AsyncOpenAI``, without a
+    process and an ``openai`` import per trajectory."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key)
+    messages = list(task["messages"])
+    for _ in range(max_turns):
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        msg = reply.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            break
+        messages += _results(msg, _problem(task))
 
 
 if __name__ == "__main__":

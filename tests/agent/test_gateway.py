@@ -250,3 +250,23 @@ def test_max_concurrency_caps_running_agents(tokenizer):
     outs = _run(loop, rows)
     assert gw_agents.RUNNING["max"] == 2
     assert [o.extra["gateway_failure"] for o in outs] == ["no_requests"] * 6
+
+
+def test_example_calculator_agent(tokenizer, monkeypatch):
+    """examples/agents/calculator_agent.py (in-process form) on a tool-arith row of the
+    `bound` style: a call without arguments evaluates the task's problem; the tool message is
+    the observation; the final answer is the trajectory's solution."""
+    monkeypatch.syspath_prepend(str(HERE.parents[1] / "examples" / "agents"))
+    call = '<tool_call>\n{"name": "calculator", "arguments": {}}\n</tool_call><|im_end|>'
+    client, loop = _loop(tokenizer, [call, "767<|im_end|>"], entrypoint="calculator_agent:run")
+    row = dict(
+        make_row(tokenizer, question="What is 13 * 59?"),
+        extra_info={"tools_kwargs": {"calculator": {"create_kwargs": {"expression": "13 * 59"}}}},
+    )
+    (out,) = _run(loop, [row])
+    assert out.metrics["agent/gateway_failures"] == 0.0
+    g0, g1 = client.generated
+    obs = client.prompts[1][len(client.prompts[0]) + len(g0) :]
+    assert "<tool_response>\n767\n</tool_response>" in tokenizer.decode(obs)
+    assert out.response_ids == g0 + obs + g1
+    assert out.extra["solution_str"] == "767"
