@@ -21,7 +21,7 @@ import sys
 
 from openai import OpenAI
 
-MAX_TURNS = 4
+MAX_TURNS = 2  # a call, then the answer (the tool-arith recipe's max_assistant_turns)
 TOOLS = [
     {
         "type": "function",
