@@ -9,11 +9,11 @@ Routes (JSON unless noted):
 - ``POST /v1/generate``          token-in/token-out: ``{prompt_ids, sampling, request_id,
   trajectory_id}`` → ``{token_ids, log_probs, finish_reason, stop_reason, versions}``
 - ``POST /v1/abort``             ``{request_id}``
-- ``POST /v1/score``             token-in log-probs of given responses (a remote distillation
-  teacher, :mod:`postrl.rollout.teacher`); ``GET /v1/tokenizer`` its tokenizer's fingerprint
 - ``POST /inference/v1/generate`` vLLM's token-in route (``{model, token_ids, sampling_params}``
   → ``choices[0].token_ids`` + ``logprobs.content``), :mod:`postrl.rollout.token_route`;
   ``/v1/models`` lists ``max_model_len`` as vLLM does
+- ``POST /v1/score``             token-in log-probs of given responses (a remote distillation
+  teacher, :mod:`postrl.rollout.teacher`); ``GET /v1/tokenizer`` its tokenizer's fingerprint
 - ``POST /v1/weights/bucket``    body = one ``postrl.weights`` frame (raw bytes + JSON header;
   never unpickled)
 - ``POST /v1/pause`` / ``/v1/resume`` / ``/v1/sleep`` / ``/v1/wake_up``
