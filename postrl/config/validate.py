@@ -245,6 +245,13 @@ def validate_config(
     if not 0 <= cfg.reward.max_failure_ratio <= 1:
         e.append(f"reward.max_failure_ratio={cfg.reward.max_failure_ratio} must be in [0, 1]")
     e.extend(_agent_loop_errors(cfg))
+    if _agent_loop_facts(cfg).get("segments") and cfg.trainer.async_.data_plane != "driver":
+        e.append(
+            f"rollout.agent.default_agent_loop={r.agent.default_agent_loop!r} may turn one run "
+            "into several rows (segments), which trainer.async.data_plane="
+            f"{cfg.trainer.async_.data_plane!r} cannot carry (one row per sample): use "
+            "trainer.async.data_plane=driver"
+        )
     if not 0 <= r.agent.env.gamma <= 1:
         e.append(
             f"rollout.agent.env.gamma={r.agent.env.gamma} must be in [0, 1] (1 = sum the "

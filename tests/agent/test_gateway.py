@@ -224,6 +224,22 @@ def test_config_errors_name_the_fields(tokenizer):
         _loop(tokenizer, ["x"], entrypoint="json:dumps")
     with pytest.raises(ValueError, match="max_concurrency"):
         _loop(tokenizer, ["x"], command="true", max_concurrency=0)
+    # the same checks at startup, from the loop's registry entry, all at once
+    from postrl.config import ConfigError, load_config, validate_config
+
+    cfg = load_config(
+        None,
+        [
+            "rollout.agent.default_agent_loop=gateway",
+            "trainer.mode=fully_async",
+            "trainer.backend=ray",
+            "trainer.async.data_plane=object_store",
+        ],
+    )
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg, check_files=False)
+    assert "exactly one of command" in str(e.value)
+    assert "data_plane=driver" in str(e.value)
 
 
 def test_task_file_holds_the_row(tokenizer, tmp_path):
