@@ -175,6 +175,7 @@ class VLLMBackend:
 
         with _stdout_to_stderr():  # the engine's processes inherit it
             self.engine = self._loop.call(make(), timeout_s=startup_timeout_s)
+        self._reaper = _reap_children_when_gone()
 
     # ------------------------------------------------------------------ generation
     @property
@@ -323,6 +324,38 @@ class VLLMBackend:
             self.engine.shutdown()
         finally:
             self._loop.close()
+
+
+_REAPER = """
+import os, sys, time, signal
+parent, kids = int(sys.argv[1]), [int(p) for p in sys.argv[2:]]
+while os.getppid() == parent:
+    time.sleep(0.5)
+for pid in kids:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"VLLM" in f.read():  # still vLLM's (not a reused pid)
+                os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+def _reap_children_when_gone() -> Any:
+    """A watcher process that SIGKILLs the engine's processes (vLLM's EngineCore and workers,
+    which outlive a killed parent) once this process is gone, however it ended."""
+    import subprocess
+
+    import psutil
+
+    kids = [str(p.pid) for p in psutil.Process().children(recursive=True)]
+    if not kids:
+        return None
+    return subprocess.Popen(
+        [sys.executable, "-c", _REAPER, str(os.getpid()), *kids],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 @contextlib.contextmanager
