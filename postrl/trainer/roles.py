@@ -178,7 +178,7 @@ def _with_meta(batch: Any, **meta: Any) -> Any:
 
 def _padded(batch: Any, dp: int) -> Any:
     """``batch`` padded to whole dp shards with masked rows (rows by reference pad their own
-    shards: :meth:`~postrl.trainer.object_store.RefBatch.ref_shards`)."""
+    shards: :meth:`~postrl.trainer.ref_batch.RefBatch.ref_shards`)."""
     return pad_masked_rows(batch, dp) if isinstance(batch, DataProto) else batch
 
 

@@ -24,7 +24,7 @@ from postrl.algos import (
 from postrl.protocol import DataProto
 from postrl.protocol.layout import concat_rollouts, segment_parents
 from postrl.trainer.metrics import compute_data_metrics, compute_throughput_metrics
-from postrl.trainer.object_store import RefBatch, outcome_advantages, tag_step_metrics
+from postrl.trainer.ref_batch import RefBatch, outcome_advantages, tag_step_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def downsample_stage(batch: DataProto, cfg: Any, step: int) -> tuple[DataProto, 
 
 def step_metrics(batch: DataProto, cfg: Any, step_seconds: float, dp_size: int) -> dict[str, float]:
     """Stage 9: data, agent and throughput metrics of the trained batch (of a
-    :class:`~postrl.trainer.object_store.RefBatch`: the same names, from its tags)."""
+    :class:`~postrl.trainer.ref_batch.RefBatch`: the same names, from its tags)."""
     if isinstance(batch, RefBatch):
         return tag_step_metrics(batch, cfg, step_seconds, dp_size)
     m: dict[str, Any] = dict(compute_data_metrics(batch, cfg.rollout.response_length))
@@ -242,7 +242,7 @@ def step_metrics(batch: DataProto, cfg: Any, step_seconds: float, dp_size: int) 
 
 def row_scores(batch: Any) -> list[float]:
     """Each row's score (the sum of its ``token_level_scores``; a
-    :class:`~postrl.trainer.object_store.RefBatch`'s tags hold the same sums)."""
+    :class:`~postrl.trainer.ref_batch.RefBatch`'s tags hold the same sums)."""
     if isinstance(batch, RefBatch):
         return batch.scalars["score"].tolist()
     return batch.batch["token_level_scores"].sum(-1).tolist()

@@ -40,12 +40,8 @@ import torch
 
 from postrl.protocol import DataProto
 from postrl.reward import RewardFailureError
-from postrl.trainer.object_store import (
-    RefBatch,
-    RemoteTrajectory,
-    driver_tensor_reasons,
-    fetch_batch,
-)
+from postrl.trainer.object_store import RemoteTrajectory
+from postrl.trainer.ref_batch import RefBatch, driver_tensor_reasons, fetch_batch
 from postrl.trainer.replay import ReplayBuffer
 from postrl.trainer.replay.tags import Eviction
 
@@ -127,12 +123,12 @@ class GroupStream:
         plane (trajectories run, are scored and stay on the rollout side), else None."""
         self.fetch_tensors = self.remote is not None and bool(driver_tensor_reasons(ctx.cfg))
         """The object-store plane hands the step a scored batch fetched to the driver (a stage
-        reads tensors there: :func:`~postrl.trainer.object_store.driver_tensor_reasons`)
-        instead of a :class:`~postrl.trainer.object_store.RefBatch`."""
+        reads tensors there: :func:`~postrl.trainer.ref_batch.driver_tensor_reasons`)
+        instead of a :class:`~postrl.trainer.ref_batch.RefBatch`."""
 
     def _remote_batch(self, taken: list[_Group]) -> Any:
         """The object-store plane's batch of ``taken``: a
-        :class:`~postrl.trainer.object_store.RefBatch` (rows by reference), or the groups
+        :class:`~postrl.trainer.ref_batch.RefBatch` (rows by reference), or the groups
         fetched to the driver when a stage reads tensors there."""
         groups = [
             (g.uid, g.index, g.batch if isinstance(g.batch, list) else _rows(g.batch))
@@ -579,7 +575,7 @@ class GroupStream:
 def off_policy_metrics(batch: Any, version: int) -> dict[str, float]:
     """verl's ``training/off_policy/*`` per-trajectory numbers of a taken batch, from
     ``rollout_policy_version`` (B, R; -1 where unknown) — or from the rows' version tags of a
-    :class:`~postrl.trainer.object_store.RefBatch`: ``trajectory_staleness`` = ``version`` −
+    :class:`~postrl.trainer.ref_batch.RefBatch`: ``trajectory_staleness`` = ``version`` −
     the row's oldest token version, ``trajectory_spans`` = how many policy versions sampled the
     row (2 = interrupted once and resumed on newer weights); mean / max / min over rows with a
     known version."""

@@ -195,7 +195,7 @@ def test_stages_on_rows_by_reference_equal_the_driver_update(
 
     from postrl.protocol.layout import concat_rollouts
     from postrl.trainer import stages
-    from postrl.trainer.object_store import RefBatch, outcome_advantages
+    from postrl.trainer.ref_batch import RefBatch, outcome_advantages
     from postrl.trainer.roles import build_roles
 
     cfg = load_config(
