@@ -758,13 +758,19 @@ def _read_port(proc: subprocess.Popen, timeout_s: float, log: Path | None) -> tu
     t = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
     t.start()
     t.join(timeout_s)
-    line = box[0] if box else ""
-    if not line.startswith(_PORT_LINE):
+    line = box[0] if box else None
+    if line is None or not line.startswith(_PORT_LINE):
         proc.kill()
-        raise RolloutError(
-            f"rollout replica process did not report its port within {timeout_s}s "
-            f"(exit code {proc.poll()}); see its log {log}"
-        )
+        if line is None:
+            why = f"did not report its port within {timeout_s}s (it may still be loading)"
+        elif not line:
+            why = f"closed its stdout before reporting its port (exit code {proc.poll()})"
+        else:  # something else wrote to the replica's stdout first (e.g. an engine's logging)
+            why = (
+                f"printed {line[:200].rstrip()!r} before its port line ({_PORT_LINE}...): "
+                "the replica's stdout must carry the port line first"
+            )
+        raise RolloutError(f"rollout replica process {why}; see its log {log}")
     http, stream = line[len(_PORT_LINE) :].strip().split(",")
     return int(http), int(stream)
 
