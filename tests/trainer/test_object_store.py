@@ -48,6 +48,10 @@ def _args(tiny_model_dir, digits_reward, tmp_path, plane: str, steps: int = 16) 
         "trainer.num_workers=1",
         "trainer.test_freq=0",
         f"trainer.async.data_plane={plane}",
+        # the weight contract's probe (8 tokens and their log-probs per push, through
+        # actor.compute_log_prob) is weight-sync traffic, tested with the contract; here the
+        # driver's channels count trajectory traffic only
+        "rollout.verify_weights=false",
     ]
 
 
