@@ -17,12 +17,12 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from postrl.rollout.checksum import PROBE_PREFIX, ReceivedWeights
+from postrl.rollout.signal import Signal
 from postrl.rollout.types import (
     ReplicaDeadError,
     RolloutError,
@@ -69,6 +69,7 @@ class RolloutReplica:
         """Per-tensor checksums of what this replica loaded (the weight-sync contract)."""
         self._inflight: set[str] = set()
         self._paused = False
+        self._changed = Signal()  # pause/resume, and the last in-flight request leaving
         self._swap_open = False  # this replica opened a backend swap (multi-bucket update)
         self._swaps = callable(getattr(backend, "begin_weight_swap", None)) and callable(
             getattr(backend, "end_weight_swap", None)
@@ -105,20 +106,22 @@ class RolloutReplica:
         """
         if self.standby:
             return TokenOutput([], [], "abort", None, [])
-        deadline = time.monotonic() + self.pause_timeout_s
-        while self._paused and not request_id.startswith(PROBE_PREFIX):
-            if time.monotonic() > deadline:
-                raise RolloutTimeoutError(
-                    f"replica {self.replica_id} stayed paused > {self.pause_timeout_s}s; "
-                    f"call resume() after the weight update or raise pause_timeout_s"
-                )
-            await asyncio.sleep(0.005)
+        if not await self._changed.wait_for(
+            lambda: not self._paused or request_id.startswith(PROBE_PREFIX),
+            self.pause_timeout_s,
+        ):
+            raise RolloutTimeoutError(
+                f"replica {self.replica_id} stayed paused > {self.pause_timeout_s}s; "
+                f"call resume() after the weight update or raise pause_timeout_s"
+            )
         self._inflight.add(request_id)
         version = self.policy_version  # without swaps an update only happens while paused,
         try:  # after ``pause`` aborted this call
             out = await self.backend.generate(prompt_ids, sampling, request_id)
         finally:
             self._inflight.discard(request_id)
+            if not self._inflight:
+                self._changed.notify()  # (drained)
         n = len(out.token_ids)
         if not (self._swaps and out.versions and sum(c for c, _ in out.versions) == n):
             out.versions = [(n, version)]
@@ -137,6 +140,12 @@ class RolloutReplica:
     def resume(self) -> None:
         """Serve again after ``pause``."""
         self._paused = False
+        self._changed.notify()
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight (e.g. the aborted ones after :meth:`pause` came
+        back); False if some still are after ``timeout_s``."""
+        return await self._changed.wait_for(lambda: not self._inflight, timeout_s)
 
     def update_weights(self, weights: Iterable[WeightItem], version: int | None = None) -> None:
         """Load new weights and set the policy version (default: previous + 1).
@@ -270,6 +279,9 @@ class LoadBalancer:
         """``() -> bool``, set by whoever restarts replicas: while it is true and no replica
         is live, requests wait (up to :attr:`restart_wait_s`) instead of failing."""
         self.restart_wait_s = 300.0
+        self.changed = Signal()
+        """Notified when the replicas change (:meth:`add`, :meth:`replace`) or a restart that
+        requests may wait for failed: wakes :func:`_await_restart`."""
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._assigned = [0] * len(replicas)  # requests routed and not yet released
 
@@ -305,12 +317,14 @@ class LoadBalancer:
         on ``standby`` between switches); returns its index."""
         self.replicas.append(replica)
         self._assigned.append(0)
+        self.changed.notify()
         return len(self.replicas) - 1
 
     def replace(self, idx: int, replica: Any) -> None:
         """Route to ``replica`` in slot ``idx`` from now on (a restarted replica in place of a
         dead one; requests still counted against the old one release as they fail)."""
         self.replicas[idx] = replica
+        self.changed.notify()
 
     def acquire(self, idx: int) -> None:
         """Count a request routed to replica ``idx`` (before it reaches the replica)."""
@@ -334,11 +348,12 @@ async def _await_restart(lb: LoadBalancer, err: ReplicaDeadError) -> None:
     """No replica is live: return once one is, or raise ``err`` when no restart is expected
     (``lb.restart_expected``) or none came within ``lb.restart_wait_s``."""
     expected = lb.restart_expected
-    deadline = time.monotonic() + lb.restart_wait_s
-    while not lb.live:
-        if expected is None or not expected() or time.monotonic() >= deadline:
-            raise err
-        await asyncio.sleep(0.1)
+    if expected is None or not expected():
+        raise err
+    if not await lb.changed.wait_for(lambda: bool(lb.live) or not expected(), lb.restart_wait_s):
+        raise err
+    if not lb.live:  # the restart failed and none is left to come
+        raise err
 
 
 def _segment_seed(seed: int | None, segment: int) -> int | None:

@@ -144,6 +144,8 @@ class ReplicaRestarter:
         self.failed += 1
         del self._pending[slot]
         self._last_failure[slot] = why
+        if self.fleet.balancer is not None:  # requests waiting for it re-check expected()
+            self.fleet.balancer.changed.notify()
         logger.error(
             "rollout replica %d: its restart failed (%s); %d restart(s) left", slot, why, self.left
         )

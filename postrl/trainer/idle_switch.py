@@ -41,7 +41,6 @@ Metrics, every step: ``async/switch/switched`` (0/1), ``async/switch/predicted_w
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
@@ -189,14 +188,11 @@ class IdleSwitch:
         rep.standby = True
         moved = rep.load
         rep.pause()  # aborts every in-flight request; resumed ones go elsewhere (standby)
-        deadline = time.monotonic() + self.drain_timeout_s
-        while rep.load:
-            if time.monotonic() > deadline:
-                raise RolloutTimeoutError(
-                    f"idle switch: {rep.load} aborted request(s) did not leave the trainer's "
-                    f"rollout replica within {self.drain_timeout_s}s"
-                )
-            await asyncio.sleep(0.002)
+        if not await rep.drained(self.drain_timeout_s):
+            raise RolloutTimeoutError(
+                f"idle switch: {rep.load} aborted request(s) did not leave the trainer's "
+                f"rollout replica within {self.drain_timeout_s}s"
+            )
         rep.sleep()
         out_s = time.perf_counter() - t0
         cost = self._in_s + out_s

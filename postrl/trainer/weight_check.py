@@ -20,7 +20,7 @@ in ``fully_async`` a replica generates while it is checked, and a failure stops 
 the next update trains. A sync (push and check) past ``rollout.weight_sync_timeout_s`` is a
 :class:`~postrl.weights.verify.WeightSyncTimeoutError`. Metrics: ``weight_sync/verified`` (1
 when the version in service passed), ``weight_sync/mismatch`` (failed checks this sync, 0 or
-1), ``weight_sync/verify_s`` (seconds spent checking).
+1), ``timing_s/weight_sync_verify`` (seconds spent checking).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class WeightContract:
                     **{
                         "weight_sync/verified": 1.0,
                         "weight_sync/mismatch": float(attempt),
-                        "weight_sync/verify_s": verify_s,
+                        "timing_s/weight_sync_verify": verify_s,
                     },
                 )
             logger.warning(

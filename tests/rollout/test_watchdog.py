@@ -149,3 +149,20 @@ def test_every_replica_kind_implements_the_protocol(tiny_model_dir):
         assert not h.dead and not h.standby and h.local_pid is None
     http.close()
     local.close()
+
+
+def test_a_signal_wakes_a_waiter_from_another_thread_and_times_out():
+    import threading
+
+    from postrl.rollout.signal import Signal
+
+    sig, state = Signal(), {"open": False}
+
+    async def waiter() -> tuple[bool, bool]:
+        opener = threading.Timer(0.2, lambda: (state.update(open=True), sig.notify()))
+        opener.start()
+        woke = await sig.wait_for(lambda: state["open"], 120)
+        late = await sig.wait_for(lambda: False, 0.05)  # nobody notifies: the deadline
+        return woke, late
+
+    assert asyncio.run(waiter()) == (True, False)

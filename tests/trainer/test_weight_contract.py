@@ -114,7 +114,7 @@ def test_corrupted_sync_is_resent_once_and_fatal_when_it_persists(contract_setup
     rows = metric_rows(run)
     assert [r["weight_sync/verified"] for r in rows] == [1.0, 1.0]
     assert [r["weight_sync/mismatch"] for r in rows] == [1.0, 0.0]
-    assert all(r["weight_sync/verify_s"] > 0 for r in rows)
+    assert all(r["timing_s/weight_sync_verify"] > 0 for r in rows)
     run = d / f"{backend}-always"
     args = [*base, f"rollout.backend={backend}", f"trainer.run_dir={run}"]
     p = corrupt_run(args, "--corrupt-sync-always", 1)
