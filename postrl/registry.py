@@ -72,9 +72,11 @@ class Registry(Generic[T]):
                 f"{self.kind} {name!r} is already registered; pick another name or pass "
                 f"override=True to replace it"
             )
-        self._lazy.pop(name, None)
+        # a module that registers the entry its lazy declaration names keeps the facts that
+        # declaration stated (what it declares itself wins)
+        declared = self._meta.get(name, {}) if self._lazy.pop(name, None) is not None else {}
         self._eager[name] = obj
-        self._meta[name] = dict(meta)
+        self._meta[name] = {**declared, **meta}
 
     def add_lazy(self, name: str, target: str, *, extra: str | None = None, **meta: Any) -> None:
         """Register ``"package.module:attr"`` to be imported on first ``get(name)``."""

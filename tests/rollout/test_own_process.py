@@ -23,3 +23,13 @@ def test_replica_python_prefers_the_configured_then_the_venv_then_this_one(tmp_p
     venv.mkdir(parents=True)
     (venv / "python").write_text("")
     assert replica_python("vllm") == str(tmp_path / ".venv-vllm/bin/python")
+
+
+def test_the_backend_module_registering_itself_keeps_the_declared_facts():
+    """Importing ``vllm_backend`` registers the class eagerly; the facts its lazy declaration
+    stated (``python``, ``own_process``) survive (in the full suite another test imports it
+    first, and the replica then ran this interpreter, which has no vLLM)."""
+    import postrl.rollout.vllm_backend  # noqa: F401
+
+    meta = ROLLOUT_BACKENDS.meta("vllm")
+    assert meta["python"] == ".venv-vllm/bin/python" and meta["own_process"]

@@ -106,6 +106,17 @@ def run_case(name: str, model: Path, data: Path, reward: str, run: Path) -> list
     return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows]
 
 
+def _digits_reward() -> str:
+    """The digits reward of ``tests/trainer/conftest.py``, loaded by path: in the whole suite
+    ``import conftest`` finds whichever conftest was imported first under that name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trainer_conftest", HERE / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DIGITS_REWARD
+
+
 def _inputs(root: Path, reward_text: str) -> tuple[Path, Path, str]:
     from postrl.data import generate_addition, write_parquet
     from postrl.testing import make_model
@@ -145,11 +156,9 @@ def _same(got: float, want: float, rtol: float) -> bool:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_numbers_are_todays(name, tmp_path):
-    from conftest import DIGITS_REWARD
-
     stored = json.loads(PINNED.read_text())
     pinned, rtol = stored[name], _rtol(name, stored.get("_cpu"))
-    model, data, reward = _inputs(tmp_path, DIGITS_REWARD)
+    model, data, reward = _inputs(tmp_path, _digits_reward())
     rows = run_case(name, model, data, reward, tmp_path / "run")
     assert len(rows) == len(pinned)
     for step, (got, want) in enumerate(zip(rows, pinned, strict=True), start=1):
@@ -163,12 +172,10 @@ if __name__ == "__main__":  # regenerate pinned_numbers.json from the current co
     import tempfile
 
     sys.path.insert(0, str(HERE))
-    from conftest import DIGITS_REWARD
-
     torch.set_num_threads(1)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model, data, reward = _inputs(Path(tmp), DIGITS_REWARD)
+        model, data, reward = _inputs(Path(tmp), _digits_reward())
         for case in sys.argv[1:] or CASES:
             out[case] = run_case(case, model, data, reward, Path(tmp) / case)
     old = json.loads(PINNED.read_text()) if PINNED.exists() else {}
