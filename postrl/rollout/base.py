@@ -9,7 +9,7 @@ Facts an entry declares (callers read them, never the name): ``device`` (where i
 ``own_process`` (its engine always runs in a replica process of its own, in every trainer mode:
 vLLM pins packages the trainer's venv cannot hold) and ``python`` (that process's default
 interpreter, relative to the working directory or the source tree; ``rollout.python``
-overrides it).
+overrides it), ``setup`` (how to get it where it is missing, shown before the pip extra).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ ROLLOUT_BACKENDS.add_lazy(
     device="cpu|cuda",
     own_process=True,
     python=".venv-vllm/bin/python",
+    setup="on CPU: `make vllm-venv`; on GPU: ",
 )
 ROLLOUT_BACKENDS.add_lazy(
     "sglang", "postrl.rollout.sglang_backend:SGLangBackend", extra="sglang", device="cuda"

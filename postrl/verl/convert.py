@@ -86,11 +86,11 @@ def _rollout_name(v, view):
     if v in ("native", "hf"):
         return {"rollout.backend": v}
     if v in ("vllm", "sglang"):
-        from postrl.rollout.base import replica_python, runs_in_own_process
+        from postrl.rollout.base import ROLLOUT_BACKENDS, replica_python, runs_in_own_process
 
         own = runs_in_own_process(v) and replica_python(v) != sys.executable
         if not own and importlib.util.find_spec(v) is None:  # (own: its venv, checked at start)
-            hint = "on CPU: `make vllm-venv`; on GPU: " if v == "vllm" else ""
+            hint = ROLLOUT_BACKENDS.meta(v).get("setup", "")  # how its entry says to get it
             raise Unsupported(
                 f"{v} is not installed here; {hint}`pip install 'postrl[{v}]'`",
                 f"{RO}.name=native (postrl's CPU engine, no extra needed) or {RO}.name=hf",
