@@ -84,10 +84,12 @@ class TrainerContext:
     replica_spawner: Callable[[int], Any] | None = None
     """``spawn(slot) -> replica``: start a rollout replica in a slot of the fleet (dedicated
     modes: a restart of a dead one); None where replicas live in this process."""
-    trajectories: Any = None
-    """:class:`~postrl.trainer.object_store.RemoteTrajectories` when
-    ``trainer.async.data_plane=object_store`` (trajectories run on the rollout side), else
-    None."""
+    runner: Any = None
+    """The data plane's :class:`~postrl.trainer.runner.TrajectoryRunner`: how a row becomes a
+    trajectory, a group is scored and taken groups a batch (a
+    :class:`~postrl.trainer.runner.LocalRunner`, or with ``trainer.async.data_plane=
+    object_store`` an :class:`~postrl.trainer.object_store.ObjectStoreRunner`); chosen once,
+    by :func:`build_context`."""
     rollout_options: dict[str, Any] = field(default_factory=dict)
     """The options every rollout backend of the run was created with (slots, KV length,
     device, ``rollout.engine_kwargs``): an in-process replica made later (the idle switch)
@@ -287,12 +289,15 @@ def build_context(
     )
     options.update(r.engine_kwargs)
     from postrl.trainer.modes import TRAINER_MODES
+    from postrl.trainer.planes import DATA_PLANES
 
-    dedicated = bool(TRAINER_MODES.meta(tc.mode).get("dedicated_rollout"))
+    plane = DATA_PLANES.meta(tc.async_.data_plane)  # (its runner: how trajectories travel)
+    rollout_side = bool(plane.get("rollout_side"))  # trajectories run on replica actors
+    dedicated = bool(TRAINER_MODES.meta(tc.mode).get("dedicated_rollout")) or rollout_side
     own = runs_in_own_process(r.backend)  # e.g. vllm: its own venv, in every mode
     pool: DedicatedReplicas | None = None
     if dedicated or own:  # fully_async: every replica in a process (or Ray actor) of its own
-        pool = DedicatedReplicas(cfg, options)
+        pool = DedicatedReplicas(cfg, options, payload_owner=rollout_side)
         replicas = pool.start()
     else:
         replicas = [
@@ -316,11 +321,9 @@ def build_context(
     fleet = RolloutFleet(
         replicas, sync, balancer=balancer, on_close=(pool.close,) if pool is not None else ()
     )
-    trajectories = None
-    if pool is not None and pool.owner is not None:
-        from postrl.trainer.object_store import RemoteTrajectories
-
-        trajectories = RemoteTrajectories(fleet, pool.owner, tc.async_.timeout_s)
+    runner = DATA_PLANES.get(tc.async_.data_plane).create(
+        agents=agents, reward=reward, fleet=fleet, owner=pool.owner if pool else None, cfg=cfg
+    )
     return TrainerContext(
         cfg,
         tokenizer,
@@ -331,7 +334,7 @@ def build_context(
         actor,
         remote_actor=tc.backend == "ray",
         replica_spawner=pool.spawn if pool is not None else None,
-        trajectories=trajectories,
+        runner=runner,
         rollout_options=options,
     )
 
@@ -372,9 +375,10 @@ def _send_frame(bucket: Any, receiver: Any) -> None:
 
 
 class DedicatedReplicas:
-    """The rollout replicas of a ``dedicated_rollout`` mode (``fully_async``), or of a backend
-    whose registry entry declares ``own_process`` (``vllm``, in every mode), and how to start
-    one more in a slot (a restart).
+    """The rollout replicas of a ``dedicated_rollout`` mode (``fully_async``), of a data plane
+    that declares ``rollout_side`` (``object_store``, in every mode) or of a backend whose
+    registry entry declares ``own_process`` (``vllm``, in every mode), and how to start one
+    more in a slot (a restart).
 
     ``trainer.backend=local``: ``rollout.num_replicas`` processes (``postrl.rollout.remote``)
     with ``trainer.async.rollout_threads`` threads each, logs in
@@ -383,9 +387,14 @@ class DedicatedReplicas:
     ``rollout_threads`` CPUs, plus one GPU each with ``trainer.device=cuda``), apart from the
     training workers' pool; the group is released by :meth:`close`."""
 
-    def __init__(self, cfg: PostRLConfig, options: dict[str, Any]) -> None:
+    def __init__(
+        self, cfg: PostRLConfig, options: dict[str, Any], *, payload_owner: bool = False
+    ) -> None:
         self.cfg = cfg
         self.options = options
+        self.payload_owner = payload_owner
+        """Start a :class:`~postrl.trainer.object_store.PayloadOwner` and replicas that run
+        whole trajectories (a data plane that declares ``rollout_side``; Ray only)."""
         self._strategies: list[Any] = []
         self._pool: Any = None
         self.owner: Any = None
@@ -426,7 +435,7 @@ class DedicatedReplicas:
             strategy="PACK",  # replicas may spread over nodes
         )
         self._strategies = placement_strategies(self._pool, timeout_s=ac.timeout_s)
-        if ac.data_plane == "object_store":
+        if self.payload_owner:
             from postrl.trainer.object_store import PayloadOwner
 
             owner = ray.remote(PayloadOwner).options(num_cpus=0, max_restarts=0, max_concurrency=64)

@@ -129,6 +129,7 @@ _FACTS: dict[str, Any] = dict(
     dedicated_rollout=True,
     minibatch_steps=True,
     idle_switch=True,
+    object_store=True,
     config_errors=config_errors,
 )
 """What ``fully_async`` declares in its registry entry (and ``separate_async``, its alias)."""
@@ -281,7 +282,6 @@ class FullyAsyncMode:
 
     def _fleet_metrics(self) -> dict[str, float]:
         reps = self.ctx.fleet.replicas
-        client = self.ctx.agents.client
         now, busy = time.perf_counter(), [r.busy_s for r in reps if not r.dead]
         t0, b0 = self._busy_mark
         self._busy_mark = (now, sum(busy))
@@ -298,8 +298,7 @@ class FullyAsyncMode:
             "rollout/replica_restart_failures": float(self.restarter.failed),
             "rollout/replica_busy_pings": float(self.watchdog.busy_pings),
             "rollout/live_replicas": float(len(reps) - dead),
-            "rollout/reissued_requests": float(getattr(client, "reissued", 0))
-            + float(getattr(self.ctx.trajectories, "reissued", 0)),
+            "rollout/reissued_requests": float(self.ctx.runner.reissued),
         }
 
     def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:

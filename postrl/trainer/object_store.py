@@ -36,12 +36,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from postrl.protocol.traffic import DRIVER_TRAFFIC
 from postrl.rollout.ray_replica import ReplicaActor
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ObjectStoreRunner",
     "PayloadOwner",
     "RemoteTrajectories",
     "RemoteTrajectory",
@@ -274,6 +277,110 @@ class RemoteTrajectories:
                 lb.release(idx)
             DRIVER_TRAFFIC.count("in", "rollout.trajectory", answers)
             return [RemoteTrajectory.from_answer(a, idx) for a in answers]
+
+
+class ObjectStoreRunner:
+    """The ``object_store`` plane's runner (:mod:`postrl.trainer.runner`): trajectories run
+    and are scored on the rollout replica actors (:class:`RemoteTrajectories`); a handle is a
+    :class:`RemoteTrajectory` (tag + reference); a taken batch is a
+    :class:`~postrl.trainer.ref_batch.RefBatch`, or the groups fetched to the driver when a
+    stage reads tensors there (:func:`~postrl.trainer.ref_batch.driver_tensor_reasons`).
+
+    A group restored from a checkpoint is held as
+    :class:`~postrl.trainer.runner.LocalTrajectory` payloads and scored by the trainer's own
+    reward stage (``local``): the same code the replicas run.
+
+    Args:
+        remote: the :class:`RemoteTrajectories` of the run.
+        local: the :class:`~postrl.trainer.runner.LocalRunner` (restored groups).
+        cfg: the run's config (``trainer.async.timeout_s``, the stages' facts).
+    """
+
+    scores_groups = True
+
+    def __init__(self, remote: RemoteTrajectories, local: Any, cfg: Any) -> None:
+        from postrl.trainer.ref_batch import driver_tensor_reasons
+
+        self.remote = remote
+        self.local = local
+        self.timeout_s = float(cfg.trainer.async_.timeout_s)
+        self.fetch_tensors = bool(driver_tensor_reasons(cfg))
+        """A stage reads batch tensors on the driver: taken groups are fetched there."""
+
+    @classmethod
+    def create(
+        cls, *, agents: Any, reward: Any, fleet: Any, owner: Any, cfg: Any
+    ) -> ObjectStoreRunner:
+        """The runner of a context's parts: :class:`RemoteTrajectories` on the fleet's replica
+        actors with the payload ``owner`` (a ``rollout_side`` plane's context starts both)."""
+        from postrl.trainer.runner import LocalRunner
+
+        if owner is None:
+            raise RuntimeError(
+                "trainer.async.data_plane=object_store needs the rollout replicas as Ray actors "
+                "with a payload owner (trainer.backend=ray)"
+            )
+        remote = RemoteTrajectories(fleet, owner, cfg.trainer.async_.timeout_s)
+        return cls(remote, LocalRunner(agents, reward), cfg)
+
+    @property
+    def reissued(self) -> int:
+        """Trajectories run again on another replica after theirs died."""
+        return self.remote.reissued + self.local.reissued
+
+    async def run(self, row: dict[str, Any], sampling: Any) -> RemoteTrajectory:
+        """One trajectory, run and scored with its group on a replica actor."""
+        return await self.remote.run(row, sampling)
+
+    async def settle(self, handles: list[Any]) -> None:
+        """Nothing to wait for: the replica scored the group before answering."""
+        if any(not isinstance(h, RemoteTrajectory) for h in handles):
+            await self.local.settle(handles)
+
+    def score(self, handles: list[Any]) -> tuple[list[Any], list[float], list[bool], dict]:
+        """Read the scores the replica wrote into the tags (a restored group: scored here)."""
+        if any(not isinstance(h, RemoteTrajectory) for h in handles):
+            return self.local.score(handles)
+        from postrl.trainer.stream import merge_reward_metrics
+
+        # each rollout-side call scored its rows together and reported once
+        parts = [(t.rows, t.reward_metrics) for t in handles if t.reward_metrics]
+        metrics = merge_reward_metrics(parts) if parts else {}
+        return list(handles), [t.score for t in handles], [t.valid for t in handles], metrics
+
+    def collate(self, groups: list[tuple[str, int, list[Any]]], scored: bool) -> Any:
+        """A :class:`~postrl.trainer.ref_batch.RefBatch` of the groups (rows by reference), or
+        the groups fetched to the driver when a stage reads tensors there."""
+        from postrl.trainer.ref_batch import RefBatch, fetch_batch
+
+        rows = [
+            (uid, index, [p if isinstance(p, RemoteTrajectory) else p.scored_row() for p in ps])
+            for uid, index, ps in groups
+        ]
+        if self.fetch_tensors:
+            return fetch_batch(rows, self.timeout_s)
+        batch = RefBatch.from_groups(rows)
+        batch.timeout_s = self.timeout_s
+        return batch
+
+    def masked(self, batch: Any) -> Any:
+        """``batch`` with every row masked."""
+        from postrl.trainer.ref_batch import RefBatch
+
+        if isinstance(batch, RefBatch):
+            return dataclasses.replace(batch, masked=np.ones(len(batch), dtype=bool))
+        return self.local.masked(batch)
+
+    def to_json(self, payload: Any) -> dict[str, Any]:
+        """The trajectory's ``AgentLoopOutput`` fields (fetched from the object store: the one
+        time a payload passes through the driver)."""
+        if isinstance(payload, RemoteTrajectory):
+            return payload.fetch_output()
+        return self.local.to_json(payload)
+
+    def from_json(self, d: dict[str, Any], row: dict[str, Any]) -> Any:
+        """A restored trajectory, held on the driver until trained."""
+        return self.local.from_json(d, row)
 
 
 class _Call:

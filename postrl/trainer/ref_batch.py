@@ -283,29 +283,15 @@ def _local_row(row: Any) -> RemoteTrajectory:
 
 def driver_tensor_reasons(cfg: Any) -> list[str]:
     """Why this run's step reads batch tensors on the driver (empty: it trains from tags and
-    references alone). Each reason is a fact a stage declares: an advantage estimator that is
-    not registered ``outcome=True`` or declares ``needs`` / ``optional`` inputs (GAE with its
-    critic's values, token-level estimators, ReMax's baseline, the optimal token baseline),
-    KL in the reward, downsampling, rollout rejection sampling and a distillation teacher (all
-    read token tensors before the update). With any of them the taken groups are fetched to the
-    driver (:func:`fetch_batch`) and the step runs as on the ``driver`` plane."""
-    from postrl.algos import ADV_ESTIMATORS
+    references alone): the ``fetched`` rows of the data plane's table that apply
+    (``postrl/trainer/planes.py``: a token-level estimator such as GAE with its critic, KL in
+    the reward, downsampling, rollout rejection sampling, a distillation teacher). With any of
+    them the taken groups are fetched to the driver (:func:`fetch_batch`) and the step runs as
+    on the ``driver`` plane."""
+    from postrl.trainer.planes import FETCHED, plane_rules
 
-    a = cfg.algorithm
-    out = []
-    if a.adv_estimator in ADV_ESTIMATORS:
-        meta = ADV_ESTIMATORS.meta(a.adv_estimator)
-        if not meta.get("outcome") or meta.get("needs") or meta.get("optional"):
-            out.append(f"algorithm.adv_estimator={a.adv_estimator} (token-level inputs)")
-    if a.use_kl_in_reward:
-        out.append("algorithm.use_kl_in_reward=true")
-    if a.downsample.enable:
-        out.append("algorithm.downsample.enable=true")
-    if a.rollout_correction.rollout_rs:
-        out.append(f"algorithm.rollout_correction.rollout_rs={a.rollout_correction.rollout_rs}")
-    if cfg.distill.enabled:  # the teacher scores the sampled tokens (stage 4)
-        out.append("distill.teacher_path / teacher_url (a distillation teacher)")
-    return out
+    rules = plane_rules(cfg.trainer.async_.data_plane)
+    return [on for r in rules if r.how == FETCHED and (on := r.applies(cfg))]
 
 
 def fetch_batch(groups: list[tuple[str, int, list[Any]]], timeout_s: float) -> Any:

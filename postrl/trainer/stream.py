@@ -1,7 +1,13 @@
 """``GroupStream``: prompts in, complete groups out, through the replay buffer.
 
-Every trainer mode draws its batches from one of these. A prompt admitted into the
-:class:`~postrl.trainer.replay.ReplayBuffer` becomes ``rollout.n`` agent-loop tasks on the
+Every trainer mode draws its batches from one of these, by one path for every data plane::
+
+    runner.run(row) → buffer.generated / finish(key, handle, tag) → runner.collate(
+                                                                      buffer.assemble(uids))
+
+The :class:`~postrl.trainer.replay.ReplayBuffer` owns each group (tags, dataset index, epoch,
+payloads through its store); the context's runner (:mod:`postrl.trainer.runner`) is what differs
+between the planes. A prompt admitted into the buffer becomes ``rollout.n`` tasks on the
 context's event loop; each trajectory reports to the buffer as it starts and finishes, and a
 complete group is either
 
@@ -20,8 +26,8 @@ fleet (their requests are aborted and later resumed on the new weights by the ro
 and lets them finish during the next :meth:`take`.
 
 **Nothing is lost**: a group leaves the stream only by being taken (trained) or evicted (and
-then refilled). :meth:`state_dict` holds the buffer's tags, every finished trajectory, the
-prompts in flight and the refills owed; a run resumed from it dispatches the in-flight prompts
+then refilled). :meth:`state_dict` is the buffer (its tags, every payload it holds, the
+prompts in flight) and the refills owed; a run resumed from it dispatches the in-flight prompts
 again, so each prompt of an epoch is trained exactly once.
 """
 
@@ -32,7 +38,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,26 +45,13 @@ import torch
 
 from postrl.protocol import DataProto
 from postrl.reward import RewardFailureError
-from postrl.trainer.object_store import RemoteTrajectory
-from postrl.trainer.ref_batch import RefBatch, driver_tensor_reasons, fetch_batch
+from postrl.trainer.ref_batch import RefBatch
 from postrl.trainer.replay import ReplayBuffer
 from postrl.trainer.replay.tags import Eviction
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GroupStream", "off_policy_metrics"]
-
-
-@dataclass
-class _Group:
-    uid: str
-    index: int  # dataset row
-    step: int  # dispatch step (uids, seeds)
-    epoch: int
-    rows: list[dict[str, Any]]
-    outputs: dict[int, Any] = field(default_factory=dict)
-    batch: Any = None  # the scored group (score_on_completion): a DataProto, or the group's
-    # RemoteTrajectory list in the object-store data plane
+__all__ = ["GroupStream", "merge_reward_metrics", "off_policy_metrics"]
 
 
 async def _cancel_sample(sample: asyncio.Task[list[str]]) -> list[str] | None:
@@ -77,11 +69,13 @@ class GroupStream:
     """Admit prompts, generate and score their groups, take complete ones (module docstring).
 
     Args:
-        ctx: the :class:`~postrl.trainer.context.TrainerContext`.
-        buffer: the replay buffer deciding admission, eviction and sampling (its ``on_evict``
-            is set here).
+        ctx: the :class:`~postrl.trainer.context.TrainerContext` (its ``runner`` is the data
+            plane: :mod:`postrl.trainer.runner`).
+        buffer: the replay buffer deciding admission, eviction and sampling, and owning every
+            group and its payloads (its ``on_evict`` is set here).
         score_on_completion: score each group as it completes (needed to filter or evict by
-            score); else the taken batch is returned unscored.
+            score); else the taken batch is returned unscored (unless the runner's trajectories
+            come back scored: ``runner.scores_groups``).
         inline_scoring: score a completed group before the loop runs on (deterministic
             interleaving); else the group's streamed reward futures are awaited as a task, so
             generation continues meanwhile.
@@ -102,54 +96,29 @@ class GroupStream:
         self.buffer = buffer
         buffer.on_evict = self._on_evict
         self.n = buffer.group_size
-        self.score_on_completion = score_on_completion
+        self.runner = ctx.runner
+        self.score_on_completion = bool(score_on_completion or self.runner.scores_groups)
         self.inline_scoring = inline_scoring
         self.max_refills = max_refills
         self.on_ready: Callable[[int], None] | None = None  # called with the ready-group count
-        self._groups: dict[str, _Group] = {}
+        self._rows: dict[str, list[dict[str, Any]]] = {}
+        """The trajectory rows of each untrained group (its prompt, derived from the buffer's
+        dataset index and dispatch step: what a (re)started trajectory runs)."""
         self._tasks: dict[tuple[str, int], asyncio.Task[Any]] = {}
         self._owed = 0  # refill prompts owed (evictions not yet refilled)
         self._retry: list[tuple[int, int]] = []  # (dataset index, epoch) of stale groups
         self._refills = 0  # refill prompts admitted during the current take
-        self._dropped: _Group | None = None  # a filtered group (the all-masked fallback)
+        self._scoring_group: tuple[str, int, list[Any]] | None = None  # (in _score)
+        self._dropped: tuple[str, int, list[Any]] | None = None  # a filtered group's payloads
         self._error: BaseException | None = None
         self._last_failure = ""
         self._parts: list[tuple[int, dict[str, float]]] = []  # reward metrics per scored group
         self._wake: asyncio.Future[None] | None = None
         self._counts = dict.fromkeys(("groups", "filtered", "failed", "stale"), 0)
         self._sampling = ctx.sampling_params()
-        self.remote = getattr(ctx, "trajectories", None)
-        """:class:`~postrl.trainer.object_store.RemoteTrajectories` in the object-store data
-        plane (trajectories run, are scored and stay on the rollout side), else None."""
-        self.fetch_tensors = self.remote is not None and bool(driver_tensor_reasons(ctx.cfg))
-        """The object-store plane hands the step a scored batch fetched to the driver (a stage
-        reads tensors there: :func:`~postrl.trainer.ref_batch.driver_tensor_reasons`)
-        instead of a :class:`~postrl.trainer.ref_batch.RefBatch`."""
-
-    def _remote_batch(self, taken: list[_Group]) -> Any:
-        """The object-store plane's batch of ``taken``: a
-        :class:`~postrl.trainer.ref_batch.RefBatch` (rows by reference), or the groups
-        fetched to the driver when a stage reads tensors there."""
-        groups = [
-            (g.uid, g.index, g.batch if isinstance(g.batch, list) else _rows(g.batch))
-            for g in taken
-        ]
-        timeout_s = self.ctx.cfg.trainer.async_.timeout_s
-        if self.fetch_tensors:  # a stage reads tensors on the driver: fetch them here
-            return fetch_batch(groups, timeout_s)
-        batch = RefBatch.from_groups(groups)
-        batch.timeout_s = timeout_s
-        return batch
-
-    def _masked(self, g: _Group) -> Any:
-        """Group ``g``'s batch with every token masked (it trains nothing)."""
-        batch = g.batch if self.remote is None else self._remote_batch([g])
-        if isinstance(batch, RefBatch):
-            batch.masked = np.ones(len(batch), dtype=bool)
-            return batch
-        b = dict(batch.batch)
-        b["response_mask"] = b["response_mask"] * 0
-        return DataProto(b, batch.non_tensor_batch, dict(batch.meta_info))
+        self.reward_metrics: dict[str, float] = {}
+        """The reward metrics of the groups scored for the last take (empty when the taken
+        batch is returned unscored)."""
 
     # ------------------------------------------------------------------ admission
     @property
@@ -163,7 +132,7 @@ class GroupStream:
         cfg = self.ctx.cfg
         epoch = int(prompts.meta_info.get("epoch", 0))
         rows = self.ctx.agents.rows(prompts, self.n, seed=cfg.trainer.seed, step=step)
-        uids = []
+        uids, indices = [], []
         for p in range(len(prompts)):
             grows = rows[p * self.n : (p + 1) * self.n]
             uid = str(grows[0]["uid"])
@@ -172,9 +141,9 @@ class GroupStream:
                 for r in grows:
                     r["uid"] = uid
             uids.append(uid)
-            index = int(grows[0].get("index", p))
-            self._groups[uid] = _Group(uid, index, step, epoch, grows)
-        self.buffer.admit(uids, dispatch_step=step)
+            indices.append(int(grows[0].get("index", p)))
+            self._rows[uid] = grows
+        self.buffer.admit(uids, dispatch_step=step, indices=indices, epoch=epoch)
         for uid in uids:
             for k in range(self.n):
                 self._spawn(uid, k)
@@ -195,78 +164,60 @@ class GroupStream:
         self._poke()
 
     async def _run(self, uid: str, k: int) -> None:
-        g = self._groups[uid]
+        """One trajectory: ``runner.run(row)``, then its payload and tag to the buffer."""
+        row = self._rows[uid][k]
         self.buffer.start((uid, k))
         try:
             # older dispatch steps first: an interrupted trajectory resumes before fresh ones
-            sampling = dataclasses.replace(self._sampling, priority=g.step)
-            if self.remote is not None:
-                out = await self.remote.run(g.rows[k], sampling)
-            else:
-                out = await self.ctx.agents.run(g.rows[k], sampling)
+            sampling = dataclasses.replace(
+                self._sampling, priority=self.buffer.group(uid).dispatch_step
+            )
+            handle = await self.runner.run(row, sampling)
         finally:
             self._tasks.pop((uid, k), None)
-        if uid not in self._groups:  # evicted while generating (e.g. stale)
+        if uid not in self._rows:  # evicted while generating
             return
-        if self.remote is None:
-            self.ctx.reward.on_trajectory(k, out, g.rows[k])
-        g.outputs[k] = out
+        tag = _tag(handle)
         if not self.score_on_completion:
-            self._report(uid, k, None)
+            self.buffer.finish((uid, k), handle, **tag)
             self._ready_check()
             return
-        if len(g.outputs) < self.n:
-            return  # its tag stays running until the group is scored
-        if not self.inline_scoring and self.remote is None:
-            futures = self.ctx.reward.streamed([(uid, j) for j in range(self.n)])
-            if futures:
-                await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        # its tag stays open until the group is scored
+        self.buffer.generated((uid, k), handle, **tag)
+        if not self.buffer.group(uid).generated:
+            return
+        if not self.inline_scoring:
+            await self.runner.settle(self.buffer.scoring_payloads(uid))
         self._score(uid)
 
-    def _report(self, uid: str, k: int, score: float | None) -> None:
-        out = self._groups[uid].outputs[k]
-        remote = isinstance(out, RemoteTrajectory)
-        self.buffer.finish(
-            (uid, k),
-            out,
-            prompt_len=out.prompt_len if remote else len(out.prompt_ids),
-            response_len=out.response_len if remote else len(out.response_ids),
-            versions=_segments(out),
-            score=score,
-        )
-
     def _score(self, uid: str) -> None:
-        """Score a complete group and report its trajectories to the buffer (which evicts it
-        when filtered or failed)."""
-        g = self._groups.get(uid)
-        if g is None:
+        """Score a complete group (``runner.score``) and report its trajectories to the buffer
+        (which evicts it when filtered or failed)."""
+        if uid not in self._rows or not self.buffer.group(uid).generated:
             return
-        if self.remote is not None:  # scored on the rollout side: the tags carry the scores
-            trajs = [g.outputs[k] for k in range(self.n)]
-            g.batch = trajs
-            # each rollout-side call scored its rows together and reported once
-            parts = [(t.rows, t.reward_metrics) for t in trajs if t.reward_metrics]
-            metrics = _merge_reward_metrics(parts) if parts else {}
-            scores = [t.score for t in trajs]
-            valid = [t.valid for t in trajs]
-        else:
-            scored, metrics = self.ctx.reward.finish(self._assemble([g]), check_failures=False)
-            g.batch = scored
-            scores = scored.batch["token_level_scores"].sum(-1).tolist()
-            valid = scored.batch["sample_valid"].tolist()
+        g = self.buffer.group(uid)
+        payloads, scores, valid, metrics = self.runner.score(self.buffer.scoring_payloads(uid))
         self._parts.append((self.n, metrics))
         self._counts["groups"] += 1
-        for k in range(self.n):
-            if uid not in self._groups:
-                break  # evicted by an earlier trajectory's report
-            if valid[k]:
-                self._report(uid, k, float(scores[k]))
-            else:
-                self._last_failure = f"group {uid}: " + ", ".join(
-                    f"{m}={int(v)}" for m, v in metrics.items() if m.startswith("reward/failed/")
-                )
-                self.buffer.fail((uid, k), "reward")
-        if uid in self._groups:
+        self._scoring_group = (uid, g.index, payloads)
+        try:
+            for k in range(self.n):
+                if uid not in self._rows:
+                    break  # evicted by an earlier trajectory's report
+                if valid[k]:
+                    self.buffer.finish(
+                        (uid, k), payloads[k], **_tag(payloads[k]), score=float(scores[k])
+                    )
+                else:
+                    self._last_failure = f"group {uid}: " + ", ".join(
+                        f"{m}={int(v)}"
+                        for m, v in metrics.items()
+                        if m.startswith("reward/failed/")
+                    )
+                    self.buffer.fail((uid, k), "reward", payload=payloads[k])
+        finally:
+            self._scoring_group = None
+        if uid in self._rows:
             self._ready_check()
 
     def _ready_check(self) -> None:
@@ -274,15 +225,15 @@ class GroupStream:
             self.on_ready(sum(1 for s in self.buffer.groups() if s.complete))
 
     def _on_evict(self, e: Eviction) -> None:
-        g = self._groups.pop(e.uid, None)
+        known = self._rows.pop(e.uid, None) is not None
         for k in range(self.n):
             task = self._tasks.pop((e.uid, k), None)
             if task is not None:
                 task.cancel()
-        if e.reason == "filtered" and g is not None and g.batch is not None:
-            self._dropped = g
-        if e.reason == "stale" and g is not None:  # too old to train, not a bad prompt: its
-            self._retry.append((g.index, g.epoch))  # refill is itself, on the current weights
+        if e.reason == "filtered" and self._scoring_group and self._scoring_group[0] == e.uid:
+            self._dropped = self._scoring_group  # (the all-masked fallback of an empty take)
+        if e.reason == "stale" and known:  # too old to train, not a bad prompt: its refill
+            self._retry.append((e.index, e.epoch))  # is itself, on the current weights
         self._counts[e.reason] += 1
         self._owed += 1
         self._poke()
@@ -323,8 +274,12 @@ class GroupStream:
         thread of its own awaits this there, so the stream is only touched from that thread)."""
         t0 = time.perf_counter()
         uids = await self._take(k, step, draw)
-        taken = [self._groups.pop(u) for u in uids]
-        self.buffer.assemble(uids)  # releases the payloads (the groups hold the outputs)
+        taken = [self.buffer.group(u) for u in uids]
+        payloads: dict[str, list[Any]] = {u: [] for u in uids}
+        for tag, payload in self.buffer.assemble(uids):  # the one read of the data plane
+            payloads[tag.group_uid].append(payload)
+        for u in uids:
+            self._rows.pop(u, None)
         metrics: dict[str, float] = {}
         if not taken:  # nothing to train: a filtered group, every token masked
             if self._dropped is None:
@@ -332,23 +287,18 @@ class GroupStream:
                     f"no group to train on at step {step}: the loader ran dry or every refill "
                     f"was evicted; check algorithm.filter_groups and the data"
                 )
-            batch = self._masked(self._dropped)
-        elif self.remote is not None:  # references and tags; the payloads stay put
-            batch = self._remote_batch(taken)
-        elif self.score_on_completion:
-            from postrl.trainer.stages import concat_rollouts
-
-            assert all(g.batch is not None for g in taken)
-            batch = concat_rollouts([g.batch for g in taken])  # type: ignore[misc]
-
+            batch = self.runner.masked(self.runner.collate([self._dropped], scored=True))
         else:
-            batch = self._assemble(taken)
+            groups = [(g.uid, g.index, payloads[g.uid]) for g in taken]
+            batch = self.runner.collate(groups, scored=self.score_on_completion)
         batch.meta_info["epoch"] = min((g.epoch for g in taken), default=0)
         batch.meta_info["group_epochs"] = {g.uid: g.epoch for g in taken}
         batch.meta_info["timing_s/agent_loop"] = time.perf_counter() - t0
+        self.reward_metrics = {}
         if self._parts:  # every group scored since the last take, kept or evicted
             parts, self._parts = self._parts, []
-            metrics.update(_merge_reward_metrics(parts))
+            self.reward_metrics = merge_reward_metrics(parts)
+            metrics.update(self.reward_metrics)
         c = dict(self._counts)
         metrics.update(self._take_metrics(len(taken)))
         metrics.update(off_policy_metrics(batch, self.buffer.version))
@@ -407,9 +357,7 @@ class GroupStream:
         stalled = [s for s in self.buffer.groups() if not s.complete]
         if stalled:
             detail = "; ".join(
-                f"{s.uid}: tags {[t.status.value for t in s.tags]}, outputs "
-                f"{sorted(self._groups[s.uid].outputs) if s.uid in self._groups else 'none'}"
-                for s in stalled[:3]
+                f"{s.uid}: tags {[t.status.value for t in s.tags]}" for s in stalled[:3]
             )
             raise RuntimeError(
                 f"rollout stalled: {len(stalled)} untrained groups are incomplete with no "
@@ -429,11 +377,8 @@ class GroupStream:
         return []
 
     def _scoring(self) -> bool:
-        return any(
-            len(g.outputs) == self.n and g.batch is None
-            for g in self._groups.values()
-            if self.score_on_completion
-        )
+        """A group is generated and awaits its score (a scoring task runs)."""
+        return any(s.generated for s in self.buffer.groups())
 
     def _poke(self) -> None:
         if self._wake is not None and not self._wake.done():
@@ -459,11 +404,6 @@ class GroupStream:
         m.update(self.buffer.metrics())
         return m
 
-    def _assemble(self, groups: list[_Group]) -> DataProto:
-        outputs = [g.outputs[k] for g in groups for k in range(self.n)]
-        rows = [g.rows[k] for g in groups for k in range(self.n)]
-        return self.ctx.agents.assemble(outputs, rows)
-
     # ------------------------------------------------------------------ checkpoints
     def drop_in_flight(self) -> int:
         """Cancel every running trajectory and mark it pending (its progress is discarded; it
@@ -475,69 +415,62 @@ class GroupStream:
 
     def resume_pending(self) -> None:
         """Start every pending trajectory of the buffer (after :meth:`drop_in_flight` or a load)."""
-        for uid, k in self.buffer.pending_keys():
-            if (uid, k) not in self._tasks and k not in self._groups[uid].outputs:
-                self._spawn(uid, k)
+        for key in self.buffer.pending_keys():
+            if key not in self._tasks:
+                self._spawn(*key)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-safe: the buffer's control plane, each untrained group's prompt (dataset index,
-        dispatch step, epoch) and finished trajectories, the refills owed. Call after
-        :meth:`drop_in_flight` (running trajectories are saved as prompts)."""
+        """JSON-safe: the buffer (its control plane, and every payload it holds as the
+        trajectory's ``AgentLoopOutput`` fields), the refills owed. Call after
+        :meth:`drop_in_flight` (running trajectories are saved as pending prompts)."""
         return {
             "buffer": self.buffer.state_dict(),
+            "payloads": [
+                [uid, k, self.runner.to_json(p)] for (uid, k), p in self.buffer.payloads().items()
+            ],
             "owed": self._owed,
             "retry": [[i, e] for i, e in self._retry],
             "parts": [[n, m] for n, m in self._parts],
-            "groups": [
-                {
-                    "uid": g.uid,
-                    "index": g.index,
-                    "step": g.step,
-                    "epoch": g.epoch,
-                    "outputs": {
-                        str(k): o.fetch_output()
-                        if isinstance(o, RemoteTrajectory)
-                        else _output_to_json(o)
-                        for k, o in g.outputs.items()
-                    },
-                }
-                for g in self._groups.values()
-            ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`: groups rebuilt from their prompts, complete groups
-        scored again (deterministic rewards give the same scores), pending trajectories
-        started when the loop next runs."""
-        from postrl.agent.base import AgentLoopOutput
-
+        """Restore :meth:`state_dict` from the buffer alone: each group's rows from its
+        dataset index and dispatch step, its payloads restored and — for a group already scored —
+        scored again (deterministic rewards give the same scores); pending trajectories start
+        when the loop next runs, a generated group is scored."""
         ds, cfg = self.ctx.loader.dataset, self.ctx.cfg
-        self._groups = {}
-        payloads = {}
-        for d in state["groups"]:
+        state = _upgrade(state)
+        bstate = state["buffer"]
+        self._rows = {}
+        for d in (*bstate["groups"], *bstate["taken"]):
             prompts = ds.batch([int(d["index"])])
-            rows = self.ctx.agents.rows(prompts, self.n, seed=cfg.trainer.seed, step=d["step"])
+            rows = self.ctx.agents.rows(
+                prompts, self.n, seed=cfg.trainer.seed, step=int(d["dispatch_step"])
+            )
             for r in rows:
                 r["uid"] = d["uid"]
-            g = _Group(d["uid"], int(d["index"]), int(d["step"]), int(d["epoch"]), rows)
-            g.outputs = {
-                int(k): _output_from_json(o, AgentLoopOutput) for k, o in d["outputs"].items()
-            }
-            self._groups[g.uid] = g
-        for t in (t for gs in state["buffer"]["groups"] for t in gs["tags"]):
-            if t["status"] == "finished":
-                payloads[(t["group_uid"], int(t["sample_index"]))] = self._groups[
-                    t["group_uid"]
-                ].outputs[int(t["sample_index"])]
+            self._rows[d["uid"]] = rows
+        restored: dict[str, dict[int, Any]] = {}
+        for uid, k, d in state["payloads"]:
+            restored.setdefault(uid, {})[int(k)] = self.runner.from_json(d, self._rows[uid][int(k)])
+        terminal = ("finished", "failed")
+        for d in (*bstate["groups"], *bstate["taken"]):
+            have = restored.get(d["uid"], {})
+            scored = all(t["status"] in terminal for t in d["tags"])
+            if self.score_on_completion and scored and len(have) == self.n:
+                payloads, _, _, _ = self.runner.score([have[k] for k in range(self.n)])
+                have.update(enumerate(payloads))
         on_evict, self.buffer.on_evict = self.buffer.on_evict, None
-        self.buffer.load_state_dict(state["buffer"], payloads)
+        self.buffer.load_state_dict(
+            bstate, {(u, k): p for u, ps in restored.items() for k, p in ps.items()}
+        )
         self.buffer.on_evict = on_evict
         self._owed = int(state["owed"])
         self._retry = [(int(i), int(e)) for i, e in state.get("retry", [])]
         self._parts = [(int(n), dict(m)) for n, m in state.get("parts", [])]
-        for g in self._groups.values():
-            if len(g.outputs) == self.n and self.score_on_completion:
-                g.batch, _ = self.ctx.reward.finish(self._assemble([g]), check_failures=False)
+        for g in self.buffer.groups():
+            if g.generated:
+                self._score(g.uid)
         self.resume_pending()
 
     async def drop_in_flight_async(self) -> int:
@@ -613,39 +546,42 @@ def _staleness_stats(staleness: torch.Tensor, spans: torch.Tensor) -> dict[str, 
     return out
 
 
-def _segments(out: Any) -> list[tuple[int, int]]:
-    """The policy-version segments of a trajectory's sampled tokens ([] when unknown)."""
-    return [(int(n), int(v)) for n, v in (out.response_versions or []) if v is not None and v >= 0]
+def _tag(handle: Any) -> dict[str, Any]:
+    """What a trajectory's tag records of its handle: lengths and the policy-version segments
+    of its sampled tokens (unknown versions left out)."""
+    return {
+        "prompt_len": int(handle.prompt_len),
+        "response_len": int(handle.response_len),
+        "versions": [
+            (int(n), int(v))
+            for n, v in (handle.response_versions or [])
+            if v is not None and v >= 0
+        ],
+    }
 
 
-def _rows(batch: Any) -> list[DataProto]:
-    """A scored group batch as one-row batches (a restored group in the object-store plane)."""
-    return [batch[i : i + 1] for i in range(len(batch))]
+def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint written before the buffer owned the groups (``groups``: each group's
+    dataset index, epoch and outputs) in today's layout (the index and epoch on the buffer's
+    groups, the outputs as ``payloads``)."""
+    if "payloads" in state:
+        return state
+    info = {d["uid"]: d for d in state["groups"]}
+    buffer = dict(state["buffer"])
+    for part in ("groups", "taken"):
+        buffer[part] = [
+            {
+                **g,
+                "index": int(info.get(g["uid"], {}).get("index", -1)),
+                "epoch": int(info.get(g["uid"], {}).get("epoch", 0)),
+            }
+            for g in buffer[part]
+        ]
+    payloads = [[d["uid"], int(k), o] for d in state["groups"] for k, o in d["outputs"].items()]
+    return {**state, "buffer": buffer, "payloads": payloads}
 
 
-def _output_to_json(out: Any) -> dict[str, Any]:
-    d = dataclasses.asdict(out)
-    try:
-        import json
-
-        json.dumps(d)
-    except TypeError as e:
-        raise TypeError(
-            f"a finished trajectory cannot be checkpointed: its AgentLoopOutput holds a value "
-            f"JSON cannot represent ({e}); keep agent-loop metrics/extra to plain JSON values"
-        ) from e
-    return d
-
-
-def _output_from_json(d: dict[str, Any], cls: type) -> Any:
-    d = dict(d)
-    if d.get("response_versions") is not None:
-        d["response_versions"] = [tuple(s) for s in d["response_versions"]]
-    d["segments"] = [_output_from_json(s, cls) for s in d.get("segments") or ()]
-    return cls(**d)
-
-
-def _merge_reward_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+def merge_reward_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
     """Reward metrics of several scored parts: counts and timings summed, the rest
     row-weighted means."""
     if len(parts) == 1:

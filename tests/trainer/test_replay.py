@@ -644,3 +644,42 @@ def test_real_rollout_feeds_tags_and_assembles_the_same_batch(tiny_model_factory
     assert {e.uid for e in refills} == stale and len(refills) == len(stale)
     assert {e.reason for e in refills} == {"stale"}
     assert {g.uid for g in strict.ready()} == set(truth) - stale
+
+
+def test_a_group_scored_as_a_whole_owns_its_payloads_through_generated_and_a_checkpoint():
+    """``generated``: tokens done, payload stored, the group's score to come (not complete, not
+    sampled); ``finish`` replaces the payload, ``fail`` with a payload keeps the tokens (a
+    reward failure trains masked); the group's dataset index and epoch travel with it, through
+    ``state_dict`` / ``payloads`` and into an eviction (a stale group is refilled with itself)."""
+    buf = ReplayBuffer(2, 1, max_staleness=1, max_failure_ratio=0.5, strategy="drop")
+    buf.admit(["a", "b"], dispatch_step=3, indices=[7, 9], epoch=2)
+    for k in range(2):
+        buf.start(("a", k))
+        buf.generated(("a", k), f"raw{k}", prompt_len=3, response_len=4 + k, versions=[(4, 0)])
+    snap = buf.group("a")
+    assert snap.generated and not snap.complete and (snap.index, snap.epoch) == (7, 2)
+    assert buf.scoring_payloads("a") == ["raw0", "raw1"]
+    assert buf.ready() == []
+    buf.finish(("a", 0), "scored0", prompt_len=3, response_len=4, versions=[(4, 0)], score=1.0)
+    buf.fail(("a", 1), "reward", payload="scored1")  # 1 of 2 failed: within the ratio, kept
+    assert buf.group("a").complete and buf.group("a").tags[1].min_version is None
+
+    state = json.loads(json.dumps(buf.state_dict()))
+    payloads = buf.payloads()
+    assert payloads == {("a", 0): "scored0", ("a", 1): "scored1"}
+    new = ReplayBuffer(2, 1, max_staleness=1, max_failure_ratio=0.5, strategy="drop")
+    new.load_state_dict(state, payloads)
+    assert (new.group("b").index, new.group("b").epoch) == (9, 2)
+    uids = asyncio.run(new.sample(1))
+    assert uids == ["a"]
+    assert [p for _, p in new.assemble(uids)] == ["scored0", "scored1"]
+
+    evicted = []
+    new.on_evict = evicted.append
+    new.set_version(3)
+    for k in range(2):
+        new.start(("b", k))
+        new.finish(("b", k), k, prompt_len=1, response_len=1, versions=[(1, 0)])
+    with pytest.raises(ReplayTimeoutError):
+        asyncio.run(new.sample(1, timeout_s=0.01))
+    assert [(e.uid, e.reason, e.index, e.epoch) for e in evicted] == [("b", "stale", 9, 2)]

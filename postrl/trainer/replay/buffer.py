@@ -7,7 +7,9 @@ from tags alone (:mod:`~postrl.trainer.replay.tags`); the trajectories themselve
 Lifecycle of a group::
 
     admit(uids)         in flight   (admission pacing: can_admit() > 0)
-    start/finish/fail   per trajectory; when all n are terminal the group is complete:
+    start/finish/fail   per trajectory (``generated`` first when its group is scored as a
+                        whole: payload stored, score to come); when all n are terminal the
+                        group is complete:
                           failed   (failed/n > max_failure_ratio)     → evicted, refill 1
                           filtered (filter_groups: < 2 distinct scores) → evicted, refill 1
                           else ready                                  → wakes sample()
@@ -69,6 +71,9 @@ STRATEGIES = ("drop", "wait")
 EVICTION_REASONS = ("stale", "filtered", "failed")
 """Why a group is evicted (each eviction asks for exactly one refill prompt)."""
 
+_NO_PAYLOAD: Any = object()
+"""``fail()`` without a payload (None is a payload a caller may store)."""
+
 
 @dataclass
 class _Group:
@@ -78,10 +83,19 @@ class _Group:
     admit_version: int
     seq: int
     tags: list[TrajectoryTag]
+    index: int = -1
+    epoch: int = 0
 
     def snapshot(self) -> GroupTags:
         return GroupTags(
-            self.uid, self.size, tuple(self.tags), self.dispatch_step, self.admit_version, self.seq
+            self.uid,
+            self.size,
+            tuple(self.tags),
+            self.dispatch_step,
+            self.admit_version,
+            self.seq,
+            self.index,
+            self.epoch,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,12 +106,23 @@ class _Group:
             "admit_version": self.admit_version,
             "seq": self.seq,
             "tags": [t.to_dict() for t in self.tags],
+            "index": self.index,
+            "epoch": self.epoch,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> _Group:
         tags = [TrajectoryTag.from_dict(t) for t in d["tags"]]
-        return cls(d["uid"], d["size"], d["dispatch_step"], d["admit_version"], d["seq"], tags)
+        return cls(
+            d["uid"],
+            d["size"],
+            d["dispatch_step"],
+            d["admit_version"],
+            d["seq"],
+            tags,
+            int(d.get("index", -1)),
+            int(d.get("epoch", 0)),
+        )
 
 
 @dataclass
@@ -211,6 +236,13 @@ class ReplayBuffer:
         """Snapshots of the complete groups waiting to be sampled."""
         return [s for s in self.groups() if s.complete]
 
+    def group(self, uid: str) -> GroupTags:
+        """The snapshot of an untrained or taken (not yet assembled) group."""
+        g = self._groups.get(uid) or self._taken.get(uid)
+        if g is None:
+            raise KeyError(f"group {uid!r} is not in the buffer (evicted, assembled or unknown)")
+        return g.snapshot()
+
     def known(self, uid: str) -> bool:
         """Whether ``uid`` was ever admitted (untrained, taken or evicted): uids are unique."""
         return uid in self._groups or uid in self._taken or uid in self._evicted
@@ -236,11 +268,19 @@ class ReplayBuffer:
         return max(0, self.capacity - len(self._groups) - self._consumed_at_version)
 
     def admit(
-        self, uids: Sequence[str], *, dispatch_step: int, version: int | None = None
+        self,
+        uids: Sequence[str],
+        *,
+        dispatch_step: int,
+        version: int | None = None,
+        indices: Sequence[int] | None = None,
+        epoch: int = 0,
     ) -> list[TrajectoryKey]:
         """Admit one group per uid (``n`` pending trajectories each); returns their keys.
 
-        ``version``: the policy version the rollout generates with now (default: :attr:`version`).
+        ``version``: the policy version the rollout generates with now (default: :attr:`version`);
+        ``indices``: each group's dataset row, ``epoch``: the epoch they were drawn in (kept
+        with the group: its prompt can be drawn again, e.g. for a resumed run or a stale refill).
         Raises :class:`AdmissionError` beyond :meth:`can_admit` or for a uid seen before.
         """
         uids = [str(u) for u in uids]
@@ -256,14 +296,19 @@ class ReplayBuffer:
         ]
         if dup:
             raise AdmissionError(f"group uids admitted twice: {dup[:5]} (uids must be unique)")
+        if indices is not None and len(indices) != len(uids):
+            raise ValueError(f"admit: {len(uids)} uids but {len(indices)} indices")
         v = self._version if version is None else int(version)
         keys: list[TrajectoryKey] = []
-        for uid in uids:
+        for i, uid in enumerate(uids):
             tags = [
                 TrajectoryTag(uid, k, dispatch_step=int(dispatch_step))
                 for k in range(self.group_size)
             ]
-            self._groups[uid] = _Group(uid, self.group_size, int(dispatch_step), v, self._seq, tags)
+            index = -1 if indices is None else int(indices[i])
+            self._groups[uid] = _Group(
+                uid, self.group_size, int(dispatch_step), v, self._seq, tags, index, int(epoch)
+            )
             self._seq += 1
             keys += [t.key for t in tags]
         return keys
@@ -290,6 +335,43 @@ class ReplayBuffer:
             raise ValueError(f"trajectory {key!r} is {tag.status.value}; only pending ones start")
         self._set(g, tag.replace(status=TrajectoryStatus.RUNNING))
 
+    def generated(
+        self,
+        key: TrajectoryKey,
+        payload: Any,
+        *,
+        prompt_len: int,
+        response_len: int,
+        versions: Iterable[tuple[int, int]],
+    ) -> bool:
+        """A trajectory's tokens are done but its group is scored as a whole, later: its
+        payload goes to the store and its tag records lengths and versions (``generated``, not
+        terminal: :meth:`finish` or :meth:`fail` follows with the score). Returns False
+        (payload dropped) if its group was already evicted."""
+        g, tag = self._tag(key)
+        if g is None:
+            return False
+        if tag.status not in (TrajectoryStatus.PENDING, TrajectoryStatus.RUNNING):
+            raise ValueError(f"trajectory {key!r} is already {tag.status.value}")
+        lo, hi = version_range(versions)
+        self.store.put(tag.key, payload)
+        g.tags[tag.sample_index] = tag.replace(
+            status=TrajectoryStatus.GENERATED,
+            prompt_len=int(prompt_len),
+            response_len=int(response_len),
+            min_version=lo,
+            max_version=hi,
+        )
+        return True
+
+    def scoring_payloads(self, uid: str) -> list[Any]:
+        """The payloads of a group whose ``n`` trajectories are all ``generated``, in sample
+        order, to score them together (they stay stored: :meth:`finish` replaces each)."""
+        g = self._groups.get(uid)
+        if g is None or not g.snapshot().generated:
+            raise KeyError(f"group {uid!r} is not in the buffer with every trajectory generated")
+        return [self.store.get(t.key) for t in g.tags]
+
     def finish(
         self,
         key: TrajectoryKey,
@@ -300,9 +382,10 @@ class ReplayBuffer:
         versions: Iterable[tuple[int, int]],
         score: float | None = None,
     ) -> bool:
-        """A trajectory finished: its payload goes to the store (never read here), its tag
-        records lengths and the policy-version range of ``versions`` (``TokenOutput.versions``
-        segments). Returns False (payload dropped) if its group was already evicted."""
+        """A trajectory finished: its payload goes to the store (never read here; it replaces
+        the ``generated`` one), its tag records lengths and the policy-version range of
+        ``versions`` (``TokenOutput.versions`` segments). Returns False (payload dropped) if its
+        group was already evicted."""
         g, tag = self._tag(key)
         if g is None:
             return False
@@ -314,6 +397,8 @@ class ReplayBuffer:
                 f"trajectory's scalar reward) or disable filtering"
             )
         lo, hi = version_range(versions)
+        if tag.status is TrajectoryStatus.GENERATED:
+            self.store.discard(tag.key)
         self.store.put(tag.key, payload)
         new = tag.replace(
             status=TrajectoryStatus.FINISHED,
@@ -333,14 +418,22 @@ class ReplayBuffer:
         if g is not None and tag.status is TrajectoryStatus.RUNNING:
             self._set(g, tag.replace(status=TrajectoryStatus.PENDING))
 
-    def fail(self, key: TrajectoryKey, reason: str) -> None:
-        """A trajectory failed (rollout or reward error); nothing is stored for it."""
+    def fail(self, key: TrajectoryKey, reason: str, payload: Any = _NO_PAYLOAD) -> None:
+        """A trajectory failed (rollout or reward error). With ``payload`` (its reward failed,
+        its tokens exist) the payload is stored and assembled with its group (trained masked by
+        ``sample_valid``); else nothing is stored for it (a ``generated`` payload is dropped)."""
         g, tag = self._tag(key)
         if g is None:
             return
         if tag.status.terminal:
             raise ValueError(f"trajectory {key!r} is already {tag.status.value}")
-        self._set(g, tag.replace(status=TrajectoryStatus.FAILED, reason=str(reason)))
+        if tag.status is TrajectoryStatus.GENERATED:
+            self.store.discard(tag.key)
+        if payload is not _NO_PAYLOAD:
+            self.store.put(tag.key, payload)
+        # a failed tag counts in no length or version (staleness reads the trained tokens)
+        failed = TrajectoryTag(tag.group_uid, tag.sample_index, dispatch_step=tag.dispatch_step)
+        self._set(g, failed.replace(status=TrajectoryStatus.FAILED, reason=str(reason)))
 
     def evict(self, uid: str, reason: str) -> Eviction:
         """Evict an untrained group (e.g. ``filtered`` after the caller scored it) and ask for
@@ -393,16 +486,18 @@ class ReplayBuffer:
         return chosen
 
     def assemble(self, uids: Sequence[str]) -> list[tuple[TrajectoryTag, Any]]:
-        """The finished trajectories of the taken groups as ``(tag, payload)``, group by group in
-        ``uids`` order and by sample index: the one place payloads are read (and released)."""
+        """The stored trajectories of the taken groups as ``(tag, payload)`` — the finished
+        ones and those failed with a payload — group by group in ``uids`` order and by sample
+        index: the one place payloads are read for training (and released)."""
         unknown = [u for u in uids if u not in self._taken]
         if unknown:
             raise KeyError(f"assemble: groups {unknown[:5]} were not sampled (or assembled twice)")
+        held = set(self.store.keys())
         out = []
         for uid in uids:
             g = self._taken.pop(uid)
             for t in g.tags:
-                if t.status is TrajectoryStatus.FINISHED:
+                if t.key in held:
                     out.append((t, self.store.pop(t.key)))
         return out
 
@@ -437,13 +532,15 @@ class ReplayBuffer:
         }
 
     def payloads(self) -> dict[TrajectoryKey, Any]:
-        """Payloads of every finished trajectory the buffer still holds (to persist with
-        :meth:`state_dict`; read from the store, not by any decision)."""
+        """Every payload the buffer still holds (finished, generated and failed-with-payload
+        trajectories of untrained and taken groups: to persist with :meth:`state_dict`; read
+        from the store, not by any decision)."""
+        held = set(self.store.keys())
         return {
             t.key: self.store.get(t.key)
             for g in (*self._groups.values(), *self._taken.values())
             for t in g.tags
-            if t.status is TrajectoryStatus.FINISHED
+            if t.key in held
         }
 
     def load_state_dict(
@@ -468,9 +565,14 @@ class ReplayBuffer:
                 for t in g.tags
             ]
         held = set(self.store.keys()) if payloads is None else set()
+        must = (TrajectoryStatus.FINISHED, TrajectoryStatus.GENERATED)
         for g in (*groups, *taken):
             for t in g.tags:
-                if t.status is not TrajectoryStatus.FINISHED:
+                if payloads is not None and t.status is TrajectoryStatus.FAILED:
+                    if t.key in payloads:  # a reward failure keeps its tokens
+                        self.store.put(t.key, payloads[t.key])
+                    continue
+                if t.status not in must:
                     continue
                 if payloads is not None:
                     if t.key not in payloads:
@@ -488,7 +590,14 @@ class ReplayBuffer:
         self._taken = {g.uid: g for g in taken}
         self._evicted = set(state["evicted"])
         self._refills = [
-            Eviction(e["uid"], e["reason"], e["age"], tuple(e["response_lens"]))
+            Eviction(
+                e["uid"],
+                e["reason"],
+                e["age"],
+                tuple(e["response_lens"]),
+                int(e.get("index", -1)),
+                int(e.get("epoch", 0)),
+            )
             for e in state["refills"]
         ]
         self._version = int(state["version"])
@@ -557,7 +666,9 @@ class ReplayBuffer:
         self._evicted.add(g.uid)
         for key in snap.keys():
             self.store.discard(key)
-        e = Eviction(g.uid, reason, snap.age(self._version), tuple(snap.response_lens))
+        e = Eviction(
+            g.uid, reason, snap.age(self._version), tuple(snap.response_lens), g.index, g.epoch
+        )
         self._refills.append(e)
         self._stats.evicted[reason] += 1
         self._stats.dropped_lens += snap.response_lens

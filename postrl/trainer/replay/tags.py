@@ -33,10 +33,13 @@ TrajectoryKey = tuple[str, int]
 
 
 class TrajectoryStatus(str, Enum):
-    """Lifecycle of one trajectory: ``pending`` → ``running`` → ``finished`` | ``failed``."""
+    """Lifecycle of one trajectory: ``pending`` → ``running`` → (``generated`` →) ``finished`` |
+    ``failed``. ``generated``: its tokens are done and its payload is stored, but its group is
+    scored as a whole and is not yet (a group scored at completion)."""
 
     PENDING = "pending"
     RUNNING = "running"
+    GENERATED = "generated"
     FINISHED = "finished"
     FAILED = "failed"
 
@@ -118,6 +121,8 @@ class GroupTags:
         admit_version: the policy version when the group was admitted (a lower bound on every
             token's version; used for groups whose tokens are not all known yet).
         seq: admission order (0, 1, ...), the tie-breaker of oldest-first.
+        index: the dataset row of the group's prompt (-1: not given).
+        epoch: the epoch the prompt was drawn in.
     """
 
     uid: str
@@ -126,6 +131,8 @@ class GroupTags:
     dispatch_step: int = 0
     admit_version: int = 0
     seq: int = 0
+    index: int = -1
+    epoch: int = 0
 
     @property
     def num_finished(self) -> int:
@@ -136,6 +143,13 @@ class GroupTags:
     def num_failed(self) -> int:
         """Trajectories failed."""
         return sum(t.status is TrajectoryStatus.FAILED for t in self.tags)
+
+    @property
+    def generated(self) -> bool:
+        """All ``size`` trajectories are ``generated``: the group awaits its score."""
+        return len(self.tags) == self.size and all(
+            t.status is TrajectoryStatus.GENERATED for t in self.tags
+        )
 
     @property
     def complete(self) -> bool:
@@ -189,12 +203,16 @@ class Eviction:
         reason: ``stale`` | ``filtered`` | ``failed``.
         age: its staleness when evicted (policy versions).
         response_lens: response lengths of its finished trajectories.
+        index: the dataset row of its prompt (-1: not given).
+        epoch: the epoch its prompt was drawn in (a stale group is refilled with itself).
     """
 
     uid: str
     reason: str
     age: int
     response_lens: tuple[int, ...] = ()
+    index: int = -1
+    epoch: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict."""

@@ -1,0 +1,221 @@
+"""Trajectory runners: the one place the data planes differ.
+
+:class:`~postrl.trainer.stream.GroupStream` has one path for every plane::
+
+    runner.run(row)  →  buffer.generated / finish(key, handle, tag)  →  runner.collate(
+                                                                          buffer.assemble(uids))
+
+A runner turns a trajectory row into a **handle** (lengths and policy-version segments for the
+tag, the payload for the store), scores a complete group, and collates taken groups into the
+step's batch. It is chosen once, where the context is built, from the
+``trainer.async.data_plane`` entry of :data:`~postrl.trainer.planes.DATA_PLANES`:
+
+* :class:`LocalRunner` (``trainer.async.data_plane=driver``): the agent loop runs in this
+  process on the fleet's replicas, a rule reward is submitted as each trajectory finishes, a
+  group is scored by the trainer's reward stage, and the batch is padded here;
+* :class:`~postrl.trainer.object_store.ObjectStoreRunner` (``object_store``): the agent loop
+  and the reward run on a rollout replica actor, the payload stays in Ray's object store, the
+  handle is a tag with a reference and the batch is a
+  :class:`~postrl.trainer.ref_batch.RefBatch` (or the groups fetched, when a stage reads
+  tensors on the driver).
+
+Both persist a handle as its trajectory's ``AgentLoopOutput`` fields (:meth:`to_json`) and
+restore it as a :class:`LocalTrajectory` (:meth:`from_json`): a checkpoint is the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from postrl.protocol import DataProto
+
+__all__ = [
+    "TrajectoryRunner",
+    "LocalTrajectory",
+    "LocalRunner",
+    "output_to_json",
+    "output_from_json",
+]
+
+
+class TrajectoryRunner(Protocol):
+    """How rows become trajectories and taken groups a batch (module docstring)."""
+
+    scores_groups: bool
+    """Handles come back scored (the rollout side scored their group): the stream reads the
+    scores at a group's completion instead of returning the batch unscored."""
+
+    async def run(self, row: dict[str, Any], sampling: Any) -> Any:
+        """One trajectory of ``row``: a handle with ``prompt_len``, ``response_len`` and
+        ``response_versions``."""
+        ...
+
+    async def settle(self, handles: list[Any]) -> None:
+        """Wait for the group's rewards submitted while it generated (off the loop's critical
+        path: ``inline_scoring=False``)."""
+        ...
+
+    def score(self, handles: list[Any]) -> tuple[list[Any], list[float], list[bool], dict]:
+        """Score a complete group: its scored payloads, per-row scores and validity (sample
+        order), and the reward metrics."""
+        ...
+
+    def collate(self, groups: list[tuple[str, int, list[Any]]], scored: bool) -> Any:
+        """The batch of taken ``(uid, dataset index, payloads)`` groups, in order."""
+        ...
+
+    def masked(self, batch: Any) -> Any:
+        """``batch`` with every token masked (it trains nothing)."""
+        ...
+
+    def to_json(self, payload: Any) -> dict[str, Any]:
+        """A payload as JSON (its ``AgentLoopOutput`` fields), for a checkpoint."""
+        ...
+
+    def from_json(self, d: dict[str, Any], row: dict[str, Any]) -> Any:
+        """A payload restored from :meth:`to_json` (unscored) with its trajectory row."""
+        ...
+
+    @property
+    def reissued(self) -> int:
+        """Trajectories run again after their replica died (``rollout/reissued_requests``)."""
+        ...
+
+
+@dataclass
+class LocalTrajectory:
+    """A trajectory held in this process: the agent loop's output and its row; after its group
+    is scored, the scored group batch it is row ``row['sample_index']`` of."""
+
+    output: Any
+    row: dict[str, Any]
+    scored: DataProto | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        """Prompt tokens."""
+        return len(self.output.prompt_ids)
+
+    @property
+    def response_len(self) -> int:
+        """Response tokens."""
+        return len(self.output.response_ids)
+
+    @property
+    def response_versions(self) -> list[tuple[int, int]]:
+        """``(num_tokens, policy_version)`` segments of the response."""
+        return list(self.output.response_versions or [])
+
+    def scored_row(self) -> DataProto:
+        """Its one-row scored batch (the group batch's row of this sample)."""
+        assert self.scored is not None, "scored_row() before the group was scored"
+        i = int(self.row["sample_index"])
+        return self.scored[i : i + 1]
+
+
+class LocalRunner:
+    """The ``driver`` plane: agent loops on this process's event loop, the trainer's reward
+    stage, batches padded here (module docstring).
+
+    Args:
+        agents: the ``AgentLoopManager``.
+        reward: the ``RewardStage``.
+    """
+
+    scores_groups = False
+
+    def __init__(self, agents: Any, reward: Any) -> None:
+        self.agents = agents
+        self.reward = reward
+
+    @classmethod
+    def create(cls, *, agents: Any, reward: Any, **_: Any) -> LocalRunner:
+        """The runner of a context's parts (``DATA_PLANES`` entries share this signature:
+        ``agents``, ``reward``, ``fleet``, ``owner``, ``cfg``)."""
+        return cls(agents, reward)
+
+    @property
+    def reissued(self) -> int:
+        """Requests the rollout client re-issued to a live replica."""
+        return int(getattr(self.agents.client, "reissued", 0))
+
+    async def run(self, row: dict[str, Any], sampling: Any) -> LocalTrajectory:
+        """Run the row's agent loop; a per-sample rule reward starts at once."""
+        out = await self.agents.run(row, sampling)
+        self.reward.on_trajectory(int(row["sample_index"]), out, row)
+        return LocalTrajectory(out, row)
+
+    async def settle(self, handles: list[Any]) -> None:
+        """Await the streamed rule scores of the group."""
+        keys = [(h.row["uid"], int(h.row["sample_index"])) for h in handles]
+        futures = self.reward.streamed(keys)
+        if futures:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+
+    def score(self, handles: list[Any]) -> tuple[list[Any], list[float], list[bool], dict]:
+        """The group assembled and scored by the reward stage (failures are the buffer's
+        decision, not raised here)."""
+        batch = self.agents.assemble([h.output for h in handles], [h.row for h in handles])
+        scored, metrics = self.reward.finish(batch, check_failures=False)
+        n = len(handles)
+        scores = scored.batch["token_level_scores"].sum(-1).tolist()[:n]
+        valid = [bool(v) for v in scored.batch["sample_valid"].tolist()[:n]]
+        payloads = [dataclasses.replace(h, scored=scored) for h in handles]
+        return payloads, scores, valid, metrics
+
+    def collate(self, groups: list[tuple[str, int, list[Any]]], scored: bool) -> DataProto:
+        """Scored groups: their group batches concatenated; unscored: the trajectories padded
+        into one batch (the trainer's reward stage scores it)."""
+        from postrl.protocol.layout import concat_rollouts
+
+        if scored:
+            batches: dict[int, DataProto] = {}
+            for _, _, payloads in groups:
+                for p in payloads:
+                    batches.setdefault(id(p.scored), p.scored)
+            return concat_rollouts(list(batches.values()))
+        handles = [p for _, _, payloads in groups for p in payloads]
+        return self.agents.assemble([h.output for h in handles], [h.row for h in handles])
+
+    def masked(self, batch: DataProto) -> DataProto:
+        """A copy of ``batch`` with ``response_mask`` all zero."""
+        b = dict(batch.batch)
+        b["response_mask"] = b["response_mask"] * 0
+        return DataProto(b, batch.non_tensor_batch, dict(batch.meta_info))
+
+    def to_json(self, payload: Any) -> dict[str, Any]:
+        """The trajectory's ``AgentLoopOutput`` fields."""
+        return output_to_json(payload.output)
+
+    def from_json(self, d: dict[str, Any], row: dict[str, Any]) -> LocalTrajectory:
+        """A :class:`LocalTrajectory` from :meth:`to_json` and its row."""
+        from postrl.agent.base import AgentLoopOutput
+
+        return LocalTrajectory(output_from_json(d, AgentLoopOutput), row)
+
+
+def output_to_json(out: Any) -> dict[str, Any]:
+    """An ``AgentLoopOutput`` as a JSON-safe dict (raises, naming the fix, when it holds a value
+    JSON cannot represent)."""
+    d = dataclasses.asdict(out)
+    try:
+        json.dumps(d)
+    except TypeError as e:
+        raise TypeError(
+            f"a finished trajectory cannot be checkpointed: its AgentLoopOutput holds a value "
+            f"JSON cannot represent ({e}); keep agent-loop metrics/extra to plain JSON values"
+        ) from e
+    return d
+
+
+def output_from_json(d: dict[str, Any], cls: type) -> Any:
+    """Inverse of :func:`output_to_json` (``cls``: ``AgentLoopOutput``)."""
+    d = dict(d)
+    if d.get("response_versions") is not None:
+        d["response_versions"] = [tuple(s) for s in d["response_versions"]]
+    d["segments"] = [output_from_json(s, cls) for s in d.get("segments") or ()]
+    return cls(**d)
