@@ -326,7 +326,7 @@ class RLTrainer:
         self.health.load_state_dict(state.get("health"))  # absent in older checkpoints
         self.train_time_s = float(state.get("train_time_s", 0.0))
         # fit's first push re-creates the checkpoint's policy version (same weights, same number)
-        self.ctx.fleet.version = int(state.get("policy_version", 1)) - 1
+        self.ctx.fleet.restore_version(int(state.get("policy_version", 1)) - 1)
         logger.info("resumed from %s (step %d)", ckpt, state["step"])
         return int(state["step"])
 
