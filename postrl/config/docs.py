@@ -71,6 +71,7 @@ def render_markdown() -> str:
         for key, value, _tp, doc in _walk(type(sub), f"{section.name}.", sub):
             lines.append(f"| `{key}` | `{value!r}` | {doc.replace('|', '/')} |")
         lines.append("")
+    lines += _plane_tables()
     for cmd, cls in (("sft", SFTConfig), ("rm", RMConfig)):
         lines += [
             f"## `postrl {cmd}`",
@@ -85,6 +86,34 @@ def render_markdown() -> str:
             lines.append(f"| `{key}` | `{value!r}` | {doc.replace('|', '/')} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _plane_tables() -> list[str]:
+    """The one table of each data plane (``postrl/trainer/planes.py``: what it fetches to the
+    driver or refuses; config validation reports the same rows), looked up by name: ``config``
+    imports no layer above it."""
+    import importlib
+
+    planes = importlib.import_module("postrl.trainer.planes")
+    lines = [
+        "## Data planes (`trainer.async.data_plane`)",
+        "",
+        "What each plane carries differently from `driver` (the table config validation reads: "
+        "a `refused` row is a startup error naming the fix; a `fetched` row trains with the taken "
+        "groups fetched to the driver, counted in `driver/*`).",
+        "",
+    ]
+    for name in planes.DATA_PLANES.names():
+        rules = planes.plane_rules(name)
+        if not rules:
+            lines += [f"`{name}`: carries every feature.", ""]
+            continue
+        lines += [f"`{name}`:", "", "| feature | on this plane | why | fix |", "|---|---|---|---|"]
+        for r in rules:
+            cells = (r.feature, r.how, r.why, r.fix or "-")
+            lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+        lines.append("")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -245,13 +245,6 @@ def validate_config(
     if not 0 <= cfg.reward.max_failure_ratio <= 1:
         e.append(f"reward.max_failure_ratio={cfg.reward.max_failure_ratio} must be in [0, 1]")
     e.extend(_agent_loop_errors(cfg))
-    if _agent_loop_facts(cfg).get("segments") and cfg.trainer.async_.data_plane != "driver":
-        e.append(
-            f"rollout.agent.default_agent_loop={r.agent.default_agent_loop!r} may turn one run "
-            "into several rows (segments), which trainer.async.data_plane="
-            f"{cfg.trainer.async_.data_plane!r} cannot carry (one row per sample): use "
-            "trainer.async.data_plane=driver"
-        )
     if not 0 <= r.agent.env.gamma <= 1:
         e.append(
             f"rollout.agent.env.gamma={r.agent.env.gamma} must be in [0, 1] (1 = sum the "
@@ -360,38 +353,12 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
 
 
 def data_plane_errors(cfg: PostRLConfig) -> list[str]:
-    """Problems with ``trainer.async.data_plane``, in every mode (``object_store`` keeps the
-    trajectories on the rollout side; what it cannot carry yet is refused here, with the fix).
-    A stage that reads batch tensors on the driver (a token-level estimator or GAE with its
-    critic, KL in the reward, downsampling, rollout rejection sampling) is carried: the taken
-    groups are fetched to the driver for it (``trainer/object_store.py``)."""
-    t, ac = cfg.trainer, cfg.trainer.async_
-    if ac.data_plane == "driver":
-        return []
-    if ac.data_plane != "object_store":
-        return [f"trainer.async.data_plane={ac.data_plane!r} must be 'driver' or 'object_store'"]
-    e, why = [], "trainer.async.data_plane=object_store"
-    if not mode_facts(cfg).get("dedicated_rollout") or t.backend != "ray":
-        modes = _declared("postrl.trainer", "TRAINER_MODES")
-        own = [m for m in (modes or ()) if modes.meta(m).get("dedicated_rollout")]
-        e.append(
-            f"{why} with trainer.mode={t.mode}, trainer.backend={t.backend}: trajectories live "
-            f"in Ray's object store between rollout replicas of their own and the training "
-            f"workers; set trainer.mode={(sorted(own) or ['?'])[0]} and trainer.backend=ray (or "
-            f"trainer.async.data_plane=driver)"
-        )
-    blockers = {
-        "reward.model.enable=true": cfg.reward.model.enable,
-        f"trainer.async.idle_switch={ac.idle_switch}": ac.idle_switch != "never",
-    }
-    for what, on in blockers.items():
-        if on:
-            e.append(
-                f"{what} with {why}: not carried by the object-store data plane yet (the "
-                f"replicas score without it, or it needs the trainer's in-process actor); turn "
-                f"it off or set trainer.async.data_plane=driver"
-            )
-    return e
+    """Problems with ``trainer.async.data_plane``, in every mode: the ``refused`` rows of the
+    plane's one table that apply (``postrl/trainer/planes.py``, rendered into docs/config.md;
+    a stage that reads batch tensors on the driver is a ``fetched`` row, carried), or an
+    unknown plane."""
+    refusals = _declared("postrl.trainer.planes", "plane_refusals")
+    return [] if refusals is None else list(refusals(cfg))
 
 
 def step_groups(cfg: PostRLConfig) -> int:

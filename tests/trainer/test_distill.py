@@ -139,6 +139,7 @@ def test_object_store_plane_fetches_the_batch_for_the_teacher(tiny_model_dir, ad
     from postrl.trainer.object_store import driver_tensor_reasons
 
     base = _overrides(tiny_model_dir, tiny_model_dir, addition_files, "unused", 1)
+    base.append("trainer.async.data_plane=object_store")  # (the plane's table says so)
     assert any("distill" in r for r in driver_tensor_reasons(load_config(None, base)))
     plain = [o for o in base if not o.startswith("distill.")]
     assert not any("distill" in r for r in driver_tensor_reasons(load_config(None, plain)))

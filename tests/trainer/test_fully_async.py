@@ -121,14 +121,21 @@ def test_object_store_data_plane_config_errors_name_the_field_and_the_fix(small_
     plane = "trainer.async.data_plane=object_store"
     with pytest.raises(ConfigError) as e:
         RLTrainer(load_config(None, [*base, plane]))  # the local backend
-    assert "set trainer.mode=fully_async and trainer.backend=ray" in str(e.value)
+    assert f"trainer.backend=local with {plane}" in str(e.value)
+    assert "set trainer.backend=ray (or set trainer.async.data_plane=driver)" in str(e.value)
     with pytest.raises(ConfigError) as e:
         RLTrainer(load_config(None, [*base, "trainer.async.data_plane=disk"]))
-    assert "trainer.async.data_plane='disk' must be 'driver' or 'object_store'" in str(e.value)
-    # every mode is checked: sync used to train on the driver plane without a word
+    assert "trainer.async.data_plane='disk': unknown data plane 'disk'" in str(e.value)
+    assert "driver, object_store" in str(e.value)
+    # every mode is checked: a mode that does not declare the plane is refused by name
     with pytest.raises(ConfigError) as e:
-        RLTrainer(load_config(None, [*small_overrides, "trainer.backend=ray", plane]))
-    assert f"{plane} with trainer.mode=sync, trainer.backend=ray" in str(e.value)
+        RLTrainer(
+            load_config(
+                None,
+                [*small_overrides, "trainer.backend=ray", "trainer.mode=one_step_off", plane],
+            )
+        )
+    assert "trainer.mode=one_step_off (modes that declare object_store: " in str(e.value)
     # carried by fetching the taken groups to the driver (no error): token-level estimators,
     # a critic, KL in the reward, rejection sampling, a KL loss
     carried = [
@@ -145,7 +152,7 @@ def test_object_store_data_plane_config_errors_name_the_field_and_the_fix(small_
     assert "reward.model.enable=true with " + plane in msg
     assert "or set trainer.async.data_plane=driver" in msg
     assert "use_kl" not in msg and "rollout_rs" not in msg and "reinforce" not in msg
-    assert "set trainer.mode=fully_async and trainer.backend=ray" not in msg
+    assert "trainer.backend=" not in msg and "trainer.mode=" not in msg
 
 
 def test_separate_async_is_an_alias(small_overrides):
