@@ -102,9 +102,8 @@ def test_object_store_moves_no_tensor_through_the_driver_and_survives_a_killed_r
             # the replica holding the most finished, untrained trajectories: their payloads
             # must outlive it (when none holds any yet, try again at the next step)
             held = [0] * len(first)
-            for g in t.mode.stream._groups.values():
-                for o in g.outputs.values():
-                    held[o.replica] += 1
+            for o in t.mode.stream.buffer.payloads().values():
+                held[o.replica] += 1
             slot = max(range(len(first)), key=held.__getitem__)
             if held[slot]:
                 killed.append((step, slot, held[slot]))
@@ -278,21 +277,25 @@ def test_object_store_kill_and_resume_loses_and_duplicates_nothing(
     assert all(r["driver/in_tensor_bytes"] == 0 for r in rows)
 
 
+@pytest.mark.parametrize("mode", ["fully_async", "sync"])
 def test_object_store_trains_a_critic_and_kl_in_the_reward(
-    ray_cluster, tiny_model_dir, digits_reward, tmp_path
+    ray_cluster, tiny_model_dir, digits_reward, tmp_path, mode
 ):
-    """GAE with a critic and KL in the reward on the object-store plane: the replicas still
-    run, score and keep the trajectories; the stages that read tensors on the driver get the
-    taken groups fetched there (channel ``object_store.fetch``, counted in ``driver/*``), and
-    the step runs the driver plane's stages on them — the critic and the actor train."""
+    """GAE with a critic and KL in the reward on the object-store plane, in ``fully_async``
+    and in ``sync`` (the same replica actors and payload owner, staleness 0): the replicas
+    still run, score and keep the trajectories; the stages that read tensors on the driver get
+    the taken groups fetched there (channel ``object_store.fetch``, counted in ``driver/*``),
+    and the step runs the driver plane's stages on them — the critic and the actor train."""
     args = [
         *_args(tiny_model_dir, digits_reward, tmp_path, "object_store", steps=2),
         "algorithm.adv_estimator=gae",
         "algorithm.use_kl_in_reward=true",
         "critic.optim.lr=1e-4",
+        f"trainer.mode={mode}",
     ]
     trainer = RLTrainer(load_config(None, args))
     assert trainer.use_critic and trainer.use_ref
+    assert type(trainer.ctx.runner).__name__ == "ObjectStoreRunner"
     traffic = _fit(trainer)
     rows = metric_rows(tmp_path / "run-object_store")
     assert len(rows) == 2 and len(traffic) == 2
@@ -301,6 +304,8 @@ def test_object_store_trains_a_critic_and_kl_in_the_reward(
         assert "actor/reward_kl_penalty_coeff" in r and "critic/values/mean" in r
         assert r["actor/grad_norm"] > 0 and r["critic/grad_norm"] > 0, r  # both trained
         assert r["driver/in_tensor_bytes"] > 0  # the fetched groups, counted
+        if mode == "sync":  # scored on the replicas, reported: the step's 4 groups of 4
+            assert r["reward/scored"] == 16, r
     for step in traffic:
         n, tensors, _ = step[("in", "object_store.fetch")]
         assert tensors > 0 and n >= tensors  # 2 groups of 4 trajectories, fetched once
