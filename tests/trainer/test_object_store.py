@@ -10,7 +10,8 @@ worker fetches its own shard, and nothing is lost or trained twice.
 * a SIGKILLed replica loses nothing: its running trajectories run again elsewhere, its finished
   ones survive in the payload owner's store;
 * a SIGKILLed driver resumes from its checkpoint with every prompt trained once;
-* GAE with a critic and KL in the reward train on the plane (the taken groups fetched).
+* GAE with a critic and KL in the reward train on the plane, in ``fully_async`` and ``sync``
+  (the taken groups fetched).
 """
 
 from __future__ import annotations
