@@ -504,13 +504,14 @@ class AsyncConfig:
     in and out; ``always``: whenever the batch is not complete. Local backend only."""
     data_plane: str = "driver"
     """Where finished trajectories travel. ``driver``: back to the trainer process, which
-    scores them and builds the batch. ``object_store`` (``trainer.backend=ray``; ``sync`` and
-    ``fully_async``): rollout replica actors of their own run the agent loops and the reward and
-    put each scored group into Ray's object store; the driver keeps references and tags
-    (lengths, score, policy versions) and each training worker fetches and pads its own shard.
-    Stages that read tensors on the driver (GAE with a critic, KL in the reward, token-level
-    estimators, downsampling, rejection sampling) get the taken groups fetched there; what is
-    refused is the plane's table below ("Data planes", ``docs/async.md``)."""
+    scores them and builds the batch. ``object_store`` (``trainer.backend=ray``; every mode
+    that declares it: ``sync``, ``one_step_off``, ``fully_async``): rollout replica actors of
+    their own run the agent loops and the reward and put each scored group into Ray's object
+    store; the driver keeps references and tags (lengths, score, policy versions) and each
+    training worker fetches and pads its own shard. Stages that read tensors on the driver
+    (GAE with a critic, KL in the reward, token-level estimators, downsampling, rejection
+    sampling) get the taken groups fetched there; what is refused is the plane's table below
+    ("Data planes", ``docs/async.md``)."""
     max_replica_restarts: int = 2
     """``fully_async``: how many dead rollout replicas the run starts again (over the whole
     run; 0 = never). A restart begins at the next step after the death, in the background,

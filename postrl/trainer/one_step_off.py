@@ -55,15 +55,25 @@ def config_errors(cfg: Any) -> list[str]:
             f"set trainer.async.max_staleness >= {1 + max(ac.num_warmup_batches, 0)} (or use "
             f"trainer.mode=sync for on-policy training)"
         )
-    if t.backend != "local":
+    if t.backend != "local" and not _rollout_side(ac.data_plane):
         e.append(
             f"trainer.mode={t.mode} runs with trainer.backend=local (rollout and training "
-            "share this process's devices); use trainer.backend=local"
+            "share this process's devices) unless its trajectories run on replica actors of "
+            "their own (a data plane that declares rollout_side: "
+            "trainer.async.data_plane=object_store); use trainer.backend=local"
         )
     return e
 
 
-@register_trainer("one_step_off", on_policy=False, config_errors=config_errors)
+def _rollout_side(plane: str) -> bool:
+    """Whether data plane ``plane`` runs the trajectories on replica actors of their own (its
+    declared ``rollout_side`` fact; False for an unknown plane, which validation reports)."""
+    from postrl.trainer.planes import DATA_PLANES
+
+    return plane in DATA_PLANES and bool(DATA_PLANES.meta(plane).get("rollout_side"))
+
+
+@register_trainer("one_step_off", on_policy=False, object_store=True, config_errors=config_errors)
 class OneStepOffMode:
     """Generation runs one (or ``1 + num_warmup_batches``) batch ahead of training (module
     docstring). Built from a :class:`~postrl.trainer.context.TrainerContext`."""

@@ -127,15 +127,31 @@ def test_object_store_data_plane_config_errors_name_the_field_and_the_fix(small_
         RLTrainer(load_config(None, [*base, "trainer.async.data_plane=disk"]))
     assert "trainer.async.data_plane='disk': unknown data plane 'disk'" in str(e.value)
     assert "driver, object_store" in str(e.value)
-    # every mode is checked: a mode that does not declare the plane is refused by name
+    # every mode is checked (sync used to train on the driver plane without a word): a mode
+    # that does not declare object_store is refused by name
+    from postrl.trainer import SyncMode, register_trainer
+
+    register_trainer("no_object_store_test", on_policy=True, override=True)(SyncMode)
     with pytest.raises(ConfigError) as e:
         RLTrainer(
             load_config(
                 None,
-                [*small_overrides, "trainer.backend=ray", "trainer.mode=one_step_off", plane],
+                [
+                    *small_overrides,
+                    "trainer.backend=ray",
+                    "trainer.mode=no_object_store_test",
+                    plane,
+                ],
             )
         )
-    assert "trainer.mode=one_step_off (modes that declare object_store: " in str(e.value)
+    assert "trainer.mode=no_object_store_test (modes that declare object_store: " in str(e.value)
+    for mode in ("sync", "one_step_off"):  # they declare it
+        validate_config(
+            load_config(
+                None, [*small_overrides, "trainer.backend=ray", f"trainer.mode={mode}", plane]
+            ),
+            check_files=False,
+        )
     # carried by fetching the taken groups to the driver (no error): token-level estimators,
     # a critic, KL in the reward, rejection sampling, a KL loss
     carried = [

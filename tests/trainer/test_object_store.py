@@ -10,8 +10,8 @@ worker fetches its own shard, and nothing is lost or trained twice.
 * a SIGKILLed replica loses nothing: its running trajectories run again elsewhere, its finished
   ones survive in the payload owner's store;
 * a SIGKILLed driver resumes from its checkpoint with every prompt trained once;
-* GAE with a critic and KL in the reward train on the plane, in ``fully_async`` and ``sync``
-  (the taken groups fetched).
+* GAE with a critic and KL in the reward train on the plane, in ``fully_async``, ``sync`` and
+  ``one_step_off`` (the taken groups fetched).
 """
 
 from __future__ import annotations
@@ -278,12 +278,13 @@ def test_object_store_kill_and_resume_loses_and_duplicates_nothing(
     assert all(r["driver/in_tensor_bytes"] == 0 for r in rows)
 
 
-@pytest.mark.parametrize("mode", ["fully_async", "sync"])
+@pytest.mark.parametrize("mode", ["fully_async", "sync", "one_step_off"])
 def test_object_store_trains_a_critic_and_kl_in_the_reward(
     ray_cluster, tiny_model_dir, digits_reward, tmp_path, mode
 ):
-    """GAE with a critic and KL in the reward on the object-store plane, in ``fully_async``
-    and in ``sync`` (the same replica actors and payload owner, staleness 0): the replicas
+    """GAE with a critic and KL in the reward on the object-store plane, in ``fully_async``,
+    ``sync`` (the same replica actors and payload owner, staleness 0) and ``one_step_off``
+    (its paused trajectories resume on the replicas after the push): the replicas
     still run, score and keep the trajectories; the stages that read tensors on the driver get
     the taken groups fetched there (channel ``object_store.fetch``, counted in ``driver/*``),
     and the step runs the driver plane's stages on them — the critic and the actor train."""
