@@ -1,6 +1,8 @@
 """``one_step_off``: the next batches generate while the current one is taken and trained.
 
-verl's ``colocate_async``: rollout and training share the devices. Generation runs ahead of
+verl's ``colocate_async``: rollout and training share the devices (with
+``trainer.async.data_plane=object_store`` on Ray the groups run on replica actors of their own,
+on the same schedule). Generation runs ahead of
 training through the replay buffer: at a step's start the mode tops the buffer up to
 ``(2 + trainer.async.num_warmup_batches) × train_batch_size`` untrained groups (within the
 buffer's pacing cap ``(max_staleness + 1) × train_batch_size`` and the run's remaining budget),

@@ -1,10 +1,12 @@
 """The data plane of the replay buffer: trajectory payloads by key.
 
 The control plane (:mod:`postrl.trainer.replay.tags`, the buffer, samplers) decides from tags
-alone; payloads — an ``AgentLoopOutput`` with its dataset row, a one-row ``DataProto``, whatever
-the mode stores — are written once when a trajectory finishes and read once, when a training
-batch is assembled from the sampled keys. :class:`LocalTrajectoryStore` is the in-process store
-of the ``local`` backend; a Ray object-store implementation fits the same
+alone; payloads — the data plane's handle of a trajectory (:mod:`postrl.trainer.runner`) — are
+written when a trajectory is generated (replaced once when its group is scored) and read for
+training once, when a batch is assembled from the sampled keys. :class:`LocalTrajectoryStore`
+keeps the handles in this process: on the ``driver`` plane a handle holds the trajectory itself,
+on the ``object_store`` plane it is a tag with a Ray object reference (the payload stays in
+Ray's object store, freed when the last reference goes). Another store fits the same
 :class:`TrajectoryStore` protocol.
 
 A store never inspects a payload: it keeps the reference as given.
