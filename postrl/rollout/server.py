@@ -121,6 +121,7 @@ class _ScoreBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     sequences: list[_ScoreSeq]
     temperature: float = Field(default=1.0, gt=0)
+    top_k: int = Field(default=0, ge=0, le=1024)
 
 
 class TopLogprobs:
@@ -158,9 +159,10 @@ class TopLogprobs:
             ).eval()
 
     def score(
-        self, sequences: list[tuple[list[int], list[int]]], temperature: float
-    ) -> list[list[float]]:
-        """Log-probs of each response token (:func:`postrl.rollout.teacher.score_sequences`)."""
+        self, sequences: list[tuple[list[int], list[int]]], temperature: float, top_k: int = 0
+    ) -> Any:
+        """Log-probs of each response token, and with ``top_k`` the top-k pairs
+        (:func:`postrl.rollout.teacher.score_sequences`)."""
         from postrl.rollout.teacher import score_sequences
 
         with self._lock:
@@ -170,7 +172,7 @@ class TopLogprobs:
                     "copy was loaded"
                 )
             self._load()
-            return score_sequences(self._model, sequences, temperature)
+            return score_sequences(self._model, sequences, temperature, top_k)
 
     def top(
         self, prompt: list[int], out: list[int], k: int, temperature: float
@@ -344,8 +346,10 @@ def create_app(
         if top_logprobs is None:
             raise ValueError("this server scores nothing (started without a scorer)")
         seqs = [(s.prompt_ids, s.response_ids) for s in body.sequences]
-        lps = await asyncio.to_thread(top_logprobs.score, seqs, body.temperature)
-        return {"log_probs": lps}
+        got = await asyncio.to_thread(top_logprobs.score, seqs, body.temperature, body.top_k)
+        if body.top_k:
+            return {"log_probs": got[0], "top_logprobs": got[1]}
+        return {"log_probs": got}
 
     @app.get("/v1/tokenizer")
     async def tokenizer_info():
