@@ -109,6 +109,50 @@ def test_pure_distillation_pulls_the_student_to_the_teacher(
     assert sum(kl[-2:]) < 0.85 * sum(kl[:2]), kl
 
 
+@pytest.mark.parametrize(
+    "backend",
+    ["local", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])],
+)
+def test_gkd_in_fully_async(
+    backend, request, tiny_model_dir, sharp_teacher, addition_files, digits_reward, tmp_path
+):
+    """The teacher scores each taken mini-batch (stage 4) while the replicas keep generating,
+    and its top-k reaches the update: 2 steps with the teacher's signal in the metrics (sync and
+    one_step_off: above). On Ray the teacher is a frozen worker group of its own, like the
+    reference, and the object-store plane fetches the taken groups to the driver for it."""
+    from trainer_helpers import fully_async_overrides
+
+    from postrl.workers.teacher import TeacherWorker
+
+    train, test = addition_files
+    run = tmp_path / "run"
+    over = [
+        *fully_async_overrides(tiny_model_dir, train, test, digits_reward, run, steps=2),
+        "trainer.test_freq=0",
+        f"distill.teacher_path={sharp_teacher}",
+        "distill.loss=gkd",
+        "distill.topk=8",
+    ]
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+        over += [
+            "trainer.backend=ray",
+            "trainer.num_workers=1",
+            "trainer.async.data_plane=object_store",
+        ]
+    trainer = RLTrainer(load_config(None, over))
+    assert trainer.roles.teacher.worker_cls is TeacherWorker
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    rows = _rows(run)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["distill/reverse_kl"] > 0.5 and r["timing_s/teacher"] > 0
+        assert r["actor/distill_loss"] > 0 and 0 < r["distill/teacher_topk_mass"] <= 1 + 1e-5
+
+
 def _retokenized(tiny_model_dir, tmp_path):
     """A copy of the tiny model whose tokenizer has one token more."""
     from transformers import AutoTokenizer
