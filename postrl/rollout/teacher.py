@@ -148,6 +148,7 @@ class RemoteTeacher:
 
         self.url = url.rstrip("/")
         self.top_k = int(top_k)
+        self._pool: Any = None  # one thread for submit(): the request waits on the network
         key = api_key or os.environ.get("POSTRL_API_KEY", "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.timeout_s = timeout_s
@@ -227,6 +228,42 @@ class RemoteTeacher:
             cols.update(teacher_topk_log_probs=top_lp, teacher_topk_ids=top_id)
         return DataProto.from_dict(cols)
 
+    def submit(self, method: str, data: DataProto) -> _Pending:
+        """``method`` (``compute_teacher_log_prob``) in a background thread, like a worker
+        group's ``submit``: the step runs its own passes while the request is in flight.
+        ``.result()`` waits at most ``timeout_s`` + 10 s (the request's own deadline is
+        ``timeout_s``) and raises :class:`TeacherError` naming the URL past it."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if method != "compute_teacher_log_prob":
+            raise TeacherError(f"teacher {self.url}: no method {method!r}")
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="postrl-teacher")
+        return _Pending(self._pool.submit(self.compute_teacher_log_prob, data), self)
+
     def shutdown(self) -> None:
-        """Close the HTTP connection."""
+        """Close the HTTP connection (and the submit thread)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         self._http.close()
+
+
+class _Pending:
+    """A :meth:`RemoteTeacher.submit` in flight."""
+
+    def __init__(self, future: Any, teacher: RemoteTeacher) -> None:
+        self.future, self.teacher = future, teacher
+
+    def result(self, timeout_s: float | None = None) -> DataProto:
+        """The call's DataProto; :class:`TeacherError` past the deadline."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        deadline = timeout_s if timeout_s is not None else self.teacher.timeout_s + 10.0
+        try:
+            return self.future.result(timeout=deadline)
+        except FutureTimeout as e:
+            raise TeacherError(
+                f"teacher {self.teacher.url}/v1/score: no answer within {deadline:.0f} s "
+                "(distill.timeout_s + 10): raise distill.timeout_s or check the server"
+            ) from e

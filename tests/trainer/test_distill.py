@@ -151,6 +151,8 @@ def test_gkd_in_fully_async(
     for r in rows:
         assert r["distill/reverse_kl"] > 0.5 and r["timing_s/teacher"] > 0
         assert r["actor/distill_loss"] > 0 and 0 < r["distill/teacher_topk_mass"] <= 1 + 1e-5
+        # the step waits for the teacher only after its own stage-4 passes (on Ray it ran beside)
+        assert 0 <= r["timing_s/teacher_wait"] <= r["timing_s/teacher"]
 
 
 def _retokenized(tiny_model_dir, tmp_path):
@@ -232,6 +234,9 @@ def test_remote_teacher_scores_like_the_local_one(tiny_model_dir, sharp_teacher)
         want = TeacherWorker(cfg).compute_teacher_log_prob(data).batch["teacher_log_prob"]
         torch.testing.assert_close(got, want * am[:, p:], rtol=1e-4, atol=1e-4)
         assert float(got[1, 2:].abs().sum()) == 0.0
+        # submit: the step's other stage-4 passes run while the request is in flight
+        pending = remote.submit("compute_teacher_log_prob", data)
+        assert torch.equal(pending.result().batch["teacher_log_prob"], got)
         remote.shutdown()
         # distill.loss=gkd: the teacher's top-k travels too, as the local worker computes it
         remote = RemoteTeacher(url, timeout_s=30, top_k=4)
