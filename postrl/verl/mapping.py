@@ -651,8 +651,9 @@ RULES: list[Rule] = [
     R("algorithm.rollout_correction.rollout_is_batch_normalize", False,
         "postrl's IS weights are truncated, not renormalised",
         "algorithm.rollout_correction.rollout_is_threshold"),
-    REJECT_TREE("distillation", "postrl has no on-policy distillation trainer",
-        "leave distillation.enabled=False"),
+    REJECT_TREE("distillation", "verl's distillation section is not translated",
+        "leave distillation.enabled=False and set postrl's distill.* (teacher_path or "
+        "teacher_url, loss=reverse_kl|gkd; docs/algorithms.md)"),
     # ---------------------------------------------------------------- trainer
     M("trainer.balance_batch", True, "trainer.balance_batch"),
     M("trainer.total_epochs", 30, "trainer.total_epochs"),
