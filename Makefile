@@ -45,8 +45,11 @@ $(VLLM_STAMP):
 quickstart: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m postrl.recipes.quickstart --run-dir $(RUN)
 
+# Two phases (tests/suite.py): the tests not marked `serial` on TEST_WORKERS xdist workers, then
+# the fault, Ray and vLLM tests alone.
+TEST_WORKERS ?= 2
 test: $(STAMP) vllm-venv
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python tests/suite.py --workers $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not ray" $(PYTEST_ARGS)
