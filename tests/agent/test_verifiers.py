@@ -214,6 +214,20 @@ def test_deadline_and_a_dead_worker_cost_one_masked_trajectory(echo):
         h.ev.run_until_complete(asyncio.sleep(0.2))
 
 
+@pytest.mark.slow
+def test_an_environment_that_cannot_load_stops_the_run(model_tokenizer):
+    """A worker that never got ready (here: no such taskset module) is a configuration error:
+    the trajectory raises with verifiers' reason and the keys to check, instead of masking
+    every trajectory of the run."""
+    h = Harness(model_tokenizer, "vf_no_such_env")
+    try:
+        with pytest.raises(RuntimeError, match="could not start") as e:
+            h.run(["3<|im_end|>"], task_idx=0)
+        assert "vf_no_such_env" in str(e.value) and "python_path" in str(e.value)
+    finally:
+        h.close()
+
+
 def test_config_errors_name_the_field_and_the_fix(tmp_path):
     cfg = AgentConfig(verifiers=VerifiersConfig(python=str(tmp_path / "nope"), timeout_s=0))
     errors = "\n".join(check_verifiers_config(cfg))

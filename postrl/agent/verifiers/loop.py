@@ -194,6 +194,7 @@ class VerifiersAgentLoop(AgentLoopBase):
         self.key = "sk-postrl-" + secrets.token_urlsafe(24)
         self.worker: WorkerProcess | None = None
         self._worker_loop = 0
+        self._ever_ready = False
         self._start_lock: asyncio.Lock | None = None
         self._sems: dict[int, asyncio.Semaphore] = {}
 
@@ -216,9 +217,10 @@ class VerifiersAgentLoop(AgentLoopBase):
             if self.worker is not None:
                 logger.warning("the verifiers worker died; starting a new one")
                 await self.worker.close()
-            path = os.pathsep.join(
-                [*self.vf.python_path, *filter(None, [os.environ.get("PYTHONPATH", "")])]
-            )
+            # absolute: verifiers starts harness programs and MCP tool servers in work dirs
+            # of their own, where a relative entry would point nowhere
+            dirs = [str(Path(p).resolve()) for p in self.vf.python_path]
+            path = os.pathsep.join([*dirs, *filter(None, [os.environ.get("PYTHONPATH", "")])])
             # the venv's bin first: verifiers finds its `uv` there (for the harness's script)
             bin_dir = str(Path(self.python).parent)
             env = {
@@ -229,7 +231,18 @@ class VerifiersAgentLoop(AgentLoopBase):
             model = str(getattr(self.tokenizer, "name_or_path", "") or "")
             init = worker_init(self.vf, model, self.server.token_base_url)
             worker = WorkerProcess(self.python, env, init)
-            ready = await worker.start(self.vf.startup_timeout_s)
+            try:
+                ready = await worker.start(self.vf.startup_timeout_s)
+            except WorkerError as e:
+                if self._ever_ready:  # it worked before: this trajectory fails, the run goes on
+                    raise
+                # never started: the environment or the venv is broken; stop the run, loudly
+                raise RuntimeError(
+                    f"the verifiers worker for taskset {self.vf.taskset!r} could not start "
+                    "(check rollout.agent.verifiers.taskset / python_path / python / env): "
+                    f"{e}"
+                ) from e
+            self._ever_ready = True
             logger.info(
                 "verifiers worker ready: taskset %s (%d tasks), verifiers %s",
                 ready.get("taskset"),

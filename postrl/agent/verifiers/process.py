@@ -109,7 +109,10 @@ class WorkerProcess:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
         try:
-            self._write({**msg, "id": rid})
+            try:
+                self._write({**msg, "id": rid})
+            except Exception as e:  # the pipe broke: the worker is going away
+                raise WorkerError(f"cannot write to the verifiers worker ({e!r})") from e
             return await asyncio.wait_for(fut, timeout_s)
         except (TimeoutError, asyncio.CancelledError):
             if self.alive:
