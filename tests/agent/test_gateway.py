@@ -326,7 +326,8 @@ def test_token_route_serves_a_trajectory_and_checks_what_it_is_told(tokenizer):
                 other = body([5])
                 other["sampling_params"]["extra_args"]["postrl_trajectory"] = "nope"
                 unknown = await h.post(url + "/inference/v1/generate", json=other, headers=auth)
-                two = await h.post(url + "/inference/v1/generate", json=body([5], n=2), headers=auth)
+                gen = url + "/inference/v1/generate"
+                two = await h.post(gen, json=body([5], n=2), headers=auth)
                 g0 = r0.json()["choices"][0]["token_ids"]
                 p1 = [5, 6, *g0, 7, 8]
                 r1 = await h.post(
