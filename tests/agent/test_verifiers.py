@@ -128,7 +128,8 @@ def test_single_turn_episode_is_the_sampled_trajectory(echo):
 @pytest.mark.slow
 def test_rows_without_a_task_and_bad_tasks_are_masked_and_counted(echo):
     """A row naming no task never reaches the worker; a task index out of range is an error
-    reply: both give a fully masked trajectory with reward 0, counted, the worker serving on."""
+    reply: both give a fully masked trajectory with reward 0, counted, the worker serving on.
+    A row carrying its task's data runs that task."""
     none = echo.run(["3<|im_end|>"], task_idx=None)
     assert none.extra == {"reward": 0.0, "verifiers_failure": "no_task"}
     assert none.metrics["agent/verifiers_failures"] == 1.0
@@ -139,6 +140,14 @@ def test_rows_without_a_task_and_bad_tasks_are_masked_and_counted(echo):
     assert bad.response_mask == [0] * len(bad.response_ids)
     ok = echo.run(["1<|im_end|>"], task_idx=1)
     assert ok.extra == {"reward": pytest.approx(1.05)}
+    # a row may carry the task's data itself (extra_info.verifiers_task) instead of an index
+    echo.client.script = ["9<|im_end|>"]
+    row = dict(
+        make_row(echo.tokenizer), extra_info={"verifiers_task": {"prompt": "Say 9.", "answer": "9"}}
+    )
+    own = echo.ev.run_until_complete(echo.loop.run(SP, **row))
+    assert own.extra == {"reward": pytest.approx(1.05)}
+    assert "Say 9." in echo.tokenizer.decode(own.prompt_ids)
 
 
 @pytest.mark.slow
