@@ -513,10 +513,28 @@ class _Channel:
         self._writer.write(json.dumps({"id": 0, **msg}).encode() + b"\n")
 
     def close(self) -> None:
-        """Close the connection (from the loop's thread or any other)."""
+        """Close the connection (from the loop's thread or any other). On a loop that no longer
+        runs (its owner is done: the end of a run), the reader task is ended here, so the
+        loop is not left holding a pending task ("Task was destroyed but it is pending")."""
         w = self._writer
-        if w is not None and not self.loop.is_closed():
+        if w is None or self.loop.is_closed():
+            return
+        if self.loop.is_running():
             self.loop.call_soon_threadsafe(w.close)
+            return
+        w.close()
+        task = self._reader_task
+        if task is None or task.done():
+            return
+        task.cancel()
+
+        async def ended() -> None:
+            await asyncio.gather(task, return_exceptions=True)
+
+        try:
+            self.loop.run_until_complete(ended())
+        except RuntimeError:  # another loop runs in this thread: the task ends with its loop
+            pass
 
 
 async def _serve_stream(
