@@ -88,7 +88,7 @@ engine the translation stops and names the CPU alternative,
 `enable_chunked_prefill` (True) and `tensor_model_parallel_size` (2) are GPU settings: unless
 you set them, the adapter's per-platform defaults apply instead (on CPU: eager, no chunked
 prefill, one process); verl's `dtype` default (`bfloat16`) is kept, so the rollout runs in
-bf16 while the trainer runs fp32 (`rollout_corr/kl_k1` ≈ 1e-3 on the tiny model; set
+bf16 while the trainer runs fp32 (|`rollout_corr/kl_k1`| 5e-4 to 6e-3 on the tiny model; set
 `actor_rollout_ref.rollout.dtype=float32` for fp32 rollouts). Leaving `rollout.name` out
 (verl requires it) picks `native`. On a machine without a GPU verl's default
 `trainer.device=cuda` becomes `cpu` (logged) and `trainer.n_gpus_per_node` trains one
