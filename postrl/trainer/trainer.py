@@ -271,8 +271,11 @@ class RLTrainer:
         finally:
             self.tracker.close()
             ledger.close()
-        plots = make_plots(self.run_dir)
-        summary = summarize(self.run_dir)
+        if (self.run_dir / "metrics.jsonl").exists():
+            plots, summary = make_plots(self.run_dir), summarize(self.run_dir)
+        else:  # plots and the summary read the jsonl logger's file
+            plots = []
+            summary = f"no metrics.jsonl: trainer.loggers={list(tc.loggers)} has no jsonl"
         (self.run_dir / "summary.txt").write_text(summary + "\n")
         logger.info(
             "done: metrics in %s, plots in %s\n%s",
