@@ -6,7 +6,7 @@ STAMP := $(VENV)/.postrl-installed
 RUN ?= runs/quickstart
 PYTEST_ARGS ?=
 
-.PHONY: quickstart test test-fast test-stress test-sanitize lint install clean vllm-venv
+.PHONY: quickstart test test-fast test-stress test-sanitize lint install clean vllm-venv verifiers-venv
 
 install: $(STAMP)
 
@@ -42,11 +42,32 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm, postrl.rollout.vllm_backend"
 	touch $(VLLM_STAMP)
 
+# The verifiers venv (rollout.agent.default_agent_loop=verifiers runs a verifiers environment's
+# episodes in a worker process with this python; see docs/agent.md). verifiers pins openai<3 and
+# brings its own stack (no torch), so it lives apart, cached per user like the vLLM one, linked
+# as .venv-verifiers. `uv` goes in too: verifiers' chat harness runs as a uv script, whose
+# environment `worker.py --prepare` builds now (one download, then uv's cache), not mid-run.
+VERIFIERS_VERSION := 0.4.0
+VERIFIERS_VENV ?= $(HOME)/.cache/postrl/venv-verifiers-$(VERIFIERS_VERSION)
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.postrl-verifiers-installed
+verifiers-venv: $(VERIFIERS_STAMP)
+	ln -sfn $(VERIFIERS_VENV) .venv-verifiers
+
+$(VERIFIERS_STAMP):
+	test -x $(VERIFIERS_VENV)/bin/python || $(PY) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERIFIERS_VENV)/bin/python -m pip install -q verifiers==$(VERIFIERS_VERSION) uv
+	PATH=$(VERIFIERS_VENV)/bin:$$PATH $(VERIFIERS_VENV)/bin/python postrl/agent/verifiers/worker.py --prepare
+	touch $(VERIFIERS_STAMP)
+
 quickstart: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m postrl.recipes.quickstart --run-dir $(RUN)
 
-test: $(STAMP) vllm-venv
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+# Two phases (tests/suite.py): the tests not marked `serial` on TEST_WORKERS xdist workers (Ray
+# tests on one of them), then the fault and vLLM tests alone.
+TEST_WORKERS ?= 2
+test: $(STAMP) vllm-venv verifiers-venv
+	$(BIN)/python tests/suite.py --workers $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not ray" $(PYTEST_ARGS)

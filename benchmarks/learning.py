@@ -28,7 +28,9 @@ The arms (``--arms``; each is ``examples/grpo_addition_3digit.yaml`` plus overri
   ``recipe-cosine``: its step size decayed by a cosine to 10 % over 950 optimizer steps;
 * ``opd``: on-policy distillation from ``--teacher`` (``examples/opd_addition_3digit.yaml``:
   the per-token reverse KL to the teacher is the advantage, no task reward); ``opd-mixed``: the
-  same plus the task reward's GRPO advantages (``distill.task_reward_weight=1``).
+  same plus the task reward's GRPO advantages (``distill.task_reward_weight=1``); ``opd-gkd``:
+  GKD's generalised JSD(0.5) over the teacher's top-32 tokens (+ tail) as a term of the update's
+  loss instead (``distill.loss=gkd``), no task reward.
 
 ``--task quickstart`` runs the quickstart's task instead: 1-digit sums from the quickstart's SFT
 model (``runs/quickstart/sft-model``, built by ``make quickstart``), ``examples/grpo_addition.yaml``
@@ -130,6 +132,8 @@ ARMS: dict[str, list[str]] = {
     # task reward's GRPO advantages at weight 1
     "opd": [*OPD, "distill.task_reward_weight=0"],
     "opd-mixed": [*OPD, "distill.task_reward_weight=1"],
+    # GKD: generalised JSD(β = 0.5) over the teacher's top-32 (+ tail) in the update's loss
+    "opd-gkd": [*OPD, "distill.loss=gkd", "distill.topk=32", "distill.task_reward_weight=0"],
 }
 
 # the quickstart task (1-digit sums from the quickstart's SFT model), validated greedily

@@ -11,6 +11,7 @@ import importlib
 import logging
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -66,6 +67,8 @@ def _cmd_data(args: argparse.Namespace) -> int:
             )
         else:
             rows = generate_tool_arith(args.n, seed=args.seed, split=args.split, **kw)
+    elif args.task == "verifiers":
+        rows = _verifiers_data(args)
     elif args.task in _env_names() or ":" in args.task:  # "module:Class" of an environment
         rows = _env_data(args)
     elif args.task in data.TASKS:
@@ -90,6 +93,31 @@ def _cmd_data(args: argparse.Namespace) -> int:
     path = data.write_parquet(rows, args.out)
     print(f"wrote {len(rows)} {args.task} rows ({args.split}) to {path}")
     return 0
+
+
+def _verifiers_data(args: argparse.Namespace) -> list[dict]:
+    """One row per task of a verifiers taskset (read by starting the verifiers worker)."""
+    import json
+
+    from postrl.agent.verifiers import check_verifiers_config, dataset_rows, list_tasks
+    from postrl.config.schema import VerifiersConfig
+
+    if not args.taskset:
+        raise SystemExit("postrl data verifiers needs --taskset MODULE (the verifiers taskset id)")
+    try:
+        env = json.loads(args.env_kwargs) if args.env_kwargs else {}
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"postrl data verifiers: --env-kwargs is not JSON ({e})") from e
+    vf = VerifiersConfig(
+        taskset=args.taskset,
+        env=env,
+        python=args.python or "",
+        python_path=[p for p in (args.python_path or "").split(":") if p],
+    )
+    errors = check_verifiers_config(SimpleNamespace(verifiers=vf))
+    if errors:
+        raise SystemExit("postrl data verifiers: " + "; ".join(errors))
+    return dataset_rows(list_tasks(vf), args.taskset)
 
 
 def _env_names() -> list[str]:
@@ -209,7 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "task",
         help="addition | countdown | gsm8k | tool-arith | code | an environment (frozenlake, "
-        "sokoban: episodes for the env_agent loop)",
+        "sokoban: episodes for the env_agent loop) | verifiers (one row per task of "
+        "--taskset, for the verifiers loop)",
+    )
+    d.add_argument("--taskset", help="verifiers: the taskset id (a module the worker imports)")
+    d.add_argument(
+        "--python-path", help="verifiers: ':'-separated folders put on the worker's PYTHONPATH"
+    )
+    d.add_argument(
+        "--python", help="verifiers: the verifiers venv's python (default .venv-verifiers)"
     )
     d.add_argument("out", help="output .parquet")
     d.add_argument("--n", type=int, default=1000)

@@ -45,6 +45,12 @@ AGENT_LOOPS.add_lazy(
     config_errors="postrl.agent.gateway.loop:check_gateway_config",
 )
 AGENT_LOOPS.add_lazy("env_agent", "postrl.agent.env_loop:EnvAgentLoop")
+AGENT_LOOPS.add_lazy(
+    "verifiers",
+    "postrl.agent.verifiers.loop:VerifiersAgentLoop",
+    segments=True,
+    config_errors="postrl.agent.verifiers.loop:check_verifiers_config",
+)
 
 
 def register_agent_loop(name: str, **meta: Any) -> Callable[[T], T]:

@@ -34,12 +34,21 @@ estimate is a reward (no extra forward, any policy loss).
     JSD(β)(P ‖ Q) = β KL(P ‖ M) + (1 − β) KL(Q ‖ M)          for 0 < β < 1
     β = 0 → KL(P ‖ Q) (forward KL),  β = 1 → KL(Q ‖ P) (reverse KL)   (the two limits used)
 
-computed over the teacher's **top-k** tokens only: at each position both distributions are
-restricted to the teacher's ``K`` most likely tokens and **renormalised over them** (log-softmax
-of the gathered log-probs), so ``P`` and ``Q`` are proper distributions on the same ``K``
-support. At ``K = V`` this is exactly the dense divergence (tested). Deviation: the mass outside
-the teacher's top-k is ignored (it is ≤ 1 − Σ top-k of the teacher; the metric
-``distill/teacher_topk_mass`` reports what was kept).
+computed over the teacher's **top-k** tokens plus one **tail** bucket: at each position the
+vocabulary is coarse-grained into ``K + 1`` categories — the teacher's ``K`` most likely tokens
+and "every other token" — and both distributions are taken on that partition::
+
+    P' = (P_{v_1}, …, P_{v_K}, 1 − Σ_k P_{v_k})      Q' = (Q_{v_1}, …, Q_{v_K}, 1 − Σ_k Q_{v_k})
+
+with ``Q_{v_k}`` the student's full-vocabulary probabilities at the teacher's ids (the update
+gathers them from its log-softmax). Deviation from GKD (which sums over the whole vocabulary):
+only the teacher's top-k ids and log-probs travel with the batch (B·T·K numbers instead of
+B·T·V). Properties (tested): at ``K = V`` the tail is empty and this is exactly the dense
+JSD(β); for any ``K`` it is a lower bound of the dense divergence (a divergence of a
+coarse-graining, the data-processing inequality); and the student's mass outside the teacher's
+top-k is in the tail, so the gradient moves it onto the teacher's tokens (renormalising over the
+top-k alone would not). ``distill/teacher_topk_mass`` reports ``Σ_k P_{v_k}``, what the top-k
+keeps of the teacher.
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ __all__ = [
     "generalized_jsd",
     "generalized_jsd_topk",
     "distill_metrics",
+    "teacher_topk_mass",
 ]
 
 DISTILL_LOSSES: Registry[Callable[..., Any]] = Registry("distillation loss")
@@ -146,7 +156,19 @@ def generalized_jsd(
     return beta * _kl(lp, log_m) + (1.0 - beta) * _kl(lq, log_m)
 
 
-@register_distill_loss("gkd", kind="loss", needs=("teacher_topk",))
+def _with_tail(topk_log_probs: torch.Tensor) -> torch.Tensor:
+    """(..., K) normalised log-probs of K tokens → (..., K + 1) with the tail bucket
+    ``log(1 − Σ_k p_k)`` appended (clamped at ``log 1e-20`` so an empty tail — K = V — keeps
+    finite values and gradients)."""
+    lp = topk_log_probs.float()
+    kept = torch.logsumexp(lp, dim=-1, keepdim=True)  # (..., 1) log Σ_k p_k ≤ 0
+    tail = (-torch.expm1(kept)).clamp_min(1e-20).log()  # (..., 1)
+    return torch.cat([lp, tail], dim=-1)
+
+
+@register_distill_loss(
+    "gkd", kind="loss", needs=("old_log_probs", "teacher_log_prob", "teacher_topk")
+)
 def generalized_jsd_topk(
     student_topk_log_probs: torch.Tensor,
     teacher_topk_log_probs: torch.Tensor,
@@ -154,22 +176,36 @@ def generalized_jsd_topk(
     *,
     beta: float = 0.5,
 ) -> torch.Tensor:
-    """Per-token JSD(β) restricted to the teacher's top-k tokens, both sides renormalised.
+    """Per-token JSD(β) on the teacher's top-k tokens plus the tail bucket (module docstring).
 
     Args:
-        student_topk_log_probs: (B, T, K) the student's (unnormalised-over-K) log-probs of the
-            teacher's top-k token ids at each position (full-vocabulary log-softmax gathered).
-        teacher_topk_log_probs: (B, T, K) the teacher's log-probs of its top-k tokens.
+        student_topk_log_probs: (B, T, K) the student's full-vocabulary log-probs (log-softmax
+            over V, then gathered) of the teacher's top-k token ids at each position.
+        teacher_topk_log_probs: (B, T, K) the teacher's normalised log-probs of its top-k.
         response_mask: (B, T) 1 on trained tokens.
         beta: β of :func:`generalized_jsd`.
 
     Returns:
         (B, T) the divergence per token, 0 on masked tokens (aggregate with ``agg_loss``).
     """
-    lq = torch.log_softmax(student_topk_log_probs.float(), dim=-1)  # (B, T, K) renormalised
-    lp = torch.log_softmax(teacher_topk_log_probs.float(), dim=-1)  # (B, T, K)
+    lq = _with_tail(student_topk_log_probs)  # (B, T, K + 1)
+    lp = _with_tail(teacher_topk_log_probs)  # (B, T, K + 1)
     d = generalized_jsd(lp, lq, beta=beta)  # (B, T)
     return torch.where(response_mask.bool(), d, torch.zeros_like(d))
+
+
+def teacher_topk_mass(
+    teacher_topk_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """``distill/teacher_topk_mass``: token mean of ``Σ_{k ≤ K} π_teacher(v_k | ·)``, the
+    teacher's probability mass inside its top-k (1 = the top-k loses nothing), a 0-d tensor.
+
+    Args:
+        teacher_topk_log_probs: (B, T, K) the teacher's normalised log-probs of its top-k.
+        response_mask: (B, T) 1 on trained tokens.
+    """
+    mass = teacher_topk_log_probs.float().exp().sum(-1)  # (B, T)
+    return masked_mean(mass, response_mask.float()).detach()
 
 
 def distill_metrics(

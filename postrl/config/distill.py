@@ -33,16 +33,19 @@ class DistillConfig:
     loss: str = "reverse_kl"
     """Distillation loss (``postrl.algos.DISTILL_LOSSES``): ``reverse_kl`` — the per-token
     reverse KL ``log π_student − log π_teacher`` of each sampled token as a per-token advantage
-    term (Agarwal et al. 2024; Thinking Machines 2025); ``gkd`` — generalised JSD(β) over the
-    teacher's top-k tokens (not wired into the update yet: refused at startup)."""
+    term (Agarwal et al. 2024; Thinking Machines 2025); ``gkd`` — generalised JSD(β) between
+    teacher and student over the teacher's top-``topk`` tokens plus one tail bucket, a term
+    ``coef · agg(JSD_t)`` of the update's loss (GKD, Agarwal et al. 2024)."""
     coef: float = 1.0
-    """Weight ``c`` of the distillation term: advantages ``w · A_task − c · (log π_s −
-    log π_t)``."""
+    """Weight ``c`` of the distillation term: ``reverse_kl``: advantages ``w · A_task − c ·
+    (log π_s − log π_t)``; ``gkd``: loss ``pg_loss(w · A_task) + c · agg(JSD_t)``."""
     task_reward_weight: float = 1.0
     """Weight ``w`` of the task reward's advantages (0 = pure distillation: the reward is still
     computed and logged, but does not train)."""
     topk: int = 32
-    """``gkd``: teacher tokens kept per position (both distributions renormalised over them)."""
+    """``gkd``: the teacher's most likely tokens kept per position (K); the rest of both
+    distributions is one tail bucket. Exact at K = vocabulary size, a lower bound of the dense
+    divergence below it; ``distill/teacher_topk_mass`` says what the teacher's top-k holds."""
     beta: float = 0.5
     """``gkd``: β of JSD(β) (0 = forward KL(teacher‖student), 1 = reverse KL)."""
 

@@ -213,6 +213,43 @@ class GatewayConfig:
     tool-arith recipe."""
 
 
+def _verifiers_renderer() -> dict[str, Any]:
+    return {"name": "default", "tool_parser": "qwen3"}
+
+
+@dataclass
+class VerifiersConfig:
+    taskset: str = ""
+    """The ``verifiers`` taskset id (``verifiers`` loop): a module importable by the verifiers
+    worker (see ``python_path``) that exports its ``vf.Taskset`` subclass via ``__all__``.
+    Dataset rows name their task by ``extra_info.verifiers_task_idx`` (``postrl data
+    verifiers`` writes such a dataset) or carry its data in ``extra_info.verifiers_task``."""
+    env: dict[str, Any] = field(default_factory=dict)
+    """More of the verifiers ``EnvConfig``, deep-merged over postrl's defaults
+    ``{"agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}}`` (the chat
+    harness, run on this host), e.g. ``{"id": "best-of-n"}`` or
+    ``{"agent": {"harness": {"id": "bash"}}}``."""
+    python: str = ""
+    """Interpreter of the verifiers venv the worker runs in. Empty: ``.venv-verifiers/bin/python``
+    (built by ``make verifiers-venv``) in the working directory or beside the source tree."""
+    python_path: list[str] = field(default_factory=list)
+    """Directories put first on the worker's ``PYTHONPATH`` (where the taskset module lives; its
+    MCP tool servers, started by module name, find it there too)."""
+    renderer: dict[str, Any] = field(default_factory=_verifiers_renderer)
+    """The ``renderers.RendererConfig`` the verifiers training client tokenises with
+    (``default``: the model's chat template; ``tool_parser`` ``qwen3`` reads Hermes
+    ``<tool_call>`` JSON, the format of ``rollout.agent.tool_parser=hermes``)."""
+    timeout_s: float = 300.0
+    """Deadline of one episode; past it the episode is cancelled and the trajectory masked and
+    counted in ``agent/verifiers_failures``."""
+    startup_timeout_s: float = 180.0
+    """Deadline for the worker to import verifiers, load the environment and start serving."""
+    max_concurrency: int = 16
+    """Episodes running at once per agent manager (others wait for a slot)."""
+    max_requests: int = 64
+    """Generate calls one episode may make; more are refused and the trajectory fails."""
+
+
 @dataclass
 class EnvConfig:
     gamma: float = 1.0
@@ -242,6 +279,9 @@ class AgentConfig:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     """Bring-your-own-agent loop (``gateway``): an OpenAI-compatible endpoint per trajectory
     for an agent program (docs/agent.md, "Bring your own agent")."""
+    verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
+    """``verifiers`` environments (``verifiers`` loop): episodes run by a verifiers worker in
+    its own venv against the gateway's token route (docs/agent.md, "verifiers environments")."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Gym-style environment loop (``env_agent``): one episode per trajectory, turns bounded by
     ``max_assistant_turns``, observations cut to ``max_tool_response_length`` characters."""

@@ -9,6 +9,7 @@ Update (verl's ``update_policy``, with explicit global denominators):
             N_tok, N_seq = Σ_ranks valid tokens / non-empty rows of the mini-batch   (all-reduce)
             for micro-batch (token budget, Karmarkar–Karp balanced):
                 L = pg_loss − c_H · agg(H) + c_KL · agg(KL(π‖π_ref))   (agg with N_tok, N_seq)
+                    [+ c_D · agg(D_t): a loss-kind distillation term, e.g. gkd's JSD(β)]
                 L.backward()                       # additive share of the mini-batch loss
             all-reduce(SUM) grads; clip; step unless the norm is non-finite (counted)
 
@@ -90,6 +91,15 @@ class PolicyLossSpec:
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator (:func:`postrl.algos.kl.kl_penalty`)."""
+    distill_loss: str = ""
+    """A distillation loss of kind ``loss`` (:data:`postrl.algos.distill.DISTILL_LOSSES`, e.g.
+    ``gkd``) added to the loss as ``distill_coef · agg(D_t)``, from the student's log-probs at
+    the teacher's top-k ids (needs ``teacher_topk_ids`` / ``teacher_topk_log_probs``); empty =
+    none."""
+    distill_coef: float = 1.0
+    """Weight of the distillation loss (``distill.coef``)."""
+    distill_beta: float = 0.5
+    """β of the generalised JSD (``distill.beta``)."""
 
 
 @dataclass
@@ -151,9 +161,13 @@ class LogProbEngine:
         temperature: float,
         entropy: bool,
         sum_pi_squared: bool = False,
+        topk: int = 0,
+        logprobs_at: torch.Tensor | None = None,
     ):
-        """(log-probs (b, R), entropy (b, R) or None[, sum_pi_squared (b, R) when asked]) of one
-        micro-batch, through the FSDP2 root's forward."""
+        """(log-probs (b, R), entropy (b, R) or None[, extras when asked]) of one micro-batch,
+        through the FSDP2 root's forward (extras: ``sum_pi_squared`` (b, R); ``topk`` log-probs
+        and ids (b, R, K); log-probs at ``logprobs_at`` (b, R, K); see
+        :func:`postrl.engine.logprob.policy_logprobs`)."""
         return self.policy.logprobs(
             mb["input_ids"],
             mb["attention_mask"],
@@ -162,13 +176,17 @@ class LogProbEngine:
             calculate_entropy=entropy,
             share_prefix=self.share_prefix,
             calculate_sum_pi_squared=sum_pi_squared,
+            topk=topk,
+            logprobs_at=logprobs_at,
         )
 
     @torch.no_grad()
     def compute_log_prob(self, data: DataProto, *, reference: bool = False) -> DataProto:
         """Log-probs (and ``entropys`` if ``meta_info['calculate_entropy']``, ``sum_pi_squared``
         — ``Σ_v π(v | ·)²`` per response token, same pass — if
-        ``meta_info['calculate_sum_pi_squared']``) of the responses.
+        ``meta_info['calculate_sum_pi_squared']``, ``topk_log_probs`` / ``topk_ids`` (B, R, K) —
+        the K most likely next tokens at each response position, same pass — if
+        ``meta_info['calculate_topk'] = K > 0``) of the responses.
 
         Args:
             data: needs ``input_ids``, ``attention_mask``, ``responses``; meta ``temperature``.
@@ -180,28 +198,32 @@ class LogProbEngine:
         temperature = float(data.meta_info.get("temperature", 1.0))
         want_ent = bool(data.meta_info.get("calculate_entropy", False))
         want_sps = bool(data.meta_info.get("calculate_sum_pi_squared", False))
+        topk = int(data.meta_info.get("calculate_topk", 0) or 0)
         micro = self.micro_batches(data)
         was_training = self.policy.module.training
         self.policy.module.eval()
-        lps, ents, spss = [], [], []
+        cols: dict[str, list[torch.Tensor]] = {}
+        names = ["entropys"] if want_ent else []
+        names += ["sum_pi_squared"] if want_sps else []
+        names += ["topk_log_probs", "topk_ids"] if topk else []
         ctx = self.policy.reference() if reference else contextlib.nullcontext()
         keys = ["input_ids", "attention_mask", "responses"]
         with ctx:
             for idx in micro:
-                lp, ent, *sps = self.forward(
-                    rows_to_device(data, idx, keys, self.device), temperature, want_ent, want_sps
+                lp, ent, *extra = self.forward(
+                    rows_to_device(data, idx, keys, self.device),
+                    temperature,
+                    want_ent,
+                    want_sps,
+                    topk,
                 )
-                lps.append(lp.cpu())
-                if want_ent:
-                    ents.append(ent.cpu())
-                if want_sps:
-                    spss.append(sps[0].cpu())
+                got = [lp] + ([ent] if want_ent else []) + list(extra)
+                for name, x in zip(["log_probs", *names], got, strict=True):
+                    cols.setdefault(name, []).append(x.cpu())
         self.policy.module.train(was_training)
-        out = {("ref_log_prob" if reference else "old_log_probs"): restore_order(lps, micro)}
-        if want_ent:
-            out["entropys"] = restore_order(ents, micro)
-        if want_sps:
-            out["sum_pi_squared"] = restore_order(spss, micro)
+        lp_name = "ref_log_prob" if reference else "old_log_probs"
+        out = {lp_name: restore_order(cols["log_probs"], micro)}
+        out.update({name: restore_order(cols[name], micro) for name in names})
         return DataProto.from_dict(out, meta_info={"temperature": temperature})
 
 
@@ -215,6 +237,8 @@ _UPDATE_KEYS = [
     "ref_log_prob",
     "rollout_log_probs",
     "rollout_is_weights",
+    "teacher_topk_ids",
+    "teacher_topk_log_probs",
 ]
 
 
@@ -270,6 +294,16 @@ class Actor:
                 clip_ratio_c=loss.clip_ratio_c,
             ),
         )
+        self.distill_fn = None
+        if loss.distill_loss:
+            from postrl.algos.distill import DISTILL_LOSSES
+
+            if DISTILL_LOSSES.meta(loss.distill_loss)["kind"] != "loss":
+                raise ValueError(
+                    f"PolicyLossSpec.distill_loss={loss.distill_loss!r} is not a loss-kind "
+                    "distillation loss (its term joins the advantages, not the update's loss)"
+                )
+            self.distill_fn = DISTILL_LOSSES.get(loss.distill_loss)
         self.seed = seed
         self.update_count = 0
 
@@ -288,7 +322,7 @@ class Actor:
             order = torch.randperm(b, generator=g)
         return split_mini_batches(data, size, order, self.group)
 
-    def _loss_terms(self, mb, lp, ent, denoms: dict) -> MicroLoss:
+    def _loss_terms(self, mb, lp, ent, denoms: dict, student_topk=None) -> MicroLoss:
         c = self.loss
         mask = mb["response_mask"].to(lp.dtype)
         pg, m = self.loss_fn(
@@ -320,6 +354,13 @@ class Actor:
             )
             loss = loss + c.kl_loss_coef * kl
             terms["kl_loss"] = kl.detach()
+        if self.distill_fn is not None:  # e.g. gkd: JSD(β) over the teacher's top-k
+            d = self.distill_fn(
+                student_topk, mb["teacher_topk_log_probs"], mask, beta=c.distill_beta
+            )
+            dl = agg_loss(d, mask, c.loss_agg_mode, **denoms)
+            loss = loss + c.distill_coef * dl
+            terms["distill_loss"] = dl.detach()
         return MicroLoss(loss, sums=terms, means=m)
 
     def update_policy(self, data: DataProto) -> PolicyUpdate:
@@ -361,11 +402,23 @@ class Actor:
             return minis
 
         def micro_loss(mb: dict[str, torch.Tensor], denoms: dict) -> MicroLoss:
-            lp, ent = self.logprob.forward(mb, temperature, True)
+            at = None
+            if self.distill_fn is not None:
+                if "teacher_topk_ids" not in mb:
+                    raise KeyError(
+                        f"actor distill_loss={self.loss.distill_loss!r} needs batch"
+                        "['teacher_topk_ids'] and ['teacher_topk_log_probs'] (the teacher's "
+                        "top-k): configure distill.teacher_path or distill.teacher_url"
+                    )
+                lp, ent, at = self.logprob.forward(
+                    mb, temperature, True, logprobs_at=mb["teacher_topk_ids"]
+                )
+            else:
+                lp, ent = self.logprob.forward(mb, temperature, True)
             if fused:  # π_old = π_θ at this point: ratio exactly 1, gradient of the on-policy loss
                 mb["old_log_probs"] = lp.detach()
                 old[mb["_row"].cpu()] = mb["old_log_probs"].float().cpu()
-            return self._loss_terms(mb, lp, ent, denoms)
+            return self._loss_terms(mb, lp, ent, denoms, at)
 
         self.policy.module.train()
         metrics = self.loop.run(

@@ -13,7 +13,8 @@ right-padded response, ``attention_mask`` (B, P+R)):
    for logits ``z = h Wᵀ / τ`` (τ the rollout temperature, applied exactly as the sampler did),
    ``log p(y) = z_y − logsumexp(z)`` and ``H = logsumexp(z) − Σ_v softmax(z)_v z_v`` (and, when
    asked, ``Σ_v softmax(z)_v²``, the optimal-token-baseline's ``sum_pi_squared``, as one
-   reduction over the same softmax: no further (chunk, V) tensor). Under
+   reduction over the same softmax: no further (chunk, V) tensor; and for distillation a
+   teacher's top-k log-probs and ids, or a student's log-probs at given ids). Under
    autograd each chunk is recomputed in backward (activation checkpointing) so at most one
    (chunk, V) logits tensor is alive at any time.
 4. Results are scattered back to (B, R), zero on padding.
@@ -221,6 +222,8 @@ def _chunk_stats(
     y: torch.Tensor,
     inv_temp: float,
     sum_pi_squared: bool = False,
+    topk: int = 0,
+    at_ids: torch.Tensor | None = None,
 ):
     logits = (h @ weight.t()).float()  # (C, V)
     if bias is not None:
@@ -230,9 +233,15 @@ def _chunk_stats(
     logp = logits.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
     probs = torch.softmax(logits, dim=-1)  # (C, V)
     ent = lse - (probs * logits).sum(-1)
-    if not sum_pi_squared:
-        return logp, ent
-    return logp, ent, torch.linalg.vector_norm(probs, dim=-1).square()  # (C,) Σ_v π_v²
+    out: tuple[torch.Tensor, ...] = (logp, ent)
+    if sum_pi_squared:
+        out += (torch.linalg.vector_norm(probs, dim=-1).square(),)  # (C,) Σ_v π_v²
+    if topk:
+        top_z, top_id = logits.topk(topk, dim=-1)  # (C, K) sorted, largest first
+        out += (top_z - lse.unsqueeze(-1), top_id)  # normalised log-probs and their ids
+    if at_ids is not None:
+        out += (logits.gather(-1, at_ids) - lse.unsqueeze(-1),)  # (C, K)
+    return out
 
 
 def chunked_token_logprobs(
@@ -243,6 +252,8 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK,
     sum_pi_squared: bool = False,
+    topk: int = 0,
+    logprobs_at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Per-token ``log softmax(h Wᵀ / τ)[y]`` and entropy, ``chunk_size`` rows at a time.
 
@@ -252,16 +263,26 @@ def chunked_token_logprobs(
         targets: (M,) token ids.
         temperature: τ > 0.
         sum_pi_squared: also return ``Σ_v π_v²`` of each row's next-token distribution.
+        topk: also return the ``topk`` largest log-probs of each row's next-token distribution
+            and their token ids (a distillation teacher's top-k), 0 = no.
+        logprobs_at: (M, K) token ids: also return the log-probs of these ids at each row
+            (differentiable: a student's log-probs at a teacher's top-k ids).
 
     Returns:
-        (logp (M,), entropy (M,)) fp32, plus sum_pi_squared (M,) when asked.
+        (logp (M,), entropy (M,)) fp32, then, when asked and in this order: sum_pi_squared
+        (M,); top-k log-probs (M, K) fp32 and ids (M, K) int64; log-probs at ``logprobs_at``
+        (M, K) fp32.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    if topk < 0 or topk > head.weight.shape[0]:
+        raise ValueError(f"topk={topk} must be in [0, vocabulary size {head.weight.shape[0]}]")
     inv = 1.0 / float(temperature)
     m = hidden.shape[0]
     if m <= chunk_size:
-        return _chunk_stats(hidden, head.weight, head.bias, targets, inv, sum_pi_squared)
+        return _chunk_stats(
+            hidden, head.weight, head.bias, targets, inv, sum_pi_squared, topk, logprobs_at
+        )
     grad = torch.is_grad_enabled()
     parts: list[tuple[torch.Tensor, ...]] = []
     for s in range(0, m, chunk_size):
@@ -272,6 +293,8 @@ def chunked_token_logprobs(
             targets[s : s + chunk_size],
             inv,
             sum_pi_squared,
+            topk,
+            None if logprobs_at is None else logprobs_at[s : s + chunk_size],
         )
         parts.append(
             checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args)
@@ -306,8 +329,11 @@ def _decoder_hidden(decoder: nn.Module, pk: Packed) -> torch.Tensor:
 
 
 def _scatter(values: torch.Tensor, resp_valid: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(resp_valid.shape, dtype=values.dtype, device=values.device)
-    return out.masked_scatter(resp_valid, values)
+    """(M, *rest) values of the valid response tokens back to (B, R, *rest), 0 elsewhere."""
+    rest = values.shape[1:]
+    out = torch.zeros((*resp_valid.shape, *rest), dtype=values.dtype, device=values.device)
+    mask = resp_valid.view(*resp_valid.shape, *(1 for _ in rest)).expand_as(out)
+    return out.masked_scatter(mask, values)
 
 
 def policy_logprobs(
@@ -323,6 +349,8 @@ def policy_logprobs(
     chunk_size: int = DEFAULT_CHUNK,
     packed: bool = True,
     calculate_sum_pi_squared: bool = False,
+    topk: int = 0,
+    logprobs_at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Padding-free log-probs (and entropy) of the response tokens of one micro-batch.
 
@@ -331,21 +359,32 @@ def policy_logprobs(
     forward over the padded (B, P+R) batch with its 2-D mask; ``share_prefix`` is then ignored.
     The head, temperature and chunking are the same.
 
-    ``calculate_sum_pi_squared`` adds a third output, ``Σ_v π(v | ·)²`` per response token
-    (B, R) fp32 at the same temperature (the optimal token baseline's ``sum_pi_squared``), from
-    the same softmax as the entropy.
+    ``calculate_sum_pi_squared`` adds ``Σ_v π(v | ·)²`` per response token (B, R) fp32 at the
+    same temperature (the optimal token baseline's ``sum_pi_squared``), from the same softmax as
+    the entropy. ``topk`` adds the ``topk`` largest log-probs of each response position's
+    next-token distribution (B, R, K) fp32 and their ids (B, R, K) int64 (a distillation
+    teacher's top-k); ``logprobs_at`` (B, R, K) ids adds the log-probs of those ids (B, R, K)
+    fp32, differentiable (a student's log-probs at the teacher's top-k, for ``distill.loss=gkd``).
 
     Returns:
-        (log_probs (B, R) fp32, entropy (B, R) fp32 or None[, sum_pi_squared (B, R) fp32]);
-        0 on padding.
+        (log_probs (B, R) fp32, entropy (B, R) fp32 or None), then, when asked and in this
+        order: sum_pi_squared; top-k log-probs and ids; log-probs at ``logprobs_at``. 0 on
+        padding.
     """
     if packed:
         pk = pack(input_ids, attention_mask, response_length, share_prefix=share_prefix)
         resp_valid = pk.resp_valid
         if pk.num_tokens == 0:
             z = torch.zeros(resp_valid.shape, device=input_ids.device)
-            empty = (z, (z if calculate_entropy else None))
-            return (*empty, z) if calculate_sum_pi_squared else empty
+            out: tuple = (z, (z if calculate_entropy else None))
+            if calculate_sum_pi_squared:
+                out += (z,)
+            if topk:
+                zk = torch.zeros((*resp_valid.shape, topk), device=input_ids.device)
+                out += (zk, zk.long())
+            if logprobs_at is not None:
+                out += (torch.zeros(logprobs_at.shape, device=input_ids.device),)
+            return out
         # index_select, not hidden[pred_idx]: with prefix sharing pred_idx repeats (the prompt's
         # last state predicts every response's first token), and advanced indexing's backward
         # (index_put_ accumulate) adds repeats with racing atomics at >1 thread — run-to-run
@@ -362,12 +401,14 @@ def policy_logprobs(
         temperature=temperature,
         chunk_size=chunk_size,
         sum_pi_squared=calculate_sum_pi_squared,
+        topk=topk,
+        logprobs_at=None if logprobs_at is None else logprobs_at[resp_valid],  # (M, K)
     )
     out = (
         _scatter(stats[0], resp_valid),
         _scatter(stats[1], resp_valid) if calculate_entropy else None,
     )
-    return (*out, _scatter(stats[2], resp_valid)) if calculate_sum_pi_squared else out
+    return out + tuple(_scatter(x, resp_valid) for x in stats[2:])
 
 
 def critic_values(

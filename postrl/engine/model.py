@@ -235,9 +235,12 @@ class PolicyLogProbs(nn.Module):
         calculate_entropy: bool = False,
         share_prefix: bool = False,
         calculate_sum_pi_squared: bool = False,
+        topk: int = 0,
+        logprobs_at: torch.Tensor | None = None,
     ):
-        """``(log_probs (B, R), entropy (B, R) or None[, sum_pi_squared (B, R)])``; see
-        :func:`postrl.engine.logprob.policy_logprobs`."""
+        """``(log_probs (B, R), entropy (B, R) or None[, extras])``; see
+        :func:`postrl.engine.logprob.policy_logprobs` (``sum_pi_squared``, ``topk``,
+        ``logprobs_at``)."""
         lm = _causal_lm(self.module, self.is_lora)
         with _autocast(input_ids.device, self.autocast_dtype):
             return policy_logprobs(
@@ -251,6 +254,8 @@ class PolicyLogProbs(nn.Module):
                 share_prefix=share_prefix,
                 packed=self.packed,
                 calculate_sum_pi_squared=calculate_sum_pi_squared,
+                topk=topk,
+                logprobs_at=logprobs_at,
             )
 
 
@@ -311,9 +316,12 @@ class PolicyModel(_DataParallelRoot):
         calculate_entropy: bool = False,
         share_prefix: bool = False,
         calculate_sum_pi_squared: bool = False,
+        topk: int = 0,
+        logprobs_at: torch.Tensor | None = None,
     ):
-        """Padding-free ``(log_probs (B, R), entropy (B, R) or None)`` of one micro-batch (and
-        ``sum_pi_squared`` (B, R) as a third element when ``calculate_sum_pi_squared``).
+        """Padding-free ``(log_probs (B, R), entropy (B, R) or None)`` of one micro-batch, then
+        the extras asked for (:func:`postrl.engine.logprob.policy_logprobs`): ``sum_pi_squared``
+        (B, R); ``topk`` log-probs and ids (B, R, K); log-probs at ``logprobs_at`` (B, R, K).
 
         Always call the model through this (not ``decoder`` + ``lm_head``) in engines that may run
         sharded: it is the FSDP2 root's forward.
@@ -326,6 +334,8 @@ class PolicyModel(_DataParallelRoot):
             calculate_entropy=calculate_entropy,
             share_prefix=share_prefix,
             calculate_sum_pi_squared=calculate_sum_pi_squared,
+            topk=topk,
+            logprobs_at=logprobs_at,
         )
 
     def _fsdp_root(self) -> nn.Module:

@@ -171,6 +171,12 @@ class RolloutReplica:
         """``{name: crc32}`` of the tensors of the last complete weight update."""
         return self.received.last
 
+    @property
+    def max_model_len(self) -> int | None:
+        """Tokens per sequence the engine holds, where the backend says (else None)."""
+        n = getattr(self.backend, "max_model_len", None)
+        return int(n) if n else None
+
     def status(self) -> dict[str, Any]:
         """The health answer remote callers get: policy version, running / waiting requests
         and the engine's busy seconds (what the watchdog reads)."""

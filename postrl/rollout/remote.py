@@ -215,12 +215,20 @@ class HTTPRolloutReplica(Liveness):
 
     # ------------------------------------------------------------------ control
     def _post(self, route: str, **kw: Any) -> dict[str, Any]:
+        return self._request("POST", route, **kw)
+
+    def _get(self, route: str) -> dict[str, Any]:
+        return self._request("GET", route)
+
+    def _request(self, method: str, route: str, **kw: Any) -> dict[str, Any]:
+        """One control call (JSON answer); transport errors are retried on a fresh connection,
+        then the replica counts as dead; a non-200 answer is a ``RolloutError``."""
         import httpx
 
         self.check_alive()
         for attempt in range(_RETRIES + 1):
             try:
-                r = self._http.post(route, **kw)
+                r = self._http.request(method, route, **kw)
                 break
             except httpx.TransportError as e:  # timeouts included: a hung replica is dead too
                 gone = self.process_gone()
@@ -289,9 +297,10 @@ class HTTPRolloutReplica(Liveness):
         """Restore what :meth:`sleep` released."""
         self._post("/v1/wake_up")
 
-    def receive_bucket(self, frame: bytes) -> None:
+    def receive_bucket(self, frame: bytes) -> dict[str, Any]:
         """Send one ``postrl.weights`` frame; the replica swaps the weights in atomically at the
-        frame marked ``last`` (its answer carries the swap's pause and recompute times).
+        frame marked ``last`` (its answer, returned, carries the swap's pause and recompute
+        times).
 
         With a ``stream_port`` the frame travels as raw bytes on a connection of its own
         (a header line, then the bytes; ~10× faster than an HTTP body of the same size:
@@ -310,6 +319,29 @@ class HTTPRolloutReplica(Liveness):
             self.last_swap = {k: float(v) for k, v in d["swap"].items()}
         if "received" in d:
             self.last_received = {k: int(v) for k, v in d["received"].items()}
+        return d
+
+    def receive_bucket_report(self, frame: bytes) -> dict[str, Any]:
+        """:meth:`receive_bucket`, answered as ``RolloutReplica.receive_bucket_report`` is
+        (policy version; at an update's last frame ``swap`` and ``received``): a server in
+        front of this replica (``postrl serve`` of a backend that runs in a process of its
+        own) relays the replica's own answer."""
+        d = self.receive_bucket(frame)
+        return {k: d[k] for k in ("policy_version", "swap", "received") if k in d}
+
+    def status(self) -> dict[str, Any]:
+        """The replica's ``/health`` answer (policy version, running / waiting requests, busy
+        seconds), within ``control_timeout_s``."""
+        return self._get("/health")
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Tokens per sequence the replica's engine holds (its ``/v1/models``; asked once)."""
+        if not hasattr(self, "_max_model_len"):
+            cards = self._get("/v1/models").get("data") or [{}]
+            n = cards[0].get("max_model_len")
+            self._max_model_len = int(n) if n else None
+        return self._max_model_len
 
     def _send_frame_raw(self, frame: bytes) -> dict[str, Any]:
         """One frame over a blocking connection to the stream port (opened once, kept; a
@@ -481,10 +513,28 @@ class _Channel:
         self._writer.write(json.dumps({"id": 0, **msg}).encode() + b"\n")
 
     def close(self) -> None:
-        """Close the connection (from the loop's thread or any other)."""
+        """Close the connection (from the loop's thread or any other). On a loop that no longer
+        runs (its owner is done: the end of a run), the reader task is ended here, so the
+        loop is not left holding a pending task ("Task was destroyed but it is pending")."""
         w = self._writer
-        if w is not None and not self.loop.is_closed():
+        if w is None or self.loop.is_closed():
+            return
+        if self.loop.is_running():
             self.loop.call_soon_threadsafe(w.close)
+            return
+        w.close()
+        task = self._reader_task
+        if task is None or task.done():
+            return
+        task.cancel()
+
+        async def ended() -> None:
+            await asyncio.gather(task, return_exceptions=True)
+
+        try:
+            self.loop.run_until_complete(ended())
+        except RuntimeError:  # another loop runs in this thread: the task ends with its loop
+            pass
 
 
 async def _serve_stream(

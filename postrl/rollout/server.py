@@ -73,6 +73,7 @@ from postrl.rollout.types import RolloutError, SamplingParams
 __all__ = [
     "create_app",
     "build_app",
+    "start_replica",
     "serve_main",
     "check_bind",
     "TopLogprobs",
@@ -121,6 +122,7 @@ class _ScoreBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     sequences: list[_ScoreSeq]
     temperature: float = Field(default=1.0, gt=0)
+    top_k: int = Field(default=0, ge=0, le=1024)
 
 
 class TopLogprobs:
@@ -158,9 +160,10 @@ class TopLogprobs:
             ).eval()
 
     def score(
-        self, sequences: list[tuple[list[int], list[int]]], temperature: float
-    ) -> list[list[float]]:
-        """Log-probs of each response token (:func:`postrl.rollout.teacher.score_sequences`)."""
+        self, sequences: list[tuple[list[int], list[int]]], temperature: float, top_k: int = 0
+    ) -> Any:
+        """Log-probs of each response token, and with ``top_k`` the top-k pairs
+        (:func:`postrl.rollout.teacher.score_sequences`)."""
         from postrl.rollout.teacher import score_sequences
 
         with self._lock:
@@ -170,7 +173,7 @@ class TopLogprobs:
                     "copy was loaded"
                 )
             self._load()
-            return score_sequences(self._model, sequences, temperature)
+            return score_sequences(self._model, sequences, temperature, top_k)
 
     def top(
         self, prompt: list[int], out: list[int], k: int, temperature: float
@@ -312,8 +315,8 @@ def create_app(
         }
 
     @app.get("/health")
-    async def health():
-        return replica.status()
+    async def health():  # a replica in a process of its own answers over HTTP: off the loop
+        return await asyncio.to_thread(replica.status)
 
     @app.get("/v1/models")
     async def models():
@@ -326,7 +329,7 @@ def create_app(
                     "owned_by": "postrl",
                     "created": 0,
                     # vLLM's ModelCard extension: clients check prompt lengths against it
-                    "max_model_len": getattr(replica.backend, "max_model_len", None),
+                    "max_model_len": getattr(replica, "max_model_len", None),
                 }
             ],
         }
@@ -344,8 +347,10 @@ def create_app(
         if top_logprobs is None:
             raise ValueError("this server scores nothing (started without a scorer)")
         seqs = [(s.prompt_ids, s.response_ids) for s in body.sequences]
-        lps = await asyncio.to_thread(top_logprobs.score, seqs, body.temperature)
-        return {"log_probs": lps}
+        got = await asyncio.to_thread(top_logprobs.score, seqs, body.temperature, body.top_k)
+        if body.top_k:
+            return {"log_probs": got[0], "top_logprobs": got[1]}
+        return {"log_probs": got}
 
     @app.get("/v1/tokenizer")
     async def tokenizer_info():
@@ -562,11 +567,13 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 
 def build_app(
-    model_dir: str, backend: Any, api_key: str | None = None, tool_parser: str = "hermes"
+    model_dir: str, replica: Any, api_key: str | None = None, tool_parser: str = "hermes"
 ):
-    """The app ``postrl serve`` runs: ``backend`` behind the OpenAI routes, with the model's
+    """The app ``postrl serve`` runs: ``replica`` behind the OpenAI routes, with the model's
     tokenizer, a ``tool_parser`` (a ``postrl.tools.parsers`` name; '' = none) and
-    ``top_logprobs`` from a lazily loaded copy of ``model_dir``."""
+    ``top_logprobs`` from a lazily loaded copy of ``model_dir``. ``replica`` is a
+    ``RolloutReplica``, a replica in a process of its own (``remote.HTTPRolloutReplica``: a
+    backend that declares ``own_process``, e.g. ``vllm``) or a bare backend (wrapped)."""
     from transformers import AutoTokenizer
 
     parser = None
@@ -574,13 +581,43 @@ def build_app(
         from postrl.tools.parsers import get_tool_parser  # the serving entry wires the layers
 
         parser = get_tool_parser(tool_parser)
+    if not hasattr(replica, "receive_bucket_report"):
+        replica = RolloutReplica(replica)
     return create_app(
-        RolloutReplica(backend),
+        replica,
         AutoTokenizer.from_pretrained(model_dir),
         api_key,
         model_name=os.path.basename(os.path.normpath(str(model_dir))),
         tool_parser=parser,
         top_logprobs=TopLogprobs(str(model_dir)),
+    )
+
+
+def start_replica(
+    backend: str,
+    model_dir: str,
+    options: dict[str, Any],
+    python: str = "",
+    log_path: str | None = None,
+    startup_timeout_s: float = 900.0,
+) -> Any:
+    """The replica ``postrl serve`` puts behind its routes: the backend in this process, or
+    (a backend whose registry entry declares ``own_process``) in a replica process of its own
+    run by its venv's python (``python``, else the entry's default), driven over 127.0.0.1."""
+    from postrl.rollout.base import create_rollout_backend, replica_python, runs_in_own_process
+
+    if not runs_in_own_process(backend):
+        return RolloutReplica(create_rollout_backend(backend, model_dir, **options))
+    from postrl.rollout.remote import spawn_replica
+
+    return spawn_replica(
+        model_dir,
+        backend=backend,
+        options=options,
+        python=replica_python(backend, python),
+        log_path=log_path,
+        startup_timeout_s=startup_timeout_s,
+        control_timeout_s=300.0,
     )
 
 
@@ -603,16 +640,32 @@ def serve_main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tool-parser", default="hermes", help="tool-call format of the model's replies ('' = off)"
     )
+    p.add_argument(
+        "--python",
+        default="",
+        help="interpreter of the replica process of a backend that runs in one of its own "
+        "(vllm: default .venv-vllm/bin/python, built by `make vllm-venv`)",
+    )
+    p.add_argument(
+        "--replica-log",
+        default="",
+        help="log file of such a replica process (default: postrl_serve_<backend>_replica.log)",
+    )
+    p.add_argument(
+        "--startup-timeout-s", type=float, default=900.0, help="deadline of such a replica's start"
+    )
     a = p.parse_args(argv)
     check_bind(a.host, a.api_key)
     import uvicorn
 
-    from postrl.rollout.base import create_rollout_backend
-
-    opts = dict(device=a.device, dtype=a.dtype)
-    if a.backend == "native":
-        opts.update(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len)
-    backend = create_rollout_backend(a.backend, a.model, **opts)
-    app = build_app(a.model, backend, a.api_key, tool_parser=a.tool_parser)
-    uvicorn.run(app, host=a.host, port=a.port, log_level="info")
+    opts = dict(
+        device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len
+    )
+    log = a.replica_log or f"postrl_serve_{a.backend}_replica.log"
+    replica = start_replica(a.backend, a.model, opts, a.python, log, a.startup_timeout_s)
+    try:
+        app = build_app(a.model, replica, a.api_key, tool_parser=a.tool_parser)
+        uvicorn.run(app, host=a.host, port=a.port, log_level="info")
+    finally:
+        replica.close()
     return 0

@@ -3,9 +3,10 @@
 Server side, ``postrl serve`` answers two routes (:mod:`postrl.rollout.server`):
 
 - ``POST /v1/score``  ``{"sequences": [{"prompt_ids": [...], "response_ids": [...]}, ...],
-  "temperature": 1.0}`` → ``{"log_probs": [[...], ...]}``: ``log softmax(z / T)`` of each
-  response token given the prompt and the response tokens before it (one padded forward for
-  the whole request, :func:`score_sequences`);
+  "temperature": 1.0, "top_k": 0}`` → ``{"log_probs": [[...], ...]}``: ``log softmax(z / T)``
+  of each response token given the prompt and the response tokens before it (one padded
+  forward for the whole request, :func:`score_sequences`); with ``top_k > 0`` also
+  ``"top_logprobs"``: per response token the ``top_k`` ``[token id, log-prob]`` pairs;
 - ``GET /v1/tokenizer`` → :func:`tokenizer_fingerprint` of the served model's tokenizer.
 
 Client side, :class:`RemoteTeacher` turns a batch (``input_ids`` = left-padded prompt ++
@@ -80,8 +81,11 @@ def fingerprint_mismatch(student: dict[str, Any], teacher: dict[str, Any]) -> li
 
 @torch.no_grad()
 def score_sequences(
-    model: Any, sequences: list[tuple[list[int], list[int]]], temperature: float = 1.0
-) -> list[list[float]]:
+    model: Any,
+    sequences: list[tuple[list[int], list[int]]],
+    temperature: float = 1.0,
+    top_k: int = 0,
+) -> Any:
     """Log-probs of each response token given its prompt and the response before it.
 
     One right-padded forward over the ``S`` sequences (L = longest prompt + response):
@@ -92,11 +96,18 @@ def score_sequences(
         model: a Hugging Face causal LM (eval mode).
         sequences: ``(prompt_ids, response_ids)`` pairs; each prompt has >= 1 token.
         temperature: logits are divided by it (> 0).
+        top_k: also return, per response position, the ``top_k`` most likely next tokens as
+            ``[token id, log-prob]`` pairs, most likely first (a distillation teacher's top-k,
+            ``distill.loss=gkd``); 0 = no.
+
+    Returns:
+        ``log_probs`` (per sequence, per response token), or ``(log_probs, top)`` when
+        ``top_k > 0`` with ``top[i][j]`` the ``top_k`` pairs of response token j of row i.
     """
     if any(not p for p, _ in sequences):
         raise ValueError("every sequence needs at least one prompt token")
     if not sequences:
-        return []
+        return ([], []) if top_k else []
     lens = [len(p) + len(r) for p, r in sequences]
     width = max(lens)
     ids = torch.zeros(len(sequences), width, dtype=torch.long)  # (S, L)
@@ -107,10 +118,16 @@ def score_sequences(
     logits = model(input_ids=ids, attention_mask=am).logits.float() / temperature  # (S, L, V)
     lp = torch.log_softmax(logits[:, :-1], dim=-1)  # (S, L-1, V): position t predicts t+1
     tok_lp = lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (S, L-1)
-    out = []
+    out, top = [], []
+    if top_k:
+        top_lp, top_id = lp.topk(min(top_k, lp.shape[-1]), dim=-1)  # (S, L-1, K)
     for i, (p, r) in enumerate(sequences):
-        out.append(tok_lp[i, len(p) - 1 : len(p) - 1 + len(r)].tolist())
-    return out
+        span = slice(len(p) - 1, len(p) - 1 + len(r))
+        out.append(tok_lp[i, span].tolist())
+        if top_k:
+            pairs = torch.stack([top_id[i, span].double(), top_lp[i, span].double()], -1)
+            top.append([[[int(v), float(x)] for v, x in row] for row in pairs.tolist()])
+    return (out, top) if top_k else out
 
 
 class RemoteTeacher:
@@ -120,12 +137,18 @@ class RemoteTeacher:
         url: the server's base URL.
         api_key: bearer token ('' = none).
         timeout_s: deadline of one request.
+        top_k: also ask for the teacher's ``top_k`` most likely tokens at each response position
+            (``distill.loss=gkd``; 0 = no).
     """
 
-    def __init__(self, url: str, api_key: str = "", timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, url: str, api_key: str = "", timeout_s: float = 120.0, top_k: int = 0
+    ) -> None:
         import httpx
 
         self.url = url.rstrip("/")
+        self.top_k = int(top_k)
+        self._pool: Any = None  # one thread for submit(): the request waits on the network
         key = api_key or os.environ.get("POSTRL_API_KEY", "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.timeout_s = timeout_s
@@ -152,7 +175,9 @@ class RemoteTeacher:
         return self._call("GET", "/v1/tokenizer")
 
     def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
-        """``teacher_log_prob`` (B, R) of ``responses`` (temperature 1), one request."""
+        """``teacher_log_prob`` (B, R) of ``responses`` (temperature 1), one request; with
+        ``top_k > 0`` also ``teacher_topk_log_probs`` / ``teacher_topk_ids`` (B, R, K)."""
+        top_k = self.top_k
         ids, am = data.batch["input_ids"], data.batch["attention_mask"].bool()
         r = data.batch["responses"].shape[1]
         p = ids.shape[1] - r
@@ -163,13 +188,25 @@ class RemoteTeacher:
             }
             for i in range(ids.shape[0])
         ]
-        body = self._call("POST", "/v1/score", json={"sequences": seqs, "temperature": 1.0})
+        req: dict[str, Any] = {"sequences": seqs, "temperature": 1.0}
+        if top_k:
+            req["top_k"] = top_k
+        body = self._call("POST", "/v1/score", json=req)
         rows = body.get("log_probs")
         if not isinstance(rows, list) or len(rows) != len(seqs):
             raise TeacherError(
                 f"teacher {self.url}/v1/score returned {len(rows or [])} rows for {len(seqs)}"
             )
+        tops = body.get("top_logprobs") if top_k else None
+        if top_k and (not isinstance(tops, list) or len(tops) != len(seqs)):
+            raise TeacherError(
+                f"teacher {self.url}/v1/score returned no top_logprobs for top_k={top_k} (a "
+                "server without top-k scoring: serve the teacher with this postrl's `postrl "
+                "serve`, or use distill.loss=reverse_kl)"
+            )
         out = torch.zeros(ids.shape[0], r, dtype=torch.float32)  # (B, R)
+        top_lp = torch.zeros(ids.shape[0], r, top_k, dtype=torch.float32)  # (B, R, K)
+        top_id = torch.zeros(ids.shape[0], r, top_k, dtype=torch.long)  # (B, R, K)
         for i, (s, lp) in enumerate(zip(seqs, rows)):
             if len(lp) != len(s["response_ids"]):
                 raise TeacherError(
@@ -177,8 +214,56 @@ class RemoteTeacher:
                     f"{len(s['response_ids'])} tokens"
                 )
             out[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
-        return DataProto.from_dict({"teacher_log_prob": out})
+            if top_k:
+                t = torch.tensor(tops[i], dtype=torch.float64).view(-1, top_k, 2)  # (r_i, K, 2)
+                if t.shape[0] != len(lp):
+                    raise TeacherError(
+                        f"teacher {self.url}/v1/score: row {i} has {t.shape[0]} top-k rows for "
+                        f"{len(lp)} tokens"
+                    )
+                top_id[i, : len(lp)] = t[..., 0].long()
+                top_lp[i, : len(lp)] = t[..., 1].float()
+        cols = {"teacher_log_prob": out}
+        if top_k:
+            cols.update(teacher_topk_log_probs=top_lp, teacher_topk_ids=top_id)
+        return DataProto.from_dict(cols)
+
+    def submit(self, method: str, data: DataProto) -> _Pending:
+        """``method`` (``compute_teacher_log_prob``) in a background thread, like a worker
+        group's ``submit``: the step runs its own passes while the request is in flight.
+        ``.result()`` waits at most ``timeout_s`` + 10 s (the request's own deadline is
+        ``timeout_s``) and raises :class:`TeacherError` naming the URL past it."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if method != "compute_teacher_log_prob":
+            raise TeacherError(f"teacher {self.url}: no method {method!r}")
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="postrl-teacher")
+        return _Pending(self._pool.submit(self.compute_teacher_log_prob, data), self)
 
     def shutdown(self) -> None:
-        """Close the HTTP connection."""
+        """Close the HTTP connection (and the submit thread)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         self._http.close()
+
+
+class _Pending:
+    """A :meth:`RemoteTeacher.submit` in flight."""
+
+    def __init__(self, future: Any, teacher: RemoteTeacher) -> None:
+        self.future, self.teacher = future, teacher
+
+    def result(self, timeout_s: float | None = None) -> DataProto:
+        """The call's DataProto; :class:`TeacherError` past the deadline."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        deadline = timeout_s if timeout_s is not None else self.teacher.timeout_s + 10.0
+        try:
+            return self.future.result(timeout=deadline)
+        except FutureTimeout as e:
+            raise TeacherError(
+                f"teacher {self.teacher.url}/v1/score: no answer within {deadline:.0f} s "
+                "(distill.timeout_s + 10): raise distill.timeout_s or check the server"
+            ) from e

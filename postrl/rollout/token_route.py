@@ -49,7 +49,7 @@ from fastapi.responses import JSONResponse
 
 from postrl.rollout.types import SamplingParams
 
-__all__ = ["IGNORED_HEADER", "add_token_routes", "parse_generate_request"]
+__all__ = ["IGNORED_HEADER", "add_token_routes", "logprobs_content", "parse_generate_request"]
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def add_token_routes(
                     tops = await asyncio.to_thread(
                         top_logprobs.top, ids, o.token_ids, k, sp.temperature
                     )
-                lp = {"content": _content(o.token_ids, o.log_probs, tops)}
+                lp = {"content": logprobs_content(o.token_ids, o.log_probs, tops)}
             choices.append(
                 {
                     "index": i,
@@ -241,7 +241,7 @@ def add_token_routes(
     return ignored_counts
 
 
-def _content(ids: list[int], logprobs: Any, tops: list[Any]) -> list[dict[str, Any]]:
+def logprobs_content(ids: list[int], logprobs: Any, tops: list[Any]) -> list[dict[str, Any]]:
     """vLLM's ``logprobs.content`` with ``return_tokens_as_token_ids``: one entry per token."""
     lps = list(logprobs) if logprobs else [0.0] * len(ids)
     return [

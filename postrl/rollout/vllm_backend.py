@@ -175,6 +175,8 @@ class VLLMBackend:
 
         with _stdout_to_stderr():  # the engine's processes inherit it
             self.engine = self._loop.call(make(), timeout_s=startup_timeout_s)
+        self.max_model_len = int(self.engine.model_config.max_model_len)
+        """Tokens per sequence the engine holds (``/v1/models`` lists it)."""
         self._reaper = _reap_children_when_gone()
 
     # ------------------------------------------------------------------ generation

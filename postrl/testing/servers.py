@@ -18,11 +18,15 @@ def start_server(
     max_num_seqs: int = 8,
     max_model_len: int = 256,
     timeout_s: float = 30.0,
+    replica: Any = None,
 ) -> tuple[str, Any, Any]:
-    """Serve ``model_dir`` with the native engine on a free 127.0.0.1 port.
+    """Serve ``model_dir`` with the native engine on a free 127.0.0.1 port, or serve
+    ``replica`` when given (e.g. a vLLM replica process from ``remote.spawn_replica``: what
+    ``postrl serve --backend vllm`` puts behind its routes).
 
     Returns:
-        ``(base url, uvicorn server, backend)``; stop it with ``server.should_exit = True``.
+        ``(base url, uvicorn server, backend or replica)``; stop it with
+        ``server.should_exit = True``.
 
     Raises:
         TimeoutError: the server did not start within ``timeout_s``.
@@ -32,7 +36,7 @@ def start_server(
     from postrl.rollout import create_rollout_backend
     from postrl.rollout.server import build_app
 
-    be = create_rollout_backend(
+    be = replica or create_rollout_backend(
         "native", str(model_dir), max_num_seqs=max_num_seqs, max_model_len=max_model_len
     )
     app = build_app(str(model_dir), be, api_key)  # exactly what `postrl serve` runs

@@ -24,8 +24,9 @@ proximal_log_prob   old_log_probs       4 old log-probs     not ``bypass_mode``;
                                         update's forward)   (the loss weights by π_prox/μ)
 rollout_is_weights  rollout_is_weights  6 rollout correct.  ``rollout_correction.rollout_is``
 teacher_log_prob    teacher_log_prob    4 teacher           ``distill.teacher_path`` or ``_url``
-teacher_topk        teacher_topk_log_   —                   not produced yet (refused)
-                    probs
+teacher_topk        teacher_topk_log_   4 teacher (same     ``distill.teacher_path`` or ``_url``
+                    probs, _ids         forward, K =        (gkd)
+                                        ``distill.topk``)
 ==================  ==================  ==================  =================================
 
 Config validation calls :func:`check_needs` (a need nothing produces, or whose producer cannot
@@ -231,16 +232,6 @@ def _rollout_is_check(cfg: Any) -> list[str]:
     ]
 
 
-def _teacher_topk_check(cfg: Any) -> list[str]:
-    """No stage produces the teacher's top-k yet, and the update would need the student's
-    log-probs at those ids (a gather inside the chunked log-softmax of ``engine/logprob.py``)."""
-    return [
-        "no stage computes the teacher's top-k distribution, nor the student's log-probs at "
-        "those ids inside the update, yet (the loss itself is postrl.algos.distill."
-        "generalized_jsd_topk): use distill.loss=reverse_kl"
-    ]
-
-
 def _proximal_check(cfg: Any) -> list[str]:
     """Decoupled PPO's proximal policy must be recomputed, and its π_prox/μ weight is the loss's
     own (a stage-6 weight would apply twice)."""
@@ -321,9 +312,9 @@ for _need in (
         "teacher_topk",
         "teacher_topk_log_probs",
         "teacher",
-        "the teacher's top-k token ids and log-probs at each response position (B, T, k)",
+        "the teacher's top-k log-probs and token ids at each response position (B, T, K), "
+        "K = distill.topk",
         role="teacher",
-        check=_teacher_topk_check,
     ),
     Need(
         "rollout_is_weights",

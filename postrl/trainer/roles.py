@@ -25,9 +25,20 @@ from postrl.trainer import stages
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Roles", "build_roles", "resolve_fuse_old_log_prob"]
+__all__ = ["Roles", "TeacherCall", "build_roles", "resolve_fuse_old_log_prob"]
 
 Staged = tuple[DataProto, dict[str, float]]
+
+
+@dataclass
+class TeacherCall:
+    """A teacher call in flight (:meth:`Roles.submit_teacher`)."""
+
+    future: Any
+    """``.result()`` -> DataProto ``teacher_log_prob`` (…); waits at most the teacher's own
+    deadline (a worker group's call timeout, a remote teacher's ``distill.timeout_s``)."""
+    t0: float
+    """``time.perf_counter()`` at submit."""
 
 
 @dataclass
@@ -94,14 +105,29 @@ class Roles:
         group = self.actor if self.use_lora_ref else self.ref
         return batch.union(group.compute_ref_log_prob(batch)), {}
 
-    def teacher_log_probs(self, batch: DataProto) -> Staged:
-        """Stage 4: the distillation teacher's log-probs of the sampled tokens
-        (``teacher_log_prob``), timed as ``timing_s/teacher`` (absent without a teacher)."""
+    def submit_teacher(self, batch: DataProto) -> TeacherCall | None:
+        """Stage 4, first: hand the sampled tokens to the distillation teacher without waiting
+        (``submit``: a Ray group or a remote teacher works while the old-log-prob and reference
+        passes run here; an in-process group answers at once). None without a teacher."""
         if self.teacher is None:
-            return batch, {}
+            return None
+        query = batch.select(["input_ids", "attention_mask", "responses"], [])
         t0 = time.perf_counter()
-        out = self.teacher.compute_teacher_log_prob(batch)
-        return batch.union(out), {"timing_s/teacher": time.perf_counter() - t0}
+        return TeacherCall(self.teacher.submit("compute_teacher_log_prob", query), t0)
+
+    def teacher_log_probs(self, batch: DataProto, call: TeacherCall | None = None) -> Staged:
+        """Stage 4, last: the distillation teacher's log-probs of the sampled tokens
+        (``teacher_log_prob``, and its top-k for gkd) joined into the batch. Metrics:
+        ``timing_s/teacher`` (submit to answer) and ``timing_s/teacher_wait`` (how long the step
+        waited for it after its own stage-4 passes; absent without a teacher)."""
+        call = call if call is not None else self.submit_teacher(batch)
+        if call is None:
+            return batch, {}
+        t_wait = time.perf_counter()
+        out = call.future.result()  # the teacher's own deadline (group timeouts, timeout_s)
+        t1 = time.perf_counter()
+        metrics = {"timing_s/teacher": t1 - call.t0, "timing_s/teacher_wait": t1 - t_wait}
+        return batch.union(out), metrics
 
     def values(self, batch: DataProto) -> Staged:
         """Stage 5: critic values (GAE runs only)."""

@@ -8,7 +8,9 @@
   field and what differs.
 - :func:`distill_stage` — in stage 6, after the estimator: the configured loss of
   :data:`~postrl.algos.distill.DISTILL_LOSSES` applied as its registry entry's ``kind`` says
-  (``advantage``: the per-token term joins the advantages), and the ``distill/*`` metrics.
+  (``advantage``: the per-token term joins the advantages; ``loss``: the update adds it to its
+  loss from the teacher's top-k, ``teacher_topk_ids`` / ``teacher_topk_log_probs``), and the
+  ``distill/*`` metrics.
 
 The teacher's log-probs themselves are stage 4 of the step (``Roles.teacher_log_probs``, timed
 as ``timing_s/teacher``), beside the reference's, in every mode whose batch reaches the driver.
@@ -76,16 +78,20 @@ def build_teacher(cfg: Any, group: Any) -> Any:
         return group(TeacherWorker, "teacher")
     if d.teacher_url:
         from postrl.rollout.teacher import RemoteTeacher
+        from postrl.workers.teacher import teacher_topk
 
-        return RemoteTeacher(d.teacher_url, d.api_key, d.timeout_s)
+        return RemoteTeacher(d.teacher_url, d.api_key, d.timeout_s, top_k=teacher_topk(cfg))
     return None
 
 
 def distill_stage(batch: DataProto, cfg: Any) -> tuple[DataProto, dict[str, float]]:
-    """Stage 6, after the estimator: ``distill/*`` metrics and, for an ``advantage`` loss, the
-    per-token term in ``advantages`` (``returns``, a critic's targets, stay the task's). A no-op
-    when the batch has no ``teacher_log_prob``."""
-    from postrl.algos.distill import DISTILL_LOSSES, distill_metrics
+    """Stage 6, after the estimator: ``distill/*`` metrics and the loss's effect on the
+    advantages, as its registry entry's ``kind`` says — ``advantage`` (reverse_kl): the
+    per-token term joins them; ``loss`` (gkd): the update adds the term to its loss (the
+    teacher's top-k travels with the batch), and the task advantages are scaled by
+    ``distill.task_reward_weight`` here (0: pure distillation). ``returns``, a critic's targets,
+    stay the task's. A no-op when the batch has no ``teacher_log_prob``."""
+    from postrl.algos.distill import DISTILL_LOSSES, distill_metrics, teacher_topk_mass
 
     b = dict(batch.batch)
     if "teacher_log_prob" not in b:
@@ -97,8 +103,8 @@ def distill_stage(batch: DataProto, cfg: Any) -> tuple[DataProto, dict[str, floa
         k: float(v) for k, v in distill_metrics(student, b["teacher_log_prob"], mask).items()
     }
     fn, meta = DISTILL_LOSSES.get(d.loss), DISTILL_LOSSES.meta(d.loss)
+    task = b["advantages"]
     if meta["kind"] == "advantage":
-        task = b["advantages"]
         b["advantages"] = fn(
             student,
             b["teacher_log_prob"],
@@ -107,4 +113,10 @@ def distill_stage(batch: DataProto, cfg: Any) -> tuple[DataProto, dict[str, floa
             coef=d.coef,
             task_weight=d.task_reward_weight,
         ).to(task.dtype)
+    elif d.task_reward_weight != 1.0:  # a loss-kind term: the task's share of the update
+        b["advantages"] = (task.float() * d.task_reward_weight).to(task.dtype)
+    if "teacher_topk_log_probs" in b:
+        metrics["distill/teacher_topk_mass"] = float(
+            teacher_topk_mass(b["teacher_topk_log_probs"], mask)
+        )
     return DataProto(b, batch.non_tensor_batch, batch.meta_info), metrics

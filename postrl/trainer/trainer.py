@@ -199,9 +199,10 @@ class RLTrainer:
         batch = run(None, stages.downsample_stage, batch, cfg, step)  # (PODS: a subset trains)
         batch = run(None, roles.balance, batch)  # 3. balance
         batch.meta_info.update(temperature=cfg.rollout.temperature, global_step=step)
+        teacher = roles.submit_teacher(batch)  # 4. (distillation: runs beside the passes below)
         batch = run("old_log_prob", roles.old_log_probs, batch)  # 4. old / ref log-probs
         batch = run("ref", roles.ref_log_probs, batch)
-        batch = run(None, roles.teacher_log_probs, batch)  # (distillation: timing_s/teacher)
+        batch = run(None, roles.teacher_log_probs, batch, teacher)  # (timing_s/teacher)
         batch = run("values", roles.values, batch)  # 5. values
         batch = run("adv", stages.advantage_stage, batch, ctx, self.kl_ctrl)  # 6. advantage
         batch = run("update_critic", roles.update_critic, batch)  # 7. update
@@ -270,8 +271,11 @@ class RLTrainer:
         finally:
             self.tracker.close()
             ledger.close()
-        plots = make_plots(self.run_dir)
-        summary = summarize(self.run_dir)
+        if (self.run_dir / "metrics.jsonl").exists():
+            plots, summary = make_plots(self.run_dir), summarize(self.run_dir)
+        else:  # plots and the summary read the jsonl logger's file
+            plots = []
+            summary = f"no metrics.jsonl: trainer.loggers={list(tc.loggers)} has no jsonl"
         (self.run_dir / "summary.txt").write_text(summary + "\n")
         logger.info(
             "done: metrics in %s, plots in %s\n%s",

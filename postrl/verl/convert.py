@@ -99,8 +99,16 @@ def _rollout_name(v, view):
     raise Unsupported(f"postrl has no {v!r} rollout engine", f"{RO}.name=vllm (GPU) or native")
 
 
-def _engine(vllm_key: str | None, sglang_key: str | None = None, why: str = _CPU_ENGINES):
-    """Pass a vLLM/SGLang engine argument through ``rollout.engine_kwargs``; a no-op elsewhere."""
+def _engine(
+    vllm_key: str | None,
+    sglang_key: str | None = None,
+    why: str = _CPU_ENGINES,
+    platform_default: bool = False,
+):
+    """Pass a vLLM/SGLang engine argument through ``rollout.engine_kwargs``; a no-op elsewhere.
+    ``platform_default``: the engine adapter picks this argument per platform (vLLM on CPU:
+    eager, no chunked prefill with per-request seeds; ``vllm_backend.engine_defaults``), so only
+    a value the user set is passed: verl's default (a GPU setting) gives way."""
 
     def conv(v, view):
         b = backend_of(view)
@@ -110,6 +118,7 @@ def _engine(vllm_key: str | None, sglang_key: str | None = None, why: str = _CPU
         return {}
 
     conv.why = why  # type: ignore[attr-defined]
+    conv.platform_default = platform_default  # type: ignore[attr-defined]
     return conv
 
 
@@ -131,6 +140,9 @@ def _tp(v, view):
     if b == "sglang":
         return {"rollout.engine_kwargs": {"tp_size": int(v)}}
     return {}
+
+
+_tp.platform_default = True  # type: ignore[attr-defined]  (verl's default 2 is a GPU layout)
 
 
 _tp.why = (  # type: ignore[attr-defined]

@@ -80,11 +80,19 @@ run also writes it to `RUN_DIR/verl_translated.yaml`. `postrl.<key>=value` sets 
 verl has no name for (`postrl.rollout.num_replicas=2`). `--config-path DIR --config-name NAME`
 reads a verl YAML first (its `defaults:` may name only `ppo_trainer` and `_self_`).
 
-`actor_rollout_ref.rollout.name=vllm` (or `sglang`) needs that engine installed
-(`pip install 'postrl[vllm]'`, CUDA); without it the translation stops and names the CPU
-alternative, `actor_rollout_ref.rollout.name=native`. Leaving `rollout.name` out (verl requires
-it) picks `native`. On a machine without a GPU verl's default `trainer.device=cuda` becomes
-`cpu` (logged) and `trainer.n_gpus_per_node` trains one in-process worker.
+`actor_rollout_ref.rollout.name=vllm` runs postrl's `vllm` backend (its engine in a replica
+process of the vLLM venv: on CPU `make vllm-venv`, on GPU `pip install 'postrl[vllm]'`; see
+[rollout.md](rollout.md#vllm-rolloutbackendvllm)); `sglang` needs SGLang installed. Without the
+engine the translation stops and names the CPU alternative,
+`actor_rollout_ref.rollout.name=native`. verl's defaults for `enforce_eager` (False),
+`enable_chunked_prefill` (True) and `tensor_model_parallel_size` (2) are GPU settings: unless
+you set them, the adapter's per-platform defaults apply instead (on CPU: eager, no chunked
+prefill, one process); verl's `dtype` default (`bfloat16`) is kept, so the rollout runs in
+bf16 while the trainer runs fp32 (|`rollout_corr/kl_k1`| 5e-4 to 6e-3 on the tiny model; set
+`actor_rollout_ref.rollout.dtype=float32` for fp32 rollouts). Leaving `rollout.name` out
+(verl requires it) picks `native`. On a machine without a GPU verl's default
+`trainer.device=cuda` becomes `cpu` (logged) and `trainer.n_gpus_per_node` trains one
+in-process worker.
 """
 
 _DATA = """\

@@ -191,6 +191,8 @@ def _collect(
 def _apply(rule: Rule, view: _View, matched: dict, out: dict, errors: list[str]) -> None:
     hits = matched.get(rule.key, [])
     if rule.kind == "map":
+        if not hits and getattr(rule.convert, "platform_default", False):
+            return  # the engine adapter's per-platform default, not verl's GPU one
         value = view.get(rule.key)
         try:
             result = rule.convert(value, view) if rule.convert else {rule.to: value}

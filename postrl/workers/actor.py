@@ -71,7 +71,7 @@ class ActorWorker(Worker):
         self.actor = Actor(
             self.policy,
             batch=batch_spec(cfg.actor),
-            loss=policy_loss_spec(cfg.actor),
+            loss=policy_loss_spec(cfg.actor, cfg.distill),
             optim=optim_spec(cfg.actor.optim),
             rollout_n=cfg.train_group_size,
             share_prefix=share_prefix(cfg),

@@ -59,9 +59,27 @@ def batch_spec(role_cfg: Any) -> BatchSpec:
     return _spec(BatchSpec, role_cfg, shuffle=bool(getattr(role_cfg, "shuffle", False)))
 
 
-def policy_loss_spec(actor_cfg: Any) -> PolicyLossSpec:
-    """:class:`PolicyLossSpec` from ``cfg.actor``."""
-    return _spec(PolicyLossSpec, actor_cfg, policy_loss_kwargs=dict(actor_cfg.policy_loss_kwargs))
+def policy_loss_spec(actor_cfg: Any, distill_cfg: Any = None) -> PolicyLossSpec:
+    """:class:`PolicyLossSpec` from ``cfg.actor`` (and ``cfg.distill``: a configured teacher
+    whose ``distill.loss`` is registered ``kind="loss"``, e.g. ``gkd``, joins the update's
+    loss; an ``advantage``-kind loss does not touch the update)."""
+    distill: dict[str, Any] = {
+        "distill_loss": "",
+        "distill_coef": PolicyLossSpec.distill_coef,
+        "distill_beta": PolicyLossSpec.distill_beta,
+    }
+    if distill_cfg is not None and distill_cfg.enabled:
+        from postrl.algos.distill import DISTILL_LOSSES
+
+        if DISTILL_LOSSES.meta(distill_cfg.loss)["kind"] == "loss":
+            distill = {
+                "distill_loss": distill_cfg.loss,
+                "distill_coef": float(distill_cfg.coef),
+                "distill_beta": float(distill_cfg.beta),
+            }
+    return _spec(
+        PolicyLossSpec, actor_cfg, policy_loss_kwargs=dict(actor_cfg.policy_loss_kwargs), **distill
+    )
 
 
 def share_prefix(cfg: Any) -> bool:

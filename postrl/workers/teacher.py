@@ -11,7 +11,14 @@ tempered copy of it.
 method                     dispatch                returns
 =========================  ======================  =========================================
 compute_teacher_log_prob   DP_COMPUTE_PROTO        DataProto ``teacher_log_prob`` (B, R)
+                                                   [+ ``teacher_topk_log_probs`` / ``_ids``
+                                                   (B, R, K), K = ``distill.topk``, when the
+                                                   loss needs ``teacher_topk``: gkd]
 =========================  ======================  =========================================
+
+The top-k comes from the same forward as ``teacher_log_prob`` (one more ``topk`` over each
+(chunk, V) logits block, no further (B, R, V) tensor): the K largest normalised log-probs of the
+teacher's next-token distribution at each response position, sorted, and their token ids.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from postrl.engine.model import load_policy
 from postrl.protocol import DataProto
 from postrl.workers.common import batch_spec, model_spec, setup, shard_if, share_prefix
 
-__all__ = ["TeacherWorker"]
+__all__ = ["TeacherWorker", "teacher_topk"]
 
 
 class TeacherWorker(Worker):
@@ -37,11 +44,31 @@ class TeacherWorker(Worker):
         self.engine = LogProbEngine(  # frozen: log-probs only
             self.policy, batch_spec(cfg.actor), share_prefix=share_prefix(cfg), device=self.dev
         )
+        self.topk = teacher_topk(cfg)
         self.register_dp_info("teacher", dp_rank=self.rank, dp_size=self.world_size)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
-        """``teacher_log_prob`` (B, R) of ``responses`` under the teacher (temperature 1)."""
-        query = DataProto(data.batch, data.non_tensor_batch, {**data.meta_info, "temperature": 1.0})
-        out = self.engine.compute_log_prob(query)
-        return DataProto.from_dict({"teacher_log_prob": out.batch["old_log_probs"]})
+        """``teacher_log_prob`` (B, R) of ``responses`` under the teacher (temperature 1), and
+        its top-k (``teacher_topk_log_probs``, ``teacher_topk_ids`` (B, R, K)) when the loss
+        needs it."""
+        meta = {**data.meta_info, "temperature": 1.0, "calculate_topk": self.topk}
+        meta.pop("calculate_entropy", None)
+        meta.pop("calculate_sum_pi_squared", None)
+        out = self.engine.compute_log_prob(DataProto(data.batch, data.non_tensor_batch, meta))
+        cols = {"teacher_log_prob": out.batch["old_log_probs"]}
+        if self.topk:
+            cols["teacher_topk_log_probs"] = out.batch["topk_log_probs"]
+            cols["teacher_topk_ids"] = out.batch["topk_ids"]
+        return DataProto.from_dict(cols)
+
+
+def teacher_topk(cfg) -> int:
+    """K of the teacher's top-k: ``distill.topk`` when the configured ``distill.loss`` declares
+    the need ``teacher_topk`` (gkd), else 0 (the sampled tokens' log-probs only)."""
+    from postrl.algos.distill import DISTILL_LOSSES
+
+    d = cfg.distill
+    if not d.enabled or d.loss not in DISTILL_LOSSES:
+        return 0
+    return int(d.topk) if "teacher_topk" in DISTILL_LOSSES.meta(d.loss).get("needs", ()) else 0

@@ -286,3 +286,80 @@ def test_example_calculator_agent(tokenizer, monkeypatch):
     assert "<tool_response>\n767\n</tool_response>" in tokenizer.decode(obs)
     assert out.response_ids == g0 + obs + g1
     assert out.extra["solution_str"] == "767"
+
+
+def test_token_route_serves_a_trajectory_and_checks_what_it_is_told(tokenizer):
+    """``POST /t/inference/v1/generate`` (the ``verifiers`` loop's route): vLLM's response
+    shape from the trajectory's sampling (``max_tokens`` may only lower it, seeds derived per
+    call), the key and the routing id checked; ``match`` accepts a sequence built from the
+    recorded calls and counts sampled positions no call produced."""
+    import httpx
+
+    from postrl.agent.gateway import GatewayServer
+    from postrl.agent.gateway.token_session import TokenSession
+
+    client = ScriptedClient(tokenizer, ["Hi!<|im_end|>", "Yes.<|im_end|>"])
+    sp = SamplingParams(temperature=1.0, max_new_tokens=32, seed=3, stop_token_ids=(258,))
+    s = TokenSession("sid1", "sk-1", client, sp, "r0", max_requests=3, max_model_len=256)
+    server = GatewayServer(max_model_len=256)
+
+    async def go():
+        await server.ensure_started()
+        server.add_token_session(s)
+        url = f"http://127.0.0.1:{server.port}/t"
+        auth = {"Authorization": "Bearer sk-1"}
+
+        def body(ids, **sp):
+            return {
+                "model": "m",
+                "token_ids": ids,
+                "sampling_params": {"extra_args": {"postrl_trajectory": "sid1"}, **sp},
+            }
+
+        try:
+            async with httpx.AsyncClient(timeout=30) as h:
+                card = (await h.get(url + "/v1/models")).json()["data"][0]
+                r0 = await h.post(url + "/inference/v1/generate", json=body([5, 6]), headers=auth)
+                bad_key = await h.post(
+                    url + "/inference/v1/generate", json=body([5]), headers={"Authorization": "x"}
+                )
+                other = body([5])
+                other["sampling_params"]["extra_args"]["postrl_trajectory"] = "nope"
+                unknown = await h.post(url + "/inference/v1/generate", json=other, headers=auth)
+                gen = url + "/inference/v1/generate"
+                two = await h.post(gen, json=body([5], n=2), headers=auth)
+                g0 = r0.json()["choices"][0]["token_ids"]
+                p1 = [5, 6, *g0, 7, 8]
+                r1 = await h.post(
+                    url + "/inference/v1/generate",
+                    json=body(p1, max_tokens=4, stop_token_ids=[9], logprobs=1),
+                    headers=auth,
+                )
+                return card, r0, bad_key, unknown, two, r1
+        finally:
+            server.remove_token_session(s)
+            await server.close()
+
+    card, r0, bad_key, unknown, two, r1 = asyncio.run(go())
+    assert card["max_model_len"] == 256
+    assert r0.status_code == 200 and bad_key.status_code == 401 and unknown.status_code == 404
+    assert two.status_code == 400 and "n=1" in two.json()["error"]["message"]
+    ch = r0.json()["choices"][0]
+    g0 = ch["token_ids"]
+    assert g0 == tokenizer.encode("Hi!<|im_end|>", add_special_tokens=False)
+    assert [e["token"] for e in ch["logprobs"]["content"]] == [f"token_id:{t}" for t in g0]
+    assert ch["logprobs"]["content"][0]["logprob"] == pytest.approx(-0.01)
+    s0, s1 = client.samplings[0], client.samplings[-1]
+    assert (s0.max_new_tokens, s0.seed) == (32, 3)
+    assert s1.max_new_tokens == 4 and s1.seed != 3  # lowered; call 2 derives its seed
+    assert s1.stop_token_ids == (258, 9)
+    g1 = r1.json()["choices"][0]["token_ids"]
+    assert r1.json()["choices"][0]["finish_reason"] == "length" and len(g1) == 4
+
+    seq = [5, 6, *g0, 7, 8, *g1]
+    mask = [False] * 2 + [True] * len(g0) + [False] * 2 + [True] * len(g1)
+    versions, unmatched = s.match(seq, mask)
+    assert unmatched == 0
+    assert versions == [(len(g0), -1), (2, -1), (len(g1), -1)]
+    drifted = [5, 6, *g0, 7, 9, *g1]  # the client re-rendered the tool turn: the prompt differs
+    assert s.match(drifted, mask)[1] == len(g1)

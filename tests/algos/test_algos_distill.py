@@ -16,6 +16,7 @@ from postrl.algos.distill import (
     register_distill_loss,
     reverse_kl_advantages,
     reverse_kl_per_token,
+    teacher_topk_mass,
 )
 from postrl.registry import RegistryError
 
@@ -123,16 +124,47 @@ def test_generalized_jsd_topk_equals_dense_at_k_equal_vocab(beta):
     assert got[0, -1] == 0.0
 
 
-def test_generalized_jsd_topk_renormalises_over_the_teachers_top_k():
-    # teacher P = [0.5, 0.3, 0.2]; k = 2 keeps ids 0, 1 → renormalised [0.625, 0.375]
-    # student Q = [0.2, 0.2, 0.6]; at ids 0, 1 → renormalised [0.5, 0.5]
-    # β = 0: KL = 0.625 ln(0.625/0.5) + 0.375 ln(0.375/0.5)
-    #           = 0.625·0.223144 - 0.375·0.287682 = 0.139465 - 0.107881 = 0.031584
-    teacher = _log([0.5, 0.3, 0.2]).view(1, 1, 3)
-    student = _log([0.2, 0.2, 0.6]).view(1, 1, 3)
+def test_generalized_jsd_topk_puts_the_rest_in_one_tail_bucket():
+    # teacher P = [0.5, 0.3, 0.1, 0.1]; k = 2 keeps ids 0, 1 → P' = [0.5, 0.3, tail 0.2]
+    # student Q = [0.2, 0.2, 0.5, 0.1]; at ids 0, 1 → Q' = [0.2, 0.2, tail 0.6]
+    # β = 0: KL(P'‖Q') = 0.5 ln(0.5/0.2) + 0.3 ln(0.3/0.2) + 0.2 ln(0.2/0.6)
+    #                  = 0.5·0.916291 + 0.3·0.405465 − 0.2·1.098612
+    #                  = 0.458145 + 0.121640 − 0.219722 = 0.360062
+    # dense KL(P‖Q) = 0.458145 + 0.121640 + 0.1 ln(0.1/0.5) + 0.1 ln(0.1/0.1) = 0.418841
+    teacher = _log([0.5, 0.3, 0.1, 0.1]).view(1, 1, 4)
+    student = _log([0.2, 0.2, 0.5, 0.1]).view(1, 1, 4)
     top_lp, top_id = teacher.topk(2, dim=-1)
     got = generalized_jsd_topk(student.gather(-1, top_id), top_lp, torch.ones(1, 1), beta=0.0)
-    assert float(got) == pytest.approx(0.031584, abs=1e-6)
+    assert float(got) == pytest.approx(0.360062, abs=1e-6)
+    assert float(generalized_jsd(teacher, student, beta=0.0)) == pytest.approx(0.418841, abs=1e-6)
+    mass = teacher_topk_mass(top_lp, torch.ones(1, 1))
+    assert float(mass) == pytest.approx(0.8, abs=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_generalized_jsd_topk_is_a_lower_bound_of_the_dense_one(beta, k):
+    # a divergence of a coarse-graining (top-k + tail) never exceeds the dense divergence
+    g = torch.Generator().manual_seed(11 + k)
+    teacher = torch.log_softmax(torch.randn(4, 6, 13, generator=g) * 2, -1)
+    student = torch.log_softmax(torch.randn(4, 6, 13, generator=g) * 2, -1)
+    top_lp, top_id = teacher.topk(k, dim=-1)
+    got = generalized_jsd_topk(student.gather(-1, top_id), top_lp, torch.ones(4, 6), beta=beta)
+    dense = generalized_jsd(teacher, student, beta=beta)
+    assert bool((got <= dense + 1e-5).all()) and bool((got >= -1e-6).all())
+
+
+def test_generalized_jsd_topk_moves_the_students_outside_mass_onto_the_top_k():
+    # student puts most mass outside the teacher's top-2; renormalising over the top-2 alone
+    # would see student = teacher there (both uniform) and give no gradient — the tail does.
+    logits = torch.tensor([[[0.0, 0.0, 3.0, 3.0]]], requires_grad=True)
+    teacher = _log([0.45, 0.45, 0.05, 0.05]).float().view(1, 1, 4)
+    top_lp, top_id = teacher.topk(2, dim=-1)
+    s_at = torch.log_softmax(logits, -1).gather(-1, top_id)
+    generalized_jsd_topk(s_at, top_lp, torch.ones(1, 1), beta=0.5).sum().backward()
+    g = logits.grad[0, 0]
+    assert float(g[0]) < 0 and float(g[1]) < 0  # descent raises the top-k tokens' logits
+    assert float(g[2]) > 0 and float(g[3]) > 0
 
 
 def test_generalized_jsd_topk_gradient_reaches_the_student_only():

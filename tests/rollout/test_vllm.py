@@ -178,3 +178,56 @@ def test_weight_updates_perturb_and_restore(vllm_replica, native, tiny_model_dir
         if weights is not base:
             assert [o.log_probs for o in got] != [o.log_probs for o in start]
     _same(got, start)
+
+
+def test_serve_backend_vllm_answers_the_openai_client(vllm_replica, native, tiny_model_dir):
+    """``postrl serve --backend vllm``'s app (``build_app`` over the vLLM replica process, as
+    ``server.start_replica`` makes it) answers the official ``openai`` client: greedy text equal
+    to native's, engine log-probs equal to the scoring copy's top-1, ``n`` + ``seed``
+    reproducible, streaming equal to the whole answer, ``max_model_len`` listed; a weight update
+    sent to the server reaches the replica (version and per-tensor CRCs relayed)."""
+    openai = pytest.importorskip("openai")
+    import httpx
+    from transformers import AutoTokenizer
+
+    from postrl.rollout.remote import HTTPRolloutReplica
+    from postrl.testing.servers import start_server
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    url, srv, _ = start_server(tiny_model_dir, replica=vllm_replica)
+    try:
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+        r = oai.completions.create(
+            model="tiny", prompt="1+1=", max_tokens=8, temperature=0, logprobs=2
+        )
+        ids = tok.encode("1+1=", add_special_tokens=False)
+        ref = _gen(native, [ids], SamplingParams(temperature=0, max_new_tokens=8), "srv")[0]
+        ch = r.choices[0]
+        assert ch.text == tok.decode(ref.token_ids, skip_special_tokens=True)
+        assert ch.logprobs.token_logprobs == pytest.approx(ref.log_probs, abs=TOL)
+        for t, lp, alts in zip(
+            ch.logprobs.tokens, ch.logprobs.token_logprobs, ch.logprobs.top_logprobs
+        ):
+            assert max(alts, key=alts.get) == t and alts[t] == pytest.approx(lp, abs=TOL)
+        msgs = [{"role": "user", "content": "tell me"}]
+        kw = dict(model="tiny", messages=msgs, max_tokens=10, temperature=1.0, n=2, seed=5)
+        a, b = oai.chat.completions.create(**kw), oai.chat.completions.create(**kw)
+        assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+        g = dict(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+        whole = oai.chat.completions.create(**g).choices[0].message.content
+        parts = list(oai.chat.completions.create(stream=True, **g))
+        assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == whole
+        assert [m.model_extra["max_model_len"] for m in oai.models.list().data] == [512]
+        front = HTTPRolloutReplica(url, control_timeout_s=120)  # a sender that knows only the URL
+        try:
+            model = _hf(tiny_model_dir)
+            v = vllm_replica.policy_version + 1
+            front.update_weights(((k, p.detach()) for k, p in model.named_parameters()), v)
+            assert front.policy_version == v == httpx.get(f"{url}/health").json()["policy_version"]
+            assert set(front.last_received) == {k for k, _ in model.named_parameters()}
+        finally:
+            front._http.close()
+        again = oai.completions.create(model="tiny", prompt="1+1=", max_tokens=8, temperature=0)
+        assert again.choices[0].text == ch.text  # the same weights, so the same text
+    finally:
+        srv.should_exit = True

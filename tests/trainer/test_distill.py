@@ -72,9 +72,13 @@ def test_self_teacher_has_zero_reverse_kl(tiny_model_dir, addition_files, tmp_pa
     assert row["timing_s/teacher"] > 0
 
 
-@pytest.mark.parametrize("mode", ["sync", "one_step_off"], ids=["sync", "one_step_off"])
+@pytest.mark.parametrize(
+    ("mode", "loss"),
+    [("sync", "reverse_kl"), ("one_step_off", "reverse_kl"), ("sync", "gkd")],
+    ids=["sync", "one_step_off", "sync-gkd"],
+)
 def test_pure_distillation_pulls_the_student_to_the_teacher(
-    mode, tiny_model_dir, sharp_teacher, addition_files, tmp_path
+    mode, loss, tiny_model_dir, sharp_teacher, addition_files, tmp_path
 ):
     run = tmp_path / mode
     cfg = load_config(
@@ -86,16 +90,69 @@ def test_pure_distillation_pulls_the_student_to_the_teacher(
             run,
             6,
             f"trainer.mode={mode}",
+            f"distill.loss={loss}",
+            "distill.topk=16",
             "distill.task_reward_weight=0",  # pure distillation
             "actor.optim.lr=1e-2",
         ),
     )
     RLTrainer(cfg).fit()
-    kl = [r["distill/reverse_kl"] for r in _rows(run)]
+    rows = _rows(run)
+    kl = [r["distill/reverse_kl"] for r in rows]
+    if loss == "gkd":  # the JSD(β) term is in the update's loss; the teacher's top-k its support
+        assert all(r["actor/distill_loss"] > 0 for r in rows)
+        assert all(0 < r["distill/teacher_topk_mass"] <= 1 + 1e-5 for r in rows)
+        assert rows[-1]["actor/distill_loss"] < rows[0]["actor/distill_loss"]
     assert len(kl) == 6
     assert kl[0] > 0.5, kl  # a near-uniform student far from a peaked teacher
     # per-step values are noisy (16 fresh samples a step); measured: 3.2, 3.0 → 2.3, 2.5
     assert sum(kl[-2:]) < 0.85 * sum(kl[:2]), kl
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["local", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])],
+)
+def test_gkd_in_fully_async(
+    backend, request, tiny_model_dir, sharp_teacher, addition_files, digits_reward, tmp_path
+):
+    """The teacher scores each taken mini-batch (stage 4) while the replicas keep generating,
+    and its top-k reaches the update: 2 steps with the teacher's signal in the metrics (sync and
+    one_step_off: above). On Ray the teacher is a frozen worker group of its own, like the
+    reference, and the object-store plane fetches the taken groups to the driver for it."""
+    from trainer_helpers import fully_async_overrides
+
+    from postrl.workers.teacher import TeacherWorker
+
+    train, test = addition_files
+    run = tmp_path / "run"
+    over = [
+        *fully_async_overrides(tiny_model_dir, train, test, digits_reward, run, steps=2),
+        "trainer.test_freq=0",
+        f"distill.teacher_path={sharp_teacher}",
+        "distill.loss=gkd",
+        "distill.topk=8",
+    ]
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+        over += [
+            "trainer.backend=ray",
+            "trainer.num_workers=1",
+            "trainer.async.data_plane=object_store",
+        ]
+    trainer = RLTrainer(load_config(None, over))
+    assert trainer.roles.teacher.worker_cls is TeacherWorker
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    rows = _rows(run)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["distill/reverse_kl"] > 0.5 and r["timing_s/teacher"] > 0
+        assert r["actor/distill_loss"] > 0 and 0 < r["distill/teacher_topk_mass"] <= 1 + 1e-5
+        # the step waits for the teacher only after its own stage-4 passes (on Ray it ran beside)
+        assert 0 <= r["timing_s/teacher_wait"] <= r["timing_s/teacher"]
 
 
 def _retokenized(tiny_model_dir, tmp_path):
@@ -122,7 +179,6 @@ def test_teacher_with_another_tokenizer_is_refused_at_startup(
 def test_distill_config_errors_name_the_field(tiny_model_dir, addition_files, tmp_path):
     base = _overrides(tiny_model_dir, tiny_model_dir, addition_files, tmp_path / "r", 1)
     cases = {
-        "distill.loss=gkd": r"distill\.loss='gkd' needs 'teacher_topk'.*reverse_kl",
         "distill.loss=reverse_kll": r"distill\.loss='reverse_kll'.*did you mean 'reverse_kl'",
         "distill.teacher_url=http://127.0.0.1:9": r"teacher_path=.* and distill\.teacher_url",
         "distill.coef=-1": r"distill\.coef=-1.0 must be >= 0",
@@ -179,6 +235,25 @@ def test_remote_teacher_scores_like_the_local_one(tiny_model_dir, sharp_teacher)
         want = TeacherWorker(cfg).compute_teacher_log_prob(data).batch["teacher_log_prob"]
         torch.testing.assert_close(got, want * am[:, p:], rtol=1e-4, atol=1e-4)
         assert float(got[1, 2:].abs().sum()) == 0.0
+        # submit: the step's other stage-4 passes run while the request is in flight
+        pending = remote.submit("compute_teacher_log_prob", data)
+        assert torch.equal(pending.result().batch["teacher_log_prob"], got)
+        remote.shutdown()
+        # distill.loss=gkd: the teacher's top-k travels too, as the local worker computes it
+        remote = RemoteTeacher(url, timeout_s=30, top_k=4)
+        out = remote.compute_teacher_log_prob(data).batch
+        cfg.distill.loss, cfg.distill.topk = "gkd", 4
+        local = TeacherWorker(cfg).compute_teacher_log_prob(data).batch
+        valid = am[:, p:].bool()
+        assert out["teacher_topk_ids"].shape == (b, r, 4)
+        assert torch.equal(out["teacher_topk_ids"][valid], local["teacher_topk_ids"][valid])
+        torch.testing.assert_close(
+            out["teacher_topk_log_probs"][valid],
+            local["teacher_topk_log_probs"][valid],
+            rtol=1e-4,
+            atol=1e-4,
+        )
+        assert float(out["teacher_topk_log_probs"][~valid].abs().sum()) == 0.0
         remote.shutdown()
     finally:
         srv.should_exit = True

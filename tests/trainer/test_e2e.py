@@ -90,6 +90,21 @@ def test_grpo_local_runs_updates_and_reports(small_overrides, digits_reward, min
     assert list((run / "plots").glob("*.png"))
 
 
+def test_a_run_without_the_jsonl_logger_ends_cleanly(small_overrides, digits_reward):
+    """Plots and the summary read metrics.jsonl: without that logger the run still ends, and
+    summary.txt says why there is nothing to plot."""
+    ov = [*small_overrides, f"reward.custom_function.path={digits_reward}"]
+    cfg = load_config(None, [*ov, "trainer.loggers=[console]", "trainer.total_steps=1"])
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    run = Path(cfg.trainer.run_dir)
+    assert not (run / "metrics.jsonl").exists()
+    assert "has no jsonl" in (run / "summary.txt").read_text()
+
+
 def test_failed_rewards_are_masked_counted_not_scored(small_overrides, tmp_path):
     fn = tmp_path / "flaky.py"
     fn.write_text(

@@ -204,6 +204,13 @@ def test_vllm_engine_options_pass_through_when_installed(monkeypatch):
     kw = cfg.rollout.engine_kwargs
     assert kw["tensor_parallel_size"] == 2 and kw["gpu_memory_utilization"] == 0.6
     assert kw["swap_space"] == 4 and kw["enable_prefix_caching"] is True  # verl's default
+    # verl's GPU defaults for what the adapter picks per platform (eager, chunked prefill,
+    # tensor parallel) give way to it; values the user sets pass
+    assert not {"enforce_eager", "enable_chunked_prefill"} & set(kw)
+    base = [*MICRO, f"{RO}.name=vllm"]
+    assert "tensor_parallel_size" not in translate(base).config.rollout.engine_kwargs
+    kw = translate([*base, f"{RO}.enforce_eager=False"]).config.rollout.engine_kwargs
+    assert kw["enforce_eager"] is False
 
 
 def test_loggers_modes_resume_and_rewards():

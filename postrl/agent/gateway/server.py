@@ -8,7 +8,13 @@ Routes (OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}`` 
 - ``GET  /s/{sid}/v1/models``, ``GET /v1/models`` — one model, ``postrl`` (any name is accepted
   in requests and ignored);
 - ``POST /s/{sid}/reward`` — ``{"reward": r}``: the agent's reward for its trajectory (the
-  unguessable ``sid`` is the capability; a key, if sent, must match).
+  unguessable ``sid`` is the capability; a key, if sent, must match);
+- ``POST /t/inference/v1/generate`` — vLLM's token-in route for clients that render their own
+  prompts (the ``verifiers`` loop; base URL ``/t/v1``), routed to a
+  :class:`~postrl.agent.gateway.token_session.TokenSession` by
+  ``sampling_params.extra_args.postrl_trajectory`` and the session's key;
+- ``GET  /t/v1/models`` — the model ``postrl`` with its ``max_model_len`` (clients check prompt
+  lengths against it before sending).
 
 A key only reaches its own session; an unknown or ended session answers 404/410. Unknown
 request keys, ``n > 1`` and other unsupported fields get a 400 naming the field. ``stream=True``
@@ -34,6 +40,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from postrl.agent.gateway.session import GatewayChatBody, GatewaySession, SessionClosedError
+from postrl.agent.gateway.token_session import (
+    TokenSession,
+    TokenSessionClosedError,
+    trajectory_of,
+)
 from postrl.rollout.openai_compat import error_body, sse
 
 logger = logging.getLogger(__name__)
@@ -50,8 +61,11 @@ def _err(status: int, message: str, **kw: Any) -> Any:
 class GatewayServer:
     """The gateway HTTP server (see the module docstring); sessions come and go per trajectory."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int | None = None) -> None:
         self.sessions: dict[str, GatewaySession] = {}
+        self.token_sessions: dict[str, TokenSession] = {}
+        self.max_model_len = max_model_len
+        """Served as the model's ``max_model_len`` by ``GET /t/v1/models`` (None: absent)."""
         self._by_key: dict[str, str] = {}
         self._server: Any = None
         self._task: asyncio.Task[Any] | None = None
@@ -69,6 +83,21 @@ class GatewayServer:
         session.closed = True
         self.sessions.pop(session.sid, None)
         self._by_key.pop(session.key, None)
+
+    def add_token_session(self, session: TokenSession) -> None:
+        """Serve ``session`` on the token route from now on."""
+        self.token_sessions[session.sid] = session
+
+    def remove_token_session(self, session: TokenSession) -> None:
+        """Stop serving ``session`` (later requests get 404)."""
+        session.closed = True
+        self.token_sessions.pop(session.sid, None)
+
+    @property
+    def token_base_url(self) -> str:
+        """The OpenAI base URL of the token route (its ``/inference/v1/generate`` sits beside
+        ``/v1``, as on vLLM)."""
+        return f"http://127.0.0.1:{self.port}/t/v1"
 
     def base_url(self, session: GatewaySession) -> str:
         """The session's ``OPENAI_BASE_URL``."""
@@ -191,6 +220,42 @@ class GatewayServer:
         @app.get("/v1/models")
         async def models_key():
             return models()
+
+        @app.get("/t/v1/models")
+        async def models_token():
+            card: dict[str, Any] = models()["data"][0]
+            if self.max_model_len:
+                card = {**card, "max_model_len": int(self.max_model_len)}
+            return {"object": "list", "data": [card]}
+
+        @app.post("/t/inference/v1/generate")
+        async def generate_token(request: Request):
+            try:
+                body = await request.json()
+            except json.JSONDecodeError as e:
+                return _err(400, f"the request body is not JSON: {e}")
+            sid = trajectory_of(body)
+            s = self.token_sessions.get(sid or "")
+            if s is None:
+                return _err(
+                    404,
+                    "no such trajectory: sampling_params.extra_args.postrl_trajectory names none "
+                    f"that is running (got {sid!r})",
+                )
+            auth = request.headers.get("authorization", "")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {s.key}".encode()):
+                return _err(401, "wrong API key for this trajectory", code="invalid_api_key")
+            try:
+                return await s.generate(body)
+            except TokenSessionClosedError as e:
+                return _err(410, str(e))
+            except ValueError as e:
+                code = "context_length_exceeded" if s.failure == "context_overflow" else None
+                return _err(400, str(e), code=code)
+            except Exception as e:  # a rollout failure: the trajectory cannot go on
+                s.fail(f"rollout_error: {type(e).__name__}")
+                logger.warning("gateway %s: generation failed: %r", s.request_id, e)
+                return _err(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error")
 
         @app.post("/s/{sid}/reward")
         async def reward(sid: str, request: Request):

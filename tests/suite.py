@@ -1,0 +1,63 @@
+"""The whole suite in two phases: what `make test` (and so `.ci/run`) runs.
+
+Measured on the 2-core AVX2 kind, one plain pytest process keeps ~0.8 of the two cores busy:
+most tests are tiny models whose time is Python, process starts and HTTP round trips, not
+BLAS. So the suite runs in two phases:
+
+1. every test that is not marked ``serial`` (below) on ``--workers`` pytest-xdist workers, whole
+   files to one worker (module-scoped fixtures are built once) and every Ray test to the same
+   one (one local cluster at a time), with torch at one thread per worker so two workers do
+   not oversubscribe two cores;
+2. the ``serial`` tests alone, in one process, at the thread count the rest of the suite uses:
+   the fault tests (kills, hangs, restarts, weight pushes: they must see the machine as a user's
+   run would, and ``make test-stress`` repeats them under load) and the vLLM tests (an engine of
+   their own, large).
+
+``serial`` is given in ``tests/conftest.py`` (:data:`SERIAL_MARKERS`); the exit code is the
+first non-zero one of the two phases (pytest's "no tests collected" counts as success, so
+``make test PYTEST_ARGS=tests/algos`` works)::
+
+    python tests/suite.py                      # what `make test` runs
+    python tests/suite.py --workers 1 -x       # one process, stop at the first failure
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+NO_TESTS = 5  # pytest's exit code when a phase selects nothing
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both phases; returns the exit code."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=int(os.environ.get("POSTRL_TEST_WORKERS", "2")),
+        help="pytest-xdist workers for phase 1 (1 = no xdist); default POSTRL_TEST_WORKERS or 2",
+    )
+    args, pytest_args = p.parse_known_args(argv)
+    base = [sys.executable, "-m", "pytest", "-q"]
+    par = ["-n", str(args.workers), "--dist", "loadgroup"] if args.workers > 1 else []
+    phases = [
+        ("parallel", [*base, *par, "-m", "not serial", *pytest_args]),
+        ("serial", [*base, "-m", "serial", *pytest_args]),
+    ]
+    rcs = []
+    for name, cmd in phases:
+        t0 = time.monotonic()
+        print(f"== phase {name}: {' '.join(cmd[1:])}", flush=True)
+        rc = subprocess.call(cmd)
+        rc = 0 if rc == NO_TESTS else rc
+        print(f"== phase {name}: rc={rc} in {time.monotonic() - t0:.0f}s", flush=True)
+        rcs.append(rc)
+    return next((rc for rc in rcs if rc), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
