@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from postrl.algos.aggregation import agg_loss
 from postrl.algos.kl import kl_penalty
-from postrl.algos.policy_losses import bind_policy_loss
+from postrl.algos.policy_losses import LossInputs, bind_policy_loss
 from postrl.engine.microbatch import make_micro_batches, restore_order
 from postrl.engine.minibatch import split_mini_batches
 from postrl.engine.model import PolicyModel
@@ -326,14 +326,16 @@ class Actor:
         c = self.loss
         mask = mb["response_mask"].to(lp.dtype)
         pg, m = self.loss_fn(
-            mb["old_log_probs"],
-            lp,
-            mb["advantages"],
-            mask,
-            loss_agg_mode=c.loss_agg_mode,
-            rollout_log_prob=mb.get("rollout_log_probs"),
-            rollout_is_weights=mb.get("rollout_is_weights"),
-            **denoms,
+            LossInputs(
+                old_log_prob=mb["old_log_probs"],
+                log_prob=lp,
+                advantages=mb["advantages"],
+                response_mask=mask,
+                loss_agg_mode=c.loss_agg_mode,
+                rollout_log_prob=mb.get("rollout_log_probs"),
+                rollout_is_weights=mb.get("rollout_is_weights"),
+                **denoms,
+            )
         )
         loss = pg
         ent_loss = agg_loss(ent, mask, c.loss_agg_mode, **denoms)
