@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from postrl.config import PostRLConfig
 from postrl.data import PromptLoader
 from postrl.protocol import DataProto
+from postrl.reward.stage import build_reward_stage  # the reward stage's builder, in reward/
 from postrl.rollout.loop_thread import LoopThread
 
 if TYPE_CHECKING:  # annotations only: these layers are imported lazily where they are built
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # annotations only: these layers are imported lazily where th
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainerContext", "build_context", "kv_capacity"]
+__all__ = ["TrainerContext", "build_context", "build_reward_stage", "kv_capacity"]
 
 
 def single_threaded_torch() -> None:
@@ -308,35 +309,6 @@ def build_context(
         replica_spawner=pool.spawn if pool is not None else None,
         trajectories=trajectories,
         rollout_options=options,
-    )
-
-
-def build_reward_stage(cfg: PostRLConfig, tokenizer: Any, reward_model: Any = None) -> Any:
-    """The run's :class:`~postrl.reward.RewardStage` from ``reward.*`` (the trainer's, and in
-    the object-store data plane each rollout replica's own)."""
-    from postrl.reward import RewardLoop, RewardStage
-
-    rw = cfg.reward
-    loop = RewardLoop(
-        timeout_s=rw.timeout_s,
-        num_workers=rw.num_workers,
-        custom_fn_path=rw.custom_function.path or None,
-        custom_fn_name=rw.custom_function.name,
-        custom_fn_batch=rw.custom_function.batch,
-        fn_kwargs=rw.reward_kwargs,
-        max_failure_ratio=rw.max_failure_ratio,
-        isolate_builtin=rw.isolate_builtin,
-    )
-    return RewardStage(
-        loop,
-        tokenizer,
-        reward_model=reward_model,
-        rm_mode=rw.model.mode,
-        rm_weight=rw.model.weight,
-        rm_max_length=rw.model.max_length,
-        overlong=rw.overlong,
-        max_response_length=cfg.rollout.response_length,
-        tool_reward_weight=rw.tool_reward_weight,
     )
 
 
