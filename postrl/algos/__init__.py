@@ -6,7 +6,7 @@ decorators and select them by name in the config):
 * ``ADV_ESTIMATORS`` — :func:`register_adv_est`, :func:`get_adv_estimator`
   (``algorithm.adv_estimator``);
 * ``POLICY_LOSSES`` — :func:`register_policy_loss`, :func:`get_policy_loss`
-  (``actor.policy_loss``);
+  (``actor.policy_loss``); each loss takes one frozen :class:`LossInputs`;
 * ``KL_ESTIMATORS`` — :func:`register_kl_estimator`, :func:`kl_penalty`
   (``actor.kl_loss_type``, ``algorithm.kl_penalty``);
 * ``AGG_MODES`` — :func:`register_agg_mode`, :func:`agg_loss` (``actor.loss_agg_mode``);
@@ -65,6 +65,7 @@ from postrl.algos.kl import (
 from postrl.algos.policy_losses import (
     POLICY_LOSS_INPUTS,
     POLICY_LOSSES,
+    LossInputs,
     bind_policy_loss,
     get_policy_loss,
     policy_loss_hparam_errors,
@@ -89,6 +90,7 @@ __all__ = [
     "ADV_ESTIMATOR_INPUTS",
     "ADV_ESTIMATORS",
     "HParamError",
+    "LossInputs",
     "POLICY_LOSS_INPUTS",
     "adv_estimator_hparam_errors",
     "bind_adv_estimator",

@@ -1,11 +1,12 @@
 """Hyperparameters of registered algorithm functions, bound and checked once at startup.
 
 A registered function (advantage estimator, policy loss) declares its hyperparameters as typed
-**keyword-only** arguments with defaults; its remaining parameters are *inputs* (batch tensors,
-denominators) that the caller supplies on every call. :func:`hparam_errors` checks a mapping
-from the config (``algorithm.adv_estimator_kwargs``, ``actor.policy_loss_kwargs``) against that
-signature — an unknown or misspelt name is an error with a did-you-mean and the accepted names,
-a value of the wrong type is an error naming the expected type — and :func:`bind_hparams` returns
+**keyword-only** arguments with defaults; its remaining parameters are *inputs* (for a policy loss
+the one :class:`~postrl.algos.LossInputs`; for an estimator batch tensors) that the caller
+supplies on every call. :func:`hparam_errors` checks a mapping from the config
+(``algorithm.adv_estimator_kwargs``, ``actor.policy_loss_kwargs``) against that signature — an
+unknown or misspelt name is an error with a did-you-mean and the accepted names, a value of the
+wrong type is an error naming the expected type — and :func:`bind_hparams` returns
 the function with the checked values bound (``functools.partial``).
 
 A function that takes ``**kwargs`` accepts any extra name (nothing can be checked for it) unless

@@ -1,17 +1,17 @@
-"""Policy losses: registry and the PPO family.
+"""Policy losses: registry, their one input type, and the PPO family.
 
 Every loss has one signature::
 
-    fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode="token-mean",
-       global_num_tokens=None, global_num_seqs=None, dp_size=1, rollout_log_prob=None,
-       rollout_is_weights=None, **hyperparameters) -> (loss, metrics)
+    fn(x: LossInputs, *, <hyperparameters>) -> (loss, metrics)
 
-``old_log_prob``, ``log_prob``, ``advantages``, ``response_mask`` and ``rollout_*`` are (B, T).
-The loss is aggregated with :func:`postrl.algos.agg_loss` (denominators passed through, so it is
-this shard's additive contribution). ``metrics`` holds at least ``pg_clipfrac``,
-``pg_clipfrac_lower`` and ``ppo_kl`` as detached 0-d tensors (local masked means; no host sync).
-``rollout_is_weights`` (B, T), when given, multiplies the per-token loss (truncated IS
-correction from :func:`postrl.algos.compute_rollout_correction`).
+:class:`LossInputs` is the frozen set of per-batch tensors and aggregation settings the engine
+supplies on every call: ``old_log_prob``, ``log_prob``, ``advantages``, ``response_mask`` and
+``rollout_*`` are (B, T); ``loss_agg_mode`` and the global denominators ``global_num_tokens`` /
+``global_num_seqs`` / ``dp_size``. The loss is aggregated with :func:`postrl.algos.agg_loss`
+(denominators passed through, so it is this shard's additive contribution). ``metrics`` holds at
+least ``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl`` as detached 0-d tensors (local masked
+means; no host sync). ``rollout_is_weights`` (B, T), when given, multiplies the per-token loss
+(truncated IS correction from :func:`postrl.algos.compute_rollout_correction`).
 
 Hyperparameters are typed keyword-only arguments of each loss (no ``**hparams``): the trainer
 binds ``actor.policy_loss_kwargs`` once at startup with :func:`bind_policy_loss`, so an unknown
@@ -26,7 +26,10 @@ advantages, ``eps_l / eps_h`` the clip ratios.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +40,7 @@ from postrl.algos.utils import masked_mean
 from postrl.registry import Registry
 
 __all__ = [
+    "LossInputs",
     "POLICY_LOSSES",
     "POLICY_LOSS_INPUTS",
     "register_policy_loss",
@@ -48,15 +52,89 @@ __all__ = [
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
+_BT_FIELDS = ("log_prob", "advantages", "response_mask", "rollout_log_prob", "rollout_is_weights")
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What the engine hands every policy loss on every call (frozen: a loss never edits it).
+
+    Tensors are (B, T) — B rows of this micro-batch, T response tokens — and share one shape
+    (checked at construction; no host sync).
+    """
+
+    old_log_prob: torch.Tensor
+    """(B, T) log-probs of the sampled tokens under the policy that the ratio is taken against
+    (π_old; π_prox for ``decoupled``)."""
+    log_prob: torch.Tensor
+    """(B, T) log-probs under the policy being optimised (carries the gradient)."""
+    advantages: torch.Tensor
+    """(B, T) advantages ``A``."""
+    response_mask: torch.Tensor
+    """(B, T) 1 on trained tokens, 0 elsewhere."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation mode of :func:`postrl.algos.agg_loss` (``actor.loss_agg_mode``)."""
+    global_num_tokens: torch.Tensor | float | None = None
+    """Valid tokens of the whole optimizer step over all micro-batches and dp ranks (None: this
+    micro-batch's own count)."""
+    global_num_seqs: torch.Tensor | float | None = None
+    """Valid sequences of the whole optimizer step (None: this micro-batch's own count)."""
+    dp_size: int = 1
+    """Data-parallel ranks whose gradients are summed (> 1 needs the global denominators)."""
+    rollout_log_prob: torch.Tensor | None = None
+    """(B, T) log-probs the rollout engine sampled with (the behaviour policy μ), if returned."""
+    rollout_is_weights: torch.Tensor | None = None
+    """(B, T) truncated importance weights multiplying the per-token loss (stage 6), if any."""
+
+    def __post_init__(self) -> None:
+        shape = self.old_log_prob.shape
+        for name in _BT_FIELDS:
+            t = getattr(self, name)
+            if t is not None and t.shape != shape:
+                raise ValueError(
+                    f"LossInputs.{name} has shape {tuple(t.shape)}, old_log_prob has "
+                    f"{tuple(shape)}: every (B, T) input of a policy loss must have the same shape"
+                )
+
+    @property
+    def denominators(self) -> dict[str, Any]:
+        """``global_num_tokens``, ``global_num_seqs``, ``dp_size`` as keywords of ``agg_loss``."""
+        return {
+            "global_num_tokens": self.global_num_tokens,
+            "global_num_seqs": self.global_num_seqs,
+            "dp_size": self.dp_size,
+        }
+
 
 def register_policy_loss(name: str, **meta: Any) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Register a policy loss (config ``actor.policy_loss``).
+    """Register a policy loss (config ``actor.policy_loss``): ``fn(x: LossInputs, *,
+    <hyperparameters>) -> (loss, metrics)``; a function with another shape is refused here.
 
     Meta: ``agg_mode=...`` when the loss always aggregates with one fixed mode (GSPO, GMPO),
     ``needs=("rollout_log_prob",)`` when it needs the rollout engine's log-probs.
     """
     meta.setdefault("needs", ())
-    return POLICY_LOSSES.register(name, **meta)
+    add = POLICY_LOSSES.register(name, **meta)
+
+    def deco(fn: PolicyLossFn) -> PolicyLossFn:
+        _check_signature(name, fn)
+        return add(fn)
+
+    return deco
+
+
+def _check_signature(name: str, fn: Callable[..., Any]) -> None:
+    """Exactly one required positional parameter (the :class:`LossInputs`); the rest keyword."""
+    params = inspect.signature(fn).parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) != 1 or len(positional) != 1:
+        got = ", ".join(p.name for p in positional) or "none"
+        raise TypeError(
+            f"policy loss {name!r}: {fn.__qualname__} must take one positional parameter, the "
+            f"postrl.algos.LossInputs, then keyword-only hyperparameters (positional: {got}); "
+            "write it as fn(x: LossInputs, *, my_hparam: float = 1.0)"
+        )
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
@@ -64,19 +142,8 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     return POLICY_LOSSES.get(name)
 
 
-POLICY_LOSS_INPUTS = (
-    "old_log_prob",
-    "log_prob",
-    "advantages",
-    "response_mask",
-    "loss_agg_mode",
-    "global_num_tokens",
-    "global_num_seqs",
-    "dp_size",
-    "rollout_log_prob",
-    "rollout_is_weights",
-)
-"""Parameters the engine supplies on every call; every other keyword is a hyperparameter."""
+POLICY_LOSS_INPUTS = tuple(f.name for f in dataclasses.fields(LossInputs))
+"""Fields of :class:`LossInputs`, supplied by the engine on every call: never hyperparameters."""
 
 _LOSS_FIELDS = {
     "clip_ratio": "actor.clip_ratio_low and actor.clip_ratio_high",
@@ -133,26 +200,19 @@ def _log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tens
 
 
 def _agg(
-    loss_mat: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    denoms: dict[str, Any],
-    rollout_is_weights: torch.Tensor | None,
+    x: LossInputs, loss_mat: torch.Tensor, norm_length: float | None, mode: str | None = None
 ) -> torch.Tensor:
-    if rollout_is_weights is not None:
-        loss_mat = loss_mat * rollout_is_weights.detach()
-    return agg_loss(loss_mat, mask, mode, **denoms)
-
-
-def _denoms(
-    global_num_tokens: Any, global_num_seqs: Any, dp_size: int, norm_length: float | None
-) -> dict[str, Any]:
-    return {
-        "global_num_tokens": global_num_tokens,
-        "global_num_seqs": global_num_seqs,
-        "dp_size": dp_size,
-        "norm_length": norm_length,
-    }
+    """Aggregate the (B, T) per-token loss: times ``x.rollout_is_weights`` (detached) when set,
+    then :func:`agg_loss` with ``mode`` (default ``x.loss_agg_mode``) and the denominators."""
+    if x.rollout_is_weights is not None:
+        loss_mat = loss_mat * x.rollout_is_weights.detach()
+    return agg_loss(
+        loss_mat,
+        x.response_mask,
+        x.loss_agg_mode if mode is None else mode,
+        **x.denominators,
+        norm_length=norm_length,
+    )
 
 
 def _metrics(
@@ -192,17 +252,8 @@ def _ppo_clip_matrix(
 # ---------------------------------------------------------------------------- losses
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    x: LossInputs,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Any = None,
-    global_num_seqs: Any = None,
-    dp_size: int = 1,
-    rollout_log_prob: torch.Tensor | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
     clip_ratio: float = 0.2,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -217,90 +268,45 @@ def compute_policy_loss_vanilla(
     ``clip_ratio_c`` > 1. ``pg_clipfrac``: share of tokens where the clip is active;
     ``pg_clipfrac_lower``: share where the dual clip is active.
     """
-    lr = _log_ratio(old_log_prob, log_prob)
+    lr = _log_ratio(x.old_log_prob, x.log_prob)
     eps_l, eps_h = _clips(clip_ratio, clip_ratio_low, clip_ratio_high)
     loss_mat, clipfrac, lower = _ppo_clip_matrix(
-        lr, advantages, response_mask, eps_l, eps_h, clip_ratio_c
+        lr, x.advantages, x.response_mask, eps_l, eps_h, clip_ratio_c
     )
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
-    loss = _agg(loss_mat, response_mask, loss_agg_mode, denoms, rollout_is_weights)
-    return loss, _metrics(clipfrac, lower, masked_mean(-lr, response_mask))
+    loss = _agg(x, loss_mat, norm_length)
+    return loss, _metrics(clipfrac, lower, masked_mean(-lr, x.response_mask))
 
 
 @register_policy_loss("reinforce")
 def compute_policy_loss_reinforce(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Any = None,
-    global_num_seqs: Any = None,
-    dp_size: int = 1,
-    rollout_log_prob: torch.Tensor | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    norm_length: float | None = None,
+    x: LossInputs, *, norm_length: float | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Plain REINFORCE (Williams 1992) for on-policy updates: ``L = -A log pi``.
 
     Its gradient ``-A grad log pi`` equals PPO's at ``r = 1``; use it only for a single update
     per batch (no trust region). ``ppo_kl`` still reports ``mean(old - new)``.
     """
-    lr = _log_ratio(old_log_prob, log_prob)
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
-    loss = _agg(-advantages * log_prob, response_mask, loss_agg_mode, denoms, rollout_is_weights)
-    zero = log_prob.new_zeros(())
-    return loss, _metrics(zero, zero, masked_mean(-lr, response_mask))
+    lr = _log_ratio(x.old_log_prob, x.log_prob)
+    loss = _agg(x, -x.advantages * x.log_prob, norm_length)
+    zero = x.log_prob.new_zeros(())
+    return loss, _metrics(zero, zero, masked_mean(-lr, x.response_mask))
 
 
 @register_policy_loss("gpg")
 def compute_policy_loss_gpg(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Any = None,
-    global_num_seqs: Any = None,
-    dp_size: int = 1,
-    rollout_log_prob: torch.Tensor | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    norm_length: float | None = None,
+    x: LossInputs, *, norm_length: float | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group Policy Gradient loss (Chu et al. 2025, arXiv 2504.02546): ``L = -A log pi``.
 
     GPG drops the surrogate and the clip; pair it with the ``gpg`` advantage estimator.
     """
-    return compute_policy_loss_reinforce(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        loss_agg_mode=loss_agg_mode,
-        global_num_tokens=global_num_tokens,
-        global_num_seqs=global_num_seqs,
-        dp_size=dp_size,
-        rollout_log_prob=rollout_log_prob,
-        rollout_is_weights=rollout_is_weights,
-        norm_length=norm_length,
-    )
+    return compute_policy_loss_reinforce(x, norm_length=norm_length)
 
 
 @register_policy_loss("gspo", agg_mode="seq-mean-token-mean")
 def compute_policy_loss_gspo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    x: LossInputs,
     *,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    global_num_tokens: Any = None,
-    global_num_seqs: Any = None,
-    dp_size: int = 1,
-    rollout_log_prob: torch.Tensor | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
     clip_ratio: float = 0.2,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -315,34 +321,23 @@ def compute_policy_loss_gspo(
     uses tiny clip ranges (``clip_ratio_low=3e-4``, ``clip_ratio_high=4e-4``).
     """
     eps_l, eps_h = _clips(clip_ratio, clip_ratio_low, clip_ratio_high)
-    mask_f = response_mask.to(log_prob.dtype)
-    neg_kl = log_prob - old_log_prob
+    log_prob, adv, mask = x.log_prob, x.advantages, x.response_mask
+    mask_f = mask.to(log_prob.dtype)
+    neg_kl = log_prob - x.old_log_prob
     seq_lr = (neg_kl * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)  # (B,)
     log_r = seq_lr.detach().unsqueeze(-1) + log_prob - log_prob.detach()  # (B, T)
     ratio = torch.exp(torch.clamp(log_r, max=10.0))
-    l1 = -advantages * ratio
-    l2 = -advantages * torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h)
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
-    loss = _agg(
-        torch.maximum(l1, l2), response_mask, "seq-mean-token-mean", denoms, rollout_is_weights
-    )
-    clipfrac = masked_mean((l2 > l1).to(ratio.dtype), response_mask)
-    return loss, _metrics(clipfrac, log_prob.new_zeros(()), masked_mean(-neg_kl, response_mask))
+    l1 = -adv * ratio
+    l2 = -adv * torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h)
+    loss = _agg(x, torch.maximum(l1, l2), norm_length, mode="seq-mean-token-mean")
+    clipfrac = masked_mean((l2 > l1).to(ratio.dtype), mask)
+    return loss, _metrics(clipfrac, log_prob.new_zeros(()), masked_mean(-neg_kl, mask))
 
 
 @register_policy_loss("geo_mean", agg_mode="seq-mean-token-mean")
 def compute_policy_loss_geo_mean(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    x: LossInputs,
     *,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    global_num_tokens: Any = None,
-    global_num_seqs: Any = None,
-    dp_size: int = 1,
-    rollout_log_prob: torch.Tensor | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
     clip_ratio: float = 0.2,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -358,36 +353,27 @@ def compute_policy_loss_geo_mean(
     ``eps_l = eps_h = 0.4`` (log space). ``rollout_is_weights`` scale the token share.
     """
     eps_l, eps_h = _clips(clip_ratio, clip_ratio_low, clip_ratio_high)
-    mask_f = response_mask.to(log_prob.dtype)
-    lr = _log_ratio(old_log_prob, log_prob)
-    sgn = torch.sign(advantages)
+    adv, mask = x.advantages, x.response_mask
+    mask_f = mask.to(x.log_prob.dtype)
+    lr = _log_ratio(x.old_log_prob, x.log_prob)
+    sgn = torch.sign(adv)
     lr_clip = torch.clamp(lr, -eps_l, eps_h)
     lr_min = sgn * torch.minimum(sgn * lr, sgn * lr_clip)  # (B, T)
     n = mask_f.sum(-1).clamp(min=1.0)  # (B,)
     seq_ratio = torch.exp((lr_min * mask_f).sum(-1) / n)  # (B,)
-    seq_adv = (advantages * mask_f).sum(-1) / n  # (B,)
-    loss_mat = (-seq_adv * seq_ratio).unsqueeze(-1).expand_as(log_prob)  # (B, T)
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
-    loss = _agg(loss_mat, response_mask, "seq-mean-token-mean", denoms, rollout_is_weights)
+    seq_adv = (adv * mask_f).sum(-1) / n  # (B,)
+    loss_mat = (-seq_adv * seq_ratio).unsqueeze(-1).expand_as(x.log_prob)  # (B, T)
+    loss = _agg(x, loss_mat, norm_length, mode="seq-mean-token-mean")
     clipped = lr != lr_clip
-    clipfrac = masked_mean((clipped & (lr > 0)).to(mask_f.dtype), response_mask)
-    lower = masked_mean((clipped & (lr < 0)).to(mask_f.dtype), response_mask)
-    return loss, _metrics(clipfrac, lower, masked_mean(-lr, response_mask))
+    clipfrac = masked_mean((clipped & (lr > 0)).to(mask_f.dtype), mask)
+    lower = masked_mean((clipped & (lr < 0)).to(mask_f.dtype), mask)
+    return loss, _metrics(clipfrac, lower, masked_mean(-lr, mask))
 
 
 @register_policy_loss("cispo")
 def compute_policy_loss_cispo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    x: LossInputs,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Any = None,
-    global_num_seqs: Any = None,
-    dp_size: int = 1,
-    rollout_log_prob: torch.Tensor | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
     clip_ratio: float = 0.2,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -401,31 +387,20 @@ def compute_policy_loss_cispo(
     ``pg_clipfrac``/``pg_clipfrac_lower``: share of tokens with r above / below the bounds.
     """
     eps_l, eps_h = _clips(clip_ratio, clip_ratio_low, clip_ratio_high)
-    lr = _log_ratio(old_log_prob, log_prob)
+    mask = x.response_mask
+    lr = _log_ratio(x.old_log_prob, x.log_prob)
     ratio = torch.exp(lr).detach()
     w = torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h)
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
-    loss = _agg(
-        -w * advantages * log_prob, response_mask, loss_agg_mode, denoms, rollout_is_weights
-    )
-    upper = masked_mean((ratio > 1.0 + eps_h).to(ratio.dtype), response_mask)
-    lower = masked_mean((ratio < 1.0 - eps_l).to(ratio.dtype), response_mask)
-    return loss, _metrics(upper, lower, masked_mean(-lr, response_mask))
+    loss = _agg(x, -w * x.advantages * x.log_prob, norm_length)
+    upper = masked_mean((ratio > 1.0 + eps_h).to(ratio.dtype), mask)
+    lower = masked_mean((ratio < 1.0 - eps_l).to(ratio.dtype), mask)
+    return loss, _metrics(upper, lower, masked_mean(-lr, mask))
 
 
 @register_policy_loss("sapo")
 def compute_policy_loss_sapo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    x: LossInputs,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Any = None,
-    global_num_seqs: Any = None,
-    dp_size: int = 1,
-    rollout_log_prob: torch.Tensor | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
     norm_length: float | None = None,
@@ -440,31 +415,20 @@ def compute_policy_loss_sapo(
     tau_pos, tau_neg = float(tau_pos), float(tau_neg)
     if tau_pos <= 0 or tau_neg <= 0:
         raise ValueError(f"SAPO needs tau_pos, tau_neg > 0, got {tau_pos}, {tau_neg}")
-    lr = _log_ratio(old_log_prob, log_prob)
+    adv = x.advantages
+    lr = _log_ratio(x.old_log_prob, x.log_prob)
     ratio = torch.exp(lr)
-    tau = torch.where(
-        advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg)
-    )
+    tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
-    loss = _agg(-gate * advantages, response_mask, loss_agg_mode, denoms, rollout_is_weights)
-    zero = log_prob.new_zeros(())
-    return loss, _metrics(zero, zero, masked_mean(-lr, response_mask))
+    loss = _agg(x, -gate * adv, norm_length)
+    zero = x.log_prob.new_zeros(())
+    return loss, _metrics(zero, zero, masked_mean(-lr, x.response_mask))
 
 
 @register_policy_loss("bypass_mode", needs=("rollout_log_prob",))
 def compute_policy_loss_bypass_mode(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    x: LossInputs,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Any = None,
-    global_num_seqs: Any = None,
-    dp_size: int = 1,
-    rollout_log_prob: torch.Tensor | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
     clip_ratio: float = 0.2,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -483,29 +447,27 @@ def compute_policy_loss_bypass_mode(
     * ``"reinforce"``: ``L = -sg(min(r, rollout_is_threshold)) * A * log pi`` — truncated IS
       REINFORCE (threshold default 2.0).
 
-    ``old_log_prob`` is ignored (may be the rollout log-probs or anything). Pass
+    ``x.old_log_prob`` is ignored (may be the rollout log-probs or anything). Pass
     ``rollout_is_weights=None`` here (they would be ~1 anyway since old == rollout).
     """
-    if rollout_log_prob is None:
+    if x.rollout_log_prob is None:
         raise ValueError(
             "policy loss 'bypass_mode' needs rollout_log_prob: enable returning log-probs from "
             "the rollout engine (rollout_log_probs in the batch)"
         )
-    lr = _log_ratio(rollout_log_prob, log_prob)
+    log_prob, adv, mask = x.log_prob, x.advantages, x.response_mask
+    lr = _log_ratio(x.rollout_log_prob, log_prob)
     kind = bypass_loss
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
     if kind == "ppo_clip":
         eps_l, eps_h = _clips(clip_ratio, clip_ratio_low, clip_ratio_high)
-        loss_mat, clipfrac, lower = _ppo_clip_matrix(
-            lr, advantages, response_mask, eps_l, eps_h, clip_ratio_c
-        )
+        loss_mat, clipfrac, lower = _ppo_clip_matrix(lr, adv, mask, eps_l, eps_h, clip_ratio_c)
     elif kind == "reinforce":
         thr = float(rollout_is_threshold)
         ratio = torch.exp(lr).detach()
-        loss_mat = -torch.clamp(ratio, max=thr) * advantages * log_prob
-        clipfrac = masked_mean((ratio > thr).to(ratio.dtype), response_mask)
+        loss_mat = -torch.clamp(ratio, max=thr) * adv * log_prob
+        clipfrac = masked_mean((ratio > thr).to(ratio.dtype), mask)
         lower = log_prob.new_zeros(())
     else:
         raise ValueError(f"bypass_loss must be 'ppo_clip' or 'reinforce', got {kind!r}")
-    loss = _agg(loss_mat, response_mask, loss_agg_mode, denoms, rollout_is_weights)
-    return loss, _metrics(clipfrac, lower, masked_mean(-lr, response_mask))
+    loss = _agg(x, loss_mat, norm_length)
+    return loss, _metrics(clipfrac, lower, masked_mean(-lr, mask))

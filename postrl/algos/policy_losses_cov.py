@@ -16,14 +16,12 @@ the global torch RNG (bind ``generator=`` for reproducibility).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from postrl.algos.policy_losses import (
+    LossInputs,
     _agg,
     _clips,
-    _denoms,
     _log_ratio,
     _metrics,
     register_policy_loss,
@@ -43,17 +41,8 @@ def _token_cov(
 
 @register_policy_loss("clip_cov")
 def compute_policy_loss_clip_cov(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    x: LossInputs,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Any = None,
-    global_num_seqs: Any = None,
-    dp_size: int = 1,
-    rollout_log_prob: torch.Tensor | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
     clip_ratio: float = 0.2,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -71,12 +60,13 @@ def compute_policy_loss_clip_cov(
     """
     eps_l, eps_h = _clips(clip_ratio, clip_ratio_low, clip_ratio_high)
     ratio_k, lb, ub = float(clip_cov_ratio), float(clip_cov_lb), float(clip_cov_ub)
+    advantages, response_mask = x.advantages, x.response_mask
     mask = response_mask.bool()
-    lr = _log_ratio(old_log_prob, log_prob)
+    lr = _log_ratio(x.old_log_prob, x.log_prob)
     ratio = torch.exp(lr)
     l1 = -advantages * ratio
     l2 = -advantages * torch.clamp(ratio, 1.0 - eps_l, 1.0 + eps_h)
-    cov = _token_cov(advantages, log_prob, response_mask)
+    cov = _token_cov(advantages, x.log_prob, response_mask)
     candidates = mask & ~(l2 > l1) & (cov > lb) & (cov < ub)  # (B, T)
     flat = torch.nonzero(candidates.reshape(-1), as_tuple=True)[0]
     n_clip = max(int(ratio_k * float(mask.sum())), 1)
@@ -86,25 +76,15 @@ def compute_policy_loss_clip_cov(
         keep[flat[perm[:n_clip].to(flat.device)]] = 0.0
     keep = keep.reshape_as(lr)  # 0 = gradient detached
     loss_mat = torch.maximum(l1, l2) * keep
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
-    loss = _agg(loss_mat, response_mask, loss_agg_mode, denoms, rollout_is_weights)
+    loss = _agg(x, loss_mat, norm_length)
     clipfrac = masked_mean((keep == 0).to(lr.dtype), response_mask)
     return loss, _metrics(clipfrac, lr.new_zeros(()), masked_mean(-lr, response_mask))
 
 
 @register_policy_loss("kl_cov")
 def compute_policy_loss_kl_cov(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    x: LossInputs,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Any = None,
-    global_num_seqs: Any = None,
-    dp_size: int = 1,
-    rollout_log_prob: torch.Tensor | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
     kl_cov_ratio: float = 2e-4,
     ppo_kl_coef: float = 1.0,
     norm_length: float | None = None,
@@ -115,11 +95,12 @@ def compute_policy_loss_kl_cov(
     reports ``mean |log pi - log pi_old|`` (as verl); ``pg_clipfrac`` = share of penalised tokens.
     """
     ratio_k, coef = float(kl_cov_ratio), float(ppo_kl_coef)
+    advantages, response_mask = x.advantages, x.response_mask
     mask = response_mask.bool()
-    lr = _log_ratio(old_log_prob, log_prob)
+    lr = _log_ratio(x.old_log_prob, x.log_prob)
     ratio = torch.exp(lr)
     base = -advantages * ratio
-    cov = _token_cov(advantages, log_prob, response_mask)
+    cov = _token_cov(advantages, x.log_prob, response_mask)
     n_valid = int(mask.sum())
     penal = torch.zeros_like(mask)
     if n_valid > 0 and ratio_k > 0:
@@ -128,7 +109,6 @@ def compute_policy_loss_kl_cov(
         top = torch.topk(score, k).indices
         penal = penal.reshape(-1).index_fill(0, top, True).reshape_as(mask)
     loss_mat = torch.where(penal, base + coef * lr.abs(), base)
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
-    loss = _agg(loss_mat, response_mask, loss_agg_mode, denoms, rollout_is_weights)
+    loss = _agg(x, loss_mat, norm_length)
     frac = masked_mean(penal.to(lr.dtype), response_mask)
     return loss, _metrics(frac, lr.new_zeros(()), masked_mean(lr.abs(), response_mask))

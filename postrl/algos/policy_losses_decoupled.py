@@ -30,14 +30,14 @@ vanilla PPO's.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
 import torch
 
 from postrl.algos.policy_losses import (
+    LossInputs,
     _agg,
     _clips,
-    _denoms,
     _log_ratio,
     _metrics,
     _ppo_clip_matrix,
@@ -88,17 +88,8 @@ def proximal_is_weights(
 
 @register_policy_loss("decoupled", needs=("rollout_log_prob", "proximal_log_prob"))
 def compute_policy_loss_decoupled(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    x: LossInputs,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Any = None,
-    global_num_seqs: Any = None,
-    dp_size: int = 1,
-    rollout_log_prob: torch.Tensor | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
     clip_ratio: float = 0.2,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -111,23 +102,28 @@ def compute_policy_loss_decoupled(
 
     ``L_t = sg(min(pi_prox_t / mu_t, C)) * max(-A r, -A clip(r, 1 - eps_l, 1 + eps_h))`` with
     ``r = pi / pi_prox`` (dual clip for ``A < 0`` as :func:`compute_policy_loss_vanilla`);
-    ``old_log_prob`` is ``log pi_prox`` (recomputed at the start of the update),
-    ``rollout_log_prob`` is ``log mu``. hparams ``rollout_is`` (``"token"`` | ``"sequence"``)
+    ``x.old_log_prob`` is ``log pi_prox`` (recomputed at the start of the update),
+    ``x.rollout_log_prob`` is ``log mu``. hparams ``rollout_is`` (``"token"`` | ``"sequence"``)
     and ``rollout_is_threshold`` (``C``, default 2.0) truncate the weight exactly as
     ``algorithm.rollout_correction.rollout_is`` / ``rollout_is_threshold`` do.
 
-    The loss computes its own weight: ``rollout_is_weights`` must be None (stage-6 weights
+    The loss computes its own weight: ``x.rollout_is_weights`` must be None (stage-6 weights
     would weight the loss a second time). Extra metrics: ``decoupled_is_mean`` (mean truncated
     weight), ``decoupled_is_clipfrac`` (share of tokens whose weight hit ``C``),
     ``decoupled_kl_behav`` (``mean(log mu - log pi_prox)``, a k1 estimate of
     KL(mu || pi_prox)); ``ppo_kl`` is ``mean(log pi_prox - log pi)``.
     """
+    old_log_prob, rollout_log_prob, response_mask = (
+        x.old_log_prob,
+        x.rollout_log_prob,
+        x.response_mask,
+    )
     if rollout_log_prob is None:
         raise ValueError(
             "policy loss 'decoupled' needs rollout_log_prob (log mu, the rollout engine's "
             "log-probs; batch['rollout_log_probs'])"
         )
-    if rollout_is_weights is not None:
+    if x.rollout_is_weights is not None:
         raise ValueError(
             "policy loss 'decoupled' weights the loss by pi_prox/mu itself; rollout_is_weights "
             "would apply a second weight: unset algorithm.rollout_correction.rollout_is and set "
@@ -140,13 +136,13 @@ def compute_policy_loss_decoupled(
         level=rollout_is,
         threshold=rollout_is_threshold,
     )
-    lr = _log_ratio(old_log_prob, log_prob)
+    lr = _log_ratio(old_log_prob, x.log_prob)
     eps_l, eps_h = _clips(clip_ratio, clip_ratio_low, clip_ratio_high)
     loss_mat, clipfrac, lower = _ppo_clip_matrix(
-        lr, advantages, response_mask, eps_l, eps_h, clip_ratio_c
+        lr, x.advantages, response_mask, eps_l, eps_h, clip_ratio_c
     )
-    denoms = _denoms(global_num_tokens, global_num_seqs, dp_size, norm_length)
-    loss = _agg(loss_mat, response_mask, loss_agg_mode, denoms, w.to(loss_mat.dtype))
+    weighted = dataclasses.replace(x, rollout_is_weights=w.to(loss_mat.dtype))
+    loss = _agg(weighted, loss_mat, norm_length)
     metrics = _metrics(clipfrac, lower, masked_mean(-lr, response_mask))
     hit = (log_w > torch.log(torch.tensor(float(rollout_is_threshold)))).to(w.dtype)
     metrics["decoupled_is_mean"] = masked_mean(w, response_mask).detach()

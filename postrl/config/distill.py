@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from postrl.engine.specs import PolicyLossSpec
+
 __all__ = ["DistillConfig"]
 
 
@@ -36,7 +38,7 @@ class DistillConfig:
     term (Agarwal et al. 2024; Thinking Machines 2025); ``gkd`` — generalised JSD(β) between
     teacher and student over the teacher's top-``topk`` tokens plus one tail bucket, a term
     ``coef · agg(JSD_t)`` of the update's loss (GKD, Agarwal et al. 2024)."""
-    coef: float = 1.0
+    coef: float = PolicyLossSpec.distill_coef
     """Weight ``c`` of the distillation term: ``reverse_kl``: advantages ``w · A_task − c ·
     (log π_s − log π_t)``; ``gkd``: loss ``pg_loss(w · A_task) + c · agg(JSD_t)``."""
     task_reward_weight: float = 1.0
@@ -46,7 +48,7 @@ class DistillConfig:
     """``gkd``: the teacher's most likely tokens kept per position (K); the rest of both
     distributions is one tail bucket. Exact at K = vocabulary size, a lower bound of the dense
     divergence below it; ``distill/teacher_topk_mass`` says what the teacher's top-k holds."""
-    beta: float = 0.5
+    beta: float = PolicyLossSpec.distill_beta
     """``gkd``: β of JSD(β) (0 = forward KL(teacher‖student), 1 = reverse KL)."""
 
     @property

@@ -4,6 +4,10 @@ The docstring under every field is the one source of its documentation (``postrl
 --help-config`` and ``docs/config.md`` are generated from it). Defaults are the embedded CPU
 defaults: ``postrl train`` with only ``model.path`` and data files runs GRPO on a laptop.
 
+Settings the engine also takes (``model.*``, ``*.optim.*``, the batching and loss keys of
+``actor.*`` / ``critic.*``) take their defaults from the engine's specs
+(:mod:`postrl.engine.specs`): each default is written once, there.
+
 Batch-size conventions follow verl: ``data.train_batch_size`` and ``actor.ppo_mini_batch_size``
 count *prompts*; each prompt yields ``rollout.n`` responses.
 """
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from postrl.config.distill import DistillConfig
+from postrl.engine.specs import BatchSpec, ModelSpec, OptimSpec, PolicyLossSpec
 
 
 def config_key(f: dataclasses.Field) -> str:
@@ -25,28 +30,28 @@ def config_key(f: dataclasses.Field) -> str:
 
 @dataclass
 class ModelConfig:
-    path: str = ""
+    path: str = ModelSpec.path
     """Hugging Face model directory (``postrl make-model`` creates tiny ones)."""
-    dtype: str = "auto"
+    dtype: str = ModelSpec.dtype
     """dtype the parameters are stored and updated in (gradients and AdamW state follow):
     ``auto``, ``float32``, ``bfloat16`` or ``float16``. ``auto`` is float32 for trained models
     (actor, critic: fp32 master weights) and ``compute_dtype`` for the frozen reference."""
-    compute_dtype: str = "auto"
+    compute_dtype: str = ModelSpec.compute_dtype
     """dtype of the forward/backward math: ``auto`` (float32 on CPU, bfloat16 on GPU),
     ``float32`` or ``bfloat16``. Narrower than ``dtype`` → mixed precision: FSDP2 units gather
     their parameters in it and reduce gradients in ``dtype`` (``MixedPrecisionPolicy``);
     unsharded models (dp=1, ``ddp``) run their forward under ``torch.autocast``. The LM head's
     logits are cast to float32 before the log-softmax/entropy (as verl does), values likewise."""
-    trust_remote_code: bool = False
+    trust_remote_code: bool = ModelSpec.trust_remote_code
     """Passed to ``from_pretrained``; off by default for safety."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = ModelSpec.gradient_checkpointing
     """Recompute activations in backward to save memory."""
-    lora_rank: int = 0
+    lora_rank: int = ModelSpec.lora_rank
     """LoRA rank; 0 disables LoRA (full fine-tuning). With LoRA, the reference policy is the
     same model with adapters disabled (no second copy)."""
-    lora_alpha: int = 16
+    lora_alpha: int = ModelSpec.lora_alpha
     """LoRA scaling numerator."""
-    lora_target_modules: str = "all-linear"
+    lora_target_modules: str = ModelSpec.lora_target_modules
     """Modules to adapt (peft ``target_modules``)."""
 
 
@@ -82,60 +87,60 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
+    lr: float = OptimSpec.lr
     """Peak learning rate (AdamW)."""
-    weight_decay: float = 0.0
+    weight_decay: float = OptimSpec.weight_decay
     """AdamW weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: list(OptimSpec.betas))
     """AdamW betas."""
-    eps: float = 1e-8
+    eps: float = OptimSpec.eps
     """AdamW epsilon."""
-    warmup_steps: int = 0
+    warmup_steps: int = OptimSpec.warmup_steps
     """Linear warmup steps (optimizer steps)."""
-    lr_scheduler: str = "constant"
+    lr_scheduler: str = OptimSpec.lr_scheduler
     """``constant`` or ``cosine`` (after warmup)."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = OptimSpec.min_lr_ratio
     """Cosine floor as a fraction of ``lr``."""
-    grad_clip: float = 1.0
+    grad_clip: float = OptimSpec.grad_clip
     """Max global grad norm; a non-finite norm skips the step (counted)."""
 
 
 @dataclass
 class ActorConfig:
-    ppo_mini_batch_size: int = 16
+    ppo_mini_batch_size: int = BatchSpec.ppo_mini_batch_size
     """Prompts per optimizer step (× ``rollout.n`` responses)."""
-    ppo_micro_batch_size_per_gpu: int = 16
+    ppo_micro_batch_size_per_gpu: int = BatchSpec.ppo_micro_batch_size_per_gpu
     """Responses per forward/backward when ``use_dynamic_bsz`` is off."""
-    use_dynamic_bsz: bool = True
+    use_dynamic_bsz: bool = BatchSpec.use_dynamic_bsz
     """Form micro-batches by a token budget instead of a fixed count."""
-    ppo_max_token_len_per_gpu: int = 8192
+    ppo_max_token_len_per_gpu: int = BatchSpec.ppo_max_token_len_per_gpu
     """Token budget per micro-batch when ``use_dynamic_bsz``."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = BatchSpec.ppo_epochs
     """Passes over each batch."""
-    shuffle: bool = False
+    shuffle: bool = BatchSpec.shuffle
     """Shuffle responses before splitting into mini-batches."""
-    policy_loss: str = "vanilla"
+    policy_loss: str = PolicyLossSpec.policy_loss
     """Registered policy loss (``docs/algorithms.md``)."""
     policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
     """Hyperparameters of the chosen policy loss beyond the clip ratios (e.g. ``tau_pos`` of
     ``sapo``, ``bypass_loss`` of ``bypass_mode``): its typed keyword arguments, checked at
     startup — an unknown or misspelt name is an error with a did-you-mean
     (``docs/algorithms.md`` lists each loss's)."""
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: float = PolicyLossSpec.clip_ratio_low
     """PPO clip ε_low."""
-    clip_ratio_high: float = 0.2
+    clip_ratio_high: float = PolicyLossSpec.clip_ratio_high
     """PPO clip ε_high (DAPO clip-higher: 0.28)."""
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float = PolicyLossSpec.clip_ratio_c
     """Dual-clip constant c (> 1)."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = PolicyLossSpec.loss_agg_mode
     """Registered loss aggregation mode."""
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = PolicyLossSpec.entropy_coeff
     """Entropy bonus coefficient."""
-    use_kl_loss: bool = False
+    use_kl_loss: bool = PolicyLossSpec.use_kl_loss
     """Add a KL(π‖π_ref) loss term (GRPO-style); needs a reference policy."""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = PolicyLossSpec.kl_loss_coef
     """Coefficient of the KL loss."""
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: str = PolicyLossSpec.kl_loss_type
     """Registered KL estimator for the KL loss."""
     share_prompt_prefix: bool | None = None
     """Compute the n responses of a prompt against one shared prompt copy (None = auto)."""
@@ -153,15 +158,15 @@ class ActorConfig:
 
 @dataclass
 class CriticConfig:
-    ppo_mini_batch_size: int = 16
+    ppo_mini_batch_size: int = BatchSpec.ppo_mini_batch_size
     """Prompts per critic optimizer step."""
-    ppo_micro_batch_size_per_gpu: int = 16
+    ppo_micro_batch_size_per_gpu: int = BatchSpec.ppo_micro_batch_size_per_gpu
     """Responses per forward/backward when ``use_dynamic_bsz`` is off."""
-    use_dynamic_bsz: bool = True
+    use_dynamic_bsz: bool = BatchSpec.use_dynamic_bsz
     """Form micro-batches by a token budget."""
-    ppo_max_token_len_per_gpu: int = 8192
+    ppo_max_token_len_per_gpu: int = BatchSpec.ppo_max_token_len_per_gpu
     """Token budget per micro-batch."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = BatchSpec.ppo_epochs
     """Passes over each batch."""
     cliprange_value: float = 0.5
     """Value clipping range."""

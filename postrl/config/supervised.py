@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from postrl.engine.specs import ModelSpec, OptimSpec
+
 __all__ = ["RMConfig", "SFTConfig", "TrainFileOptions"]
 
 
@@ -43,13 +45,13 @@ class SFTConfig(TrainFileOptions):
     """Options of ``postrl sft`` (also the keyword arguments of ``run_sft``); ``train_file``
     rows hold ``messages`` or ``prompt`` + ``response``."""
 
-    weight_decay: float = 0.0
+    weight_decay: float = OptimSpec.weight_decay
     """AdamW weight decay."""
     batch_tokens: int = 2048
     """Tokens per optimizer step (packed)."""
     max_length: int = 512
     """Rows longer than this are truncated (and the tail's loss dropped)."""
-    lora_rank: int = 0
+    lora_rank: int = ModelSpec.lora_rank
     """LoRA rank (0 = full fine-tuning)."""
 
 

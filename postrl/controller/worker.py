@@ -126,16 +126,6 @@ class Worker:
         info = self._postrl_dp.get(mesh_name)
         return info if info is not None else DpInfo(self.rank, self.world_size, True)
 
-    def _postrl_ping(self) -> dict[str, Any]:
-        """Liveness probe: rank, pid and whether torch.distributed is initialised."""
-        import torch.distributed as dist
-
-        return {
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "dist": dist.is_available() and dist.is_initialized(),
-        }
-
 
 @dataclass
 class RemoteFailure:

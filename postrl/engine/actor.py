@@ -18,29 +18,28 @@ mini-batch (:func:`postrl.engine.minibatch.split_mini_batches`): they contribute
 loss or the denominators, and every dp rank still runs the same mini-batches and collectives. A
 mini-batch with no valid token on any rank is skipped (no optimizer step).
 
-Settings are engine-owned dataclasses (:class:`~postrl.engine.update.BatchSpec`,
-:class:`PolicyLossSpec`, :class:`~postrl.engine.optim.OptimSpec`); the role workers
-(:mod:`postrl.workers`) fill them from the run's config.
+Settings are engine-owned dataclasses (:mod:`postrl.engine.specs`: ``BatchSpec``,
+``PolicyLossSpec``, ``OptimSpec``); the role workers (:mod:`postrl.workers`) fill them from the
+run's config.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from postrl.algos.aggregation import agg_loss
 from postrl.algos.kl import kl_penalty
-from postrl.algos.policy_losses import bind_policy_loss
+from postrl.algos.policy_losses import LossInputs, bind_policy_loss
 from postrl.engine.microbatch import make_micro_batches, restore_order
 from postrl.engine.minibatch import split_mini_batches
 from postrl.engine.model import PolicyModel
-from postrl.engine.optim import OptimSpec
-from postrl.engine.update import BatchSpec, MicroLoss, UpdateLoop, rows_to_device
+from postrl.engine.specs import BatchSpec, OptimSpec, PolicyLossSpec
+from postrl.engine.update import MicroLoss, UpdateLoop, rows_to_device
 from postrl.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -64,42 +63,6 @@ def prompt_groups(
     size = torch.zeros(g, dtype=torch.long).index_add_(0, gid.cpu(), torch.ones_like(gid.cpu()))
     plen = torch.zeros(g, dtype=torch.long).scatter_reduce_(0, gid.cpu(), pm.sum(1).cpu(), "amax")
     return gid.cpu(), (size - 1) * plen
-
-
-@dataclass(frozen=True)
-class PolicyLossSpec:
-    """The policy loss of an update (the ``actor.*`` loss keys of the config)."""
-
-    policy_loss: str = "vanilla"
-    """Registered policy loss (:data:`postrl.algos.POLICY_LOSSES`)."""
-    policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Hyperparameters of the policy loss, bound at construction
-    (:func:`postrl.algos.bind_policy_loss`: an unknown name raises with a did-you-mean)."""
-    clip_ratio_low: float = 0.2
-    """PPO clip ε below 1."""
-    clip_ratio_high: float = 0.2
-    """PPO clip ε above 1."""
-    clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages."""
-    loss_agg_mode: str = "token-mean"
-    """Aggregation of token losses (:func:`postrl.algos.aggregation.agg_loss`)."""
-    entropy_coeff: float = 0.0
-    """Weight of the entropy bonus."""
-    use_kl_loss: bool = False
-    """Add ``kl_loss_coef · KL(π‖π_ref)`` to the loss (needs ``ref_log_prob``)."""
-    kl_loss_coef: float = 0.001
-    """Weight of the KL loss."""
-    kl_loss_type: str = "low_var_kl"
-    """KL estimator (:func:`postrl.algos.kl.kl_penalty`)."""
-    distill_loss: str = ""
-    """A distillation loss of kind ``loss`` (:data:`postrl.algos.distill.DISTILL_LOSSES`, e.g.
-    ``gkd``) added to the loss as ``distill_coef · agg(D_t)``, from the student's log-probs at
-    the teacher's top-k ids (needs ``teacher_topk_ids`` / ``teacher_topk_log_probs``); empty =
-    none."""
-    distill_coef: float = 1.0
-    """Weight of the distillation loss (``distill.coef``)."""
-    distill_beta: float = 0.5
-    """β of the generalised JSD (``distill.beta``)."""
 
 
 @dataclass
@@ -326,14 +289,16 @@ class Actor:
         c = self.loss
         mask = mb["response_mask"].to(lp.dtype)
         pg, m = self.loss_fn(
-            mb["old_log_probs"],
-            lp,
-            mb["advantages"],
-            mask,
-            loss_agg_mode=c.loss_agg_mode,
-            rollout_log_prob=mb.get("rollout_log_probs"),
-            rollout_is_weights=mb.get("rollout_is_weights"),
-            **denoms,
+            LossInputs(
+                old_log_prob=mb["old_log_probs"],
+                log_prob=lp,
+                advantages=mb["advantages"],
+                response_mask=mask,
+                loss_agg_mode=c.loss_agg_mode,
+                rollout_log_prob=mb.get("rollout_log_probs"),
+                rollout_is_weights=mb.get("rollout_is_weights"),
+                **denoms,
+            )
         )
         loss = pg
         ent_loss = agg_loss(ent, mask, c.loss_agg_mode, **denoms)

@@ -18,8 +18,8 @@ from postrl.algos.value import compute_value_loss
 from postrl.engine.microbatch import make_micro_batches, restore_order
 from postrl.engine.minibatch import split_mini_batches
 from postrl.engine.model import CriticModel
-from postrl.engine.optim import OptimSpec
-from postrl.engine.update import BatchSpec, MicroLoss, UpdateLoop, rows_to_device
+from postrl.engine.specs import BatchSpec, OptimSpec
+from postrl.engine.update import MicroLoss, UpdateLoop, rows_to_device
 from postrl.protocol import DataProto
 
 logger = logging.getLogger(__name__)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from postrl.engine.logprob import critic_values, pack, policy_logprobs
+from postrl.engine.specs import ModelSpec
 from postrl.engine.varlen import ATTN_NAME, register_varlen_attention, varlen_calls
 
 logger = logging.getLogger(__name__)
@@ -52,28 +53,6 @@ __all__ = [
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the engine needs to load a model (the ``model.*`` keys of the config)."""
-
-    path: str = ""
-    """Hugging Face model directory."""
-    dtype: str = "auto"
-    """Storage dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16``."""
-    compute_dtype: str = "auto"
-    """Compute dtype: ``auto``, ``float32`` or ``bfloat16``."""
-    trust_remote_code: bool = False
-    """Pass ``trust_remote_code`` to ``from_pretrained``."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward."""
-    lora_rank: int = 0
-    """LoRA rank (0: full fine-tuning)."""
-    lora_alpha: int = 16
-    """LoRA alpha."""
-    lora_target_modules: str = "all-linear"
-    """``all-linear`` or comma-separated module names."""
 
 
 def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:

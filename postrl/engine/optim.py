@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from postrl.engine.specs import OptimSpec
 
 __all__ = [
     "OptimSpec",
@@ -41,29 +42,6 @@ __all__ = [
     "allreduce_sum",
     "guarded_step",
 ]
-
-
-@dataclass(frozen=True)
-class OptimSpec:
-    """AdamW and LR-schedule settings (the ``*.optim`` keys of the config; ``postrl sft`` /
-    ``postrl rm`` fill it from their own options)."""
-
-    lr: float = 1e-6
-    """Peak learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    betas: tuple[float, ...] = (0.9, 0.999)
-    """AdamW betas (two values)."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    warmup_steps: int = 0
-    """Linear warmup optimizer steps."""
-    lr_scheduler: str = "constant"
-    """``constant`` or ``cosine`` after warmup."""
-    min_lr_ratio: float = 0.0
-    """Cosine floor as a fraction of ``lr``."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip (<= 0: no clipping)."""
 
 
 def build_optimizer(params: Iterable[nn.Parameter], spec: OptimSpec) -> torch.optim.AdamW:

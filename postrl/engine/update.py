@@ -14,8 +14,9 @@ so they add up to the mini-batch value) and ``means`` (per-micro-batch averages,
 micro-batch's share of the mini-batch's tokens); both are summed over dp ranks, then averaged over
 mini-batches and epochs. ``grad_norm`` and ``lr`` are added per optimizer step.
 
-Engine-owned settings (:class:`BatchSpec`, :class:`postrl.engine.optim.OptimSpec`) are plain
-dataclasses: the role workers (:mod:`postrl.workers`) fill them from the run's config.
+Engine-owned settings (:class:`~postrl.engine.specs.BatchSpec`,
+:class:`~postrl.engine.specs.OptimSpec`) are plain dataclasses in :mod:`postrl.engine.specs`: the
+role workers (:mod:`postrl.workers`) fill them from the run's config.
 """
 
 from __future__ import annotations
@@ -29,34 +30,16 @@ import torch.distributed as dist
 from torch import nn
 
 from postrl.engine.optim import (
-    OptimSpec,
     allreduce_grads,
     allreduce_sum,
     build_optimizer,
     build_scheduler,
     guarded_step,
 )
+from postrl.engine.specs import BatchSpec, OptimSpec
 from postrl.protocol import DataProto
 
 __all__ = ["BatchSpec", "MicroLoss", "UpdateLoop", "rows_to_device"]
-
-
-@dataclass(frozen=True)
-class BatchSpec:
-    """How an engine splits a batch (the ``actor.*`` / ``critic.*`` batching keys of the config)."""
-
-    ppo_mini_batch_size: int = 16
-    """Prompts per mini-batch (× ``rollout_n`` responses, split over dp ranks)."""
-    ppo_micro_batch_size_per_gpu: int = 16
-    """Rows per micro-batch when ``use_dynamic_bsz`` is False."""
-    use_dynamic_bsz: bool = True
-    """Micro-batches by token budget (Karmarkar–Karp) instead of a fixed row count."""
-    ppo_max_token_len_per_gpu: int = 8192
-    """Token budget per micro-batch."""
-    ppo_epochs: int = 1
-    """Passes over the batch per update."""
-    shuffle: bool = False
-    """Shuffle rows before splitting into mini-batches (seeded)."""
 
 
 @dataclass

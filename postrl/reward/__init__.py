@@ -4,7 +4,7 @@ Public API (imported lazily so spawned reward workers start without torch)::
 
     from postrl.reward import (REWARD_FNS, register_reward_fn, load_custom_reward_fn,
                                RewardLoop, RewardStage, RewardRequest, RewardResult, RewardError,
-                               RewardFailureError)
+                               RewardFailureError, build_reward_stage)
 
 See ``docs/rewards.md``.
 """
@@ -23,6 +23,7 @@ _EXPORTS = {
     "CustomRewardError": "postrl.reward.custom",
     "RewardLoop": "postrl.reward.loop",
     "RewardStage": "postrl.reward.stage",
+    "build_reward_stage": "postrl.reward.stage",
     "RewardRequest": "postrl.reward.types",
     "RewardResult": "postrl.reward.types",
     "SampleScore": "postrl.reward.types",

@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "RewardStage",
+    "build_reward_stage",
     "RewardModelScorer",
     "apply_reward_result",
     "combine_scores",
@@ -378,3 +379,32 @@ def apply_reward_result(
         if nums:
             metrics[f"reward/extra/{k}/mean"] = sum(nums) / len(nums)
     return out, metrics
+
+
+def build_reward_stage(cfg: Any, tokenizer: Any, reward_model: Any = None) -> RewardStage:
+    """The run's :class:`RewardStage` from the ``reward.*`` section of the RL config ``cfg``
+    (and ``rollout.response_length`` for overlong shaping): the trainer's, and in the
+    object-store data plane each rollout replica's own. ``reward_model``: the reward-model
+    worker group when ``reward.model.enable``."""
+    rw = cfg.reward
+    loop = RewardLoop(
+        timeout_s=rw.timeout_s,
+        num_workers=rw.num_workers,
+        custom_fn_path=rw.custom_function.path or None,
+        custom_fn_name=rw.custom_function.name,
+        custom_fn_batch=rw.custom_function.batch,
+        fn_kwargs=rw.reward_kwargs,
+        max_failure_ratio=rw.max_failure_ratio,
+        isolate_builtin=rw.isolate_builtin,
+    )
+    return RewardStage(
+        loop,
+        tokenizer,
+        reward_model=reward_model,
+        rm_mode=rw.model.mode,
+        rm_weight=rw.model.weight,
+        rm_max_length=rw.model.max_length,
+        overlong=rw.overlong,
+        max_response_length=cfg.rollout.response_length,
+        tool_reward_weight=rw.tool_reward_weight,
+    )

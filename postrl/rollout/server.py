@@ -78,7 +78,6 @@ __all__ = [
     "check_bind",
     "TopLogprobs",
     "sampling_from_json",
-    "bucket_is_last",
 ]
 
 logger = logging.getLogger(__name__)
@@ -470,13 +469,6 @@ def sampling_from_json(d: dict[str, Any]) -> SamplingParams:
         stop_token_ids=tuple(d.get("stop_token_ids") or ()),
         stop=tuple(d.get("stop") or ()),
     )
-
-
-def bucket_is_last(frame: bytes) -> bool:
-    """Whether a weight frame (already validated by the replica) ends its update."""
-    from postrl.weights import decode_frame
-
-    return bool(decode_frame(frame).header.get("last"))
 
 
 def _stream(events, status: int) -> StreamingResponse:

@@ -10,18 +10,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from postrl.config import PostRLConfig
 from postrl.data import PromptLoader
 from postrl.protocol import DataProto
+from postrl.reward.stage import build_reward_stage  # the reward stage's builder, in reward/
+from postrl.rollout.loop_thread import LoopThread
+
+if TYPE_CHECKING:  # annotations only: these layers are imported lazily where they are built
+    from transformers import PreTrainedTokenizerBase
+
+    from postrl.agent import AgentLoopManager
+    from postrl.controller.worker_group import WorkerGroup
+    from postrl.reward.stage import RewardStage
+    from postrl.rollout import Replica
+    from postrl.rollout.fleet import RolloutFleet
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainerContext", "build_context", "kv_capacity"]
+__all__ = ["TrainerContext", "build_context", "build_reward_stage", "kv_capacity"]
 
 
 def single_threaded_torch() -> None:
@@ -36,23 +46,16 @@ def single_threaded_torch() -> None:
     torch.set_num_threads(1)
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    """The context's event loop; its default executor (reward scoring, ``asyncio.to_thread``
-    tool calls) runs torch single-threaded (:func:`single_threaded_torch`)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    loop = asyncio.new_event_loop()
-    loop.set_default_executor(
-        ThreadPoolExecutor(
-            thread_name_prefix="postrl-trainer-exec", initializer=single_threaded_torch
-        )
+def _new_loop_thread() -> LoopThread:
+    """The context's event loop, inline until a mode starts its thread; the thread and the
+    loop's default executor (reward scoring, ``asyncio.to_thread`` tool calls) run torch
+    single-threaded (:func:`single_threaded_torch`)."""
+    return LoopThread(
+        "postrl-trainer-loop",
+        start=False,
+        thread_init=single_threaded_torch,
+        executor_name="postrl-trainer-exec",
     )
-    return loop
-
-
-def _run_single_threaded(loop: asyncio.AbstractEventLoop) -> None:
-    single_threaded_torch()
-    loop.run_forever()
 
 
 @dataclass
@@ -73,15 +76,15 @@ class TrainerContext:
     """
 
     cfg: PostRLConfig
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     loader: PromptLoader
-    agents: Any
-    fleet: Any
-    reward: Any
-    actor: Any
+    agents: AgentLoopManager
+    fleet: RolloutFleet
+    reward: RewardStage
+    actor: WorkerGroup
     remote_actor: bool = False
     total_steps: int = 0
-    replica_spawner: Callable[[int], Any] | None = None
+    replica_spawner: Callable[[int], Replica] | None = None
     """``spawn(slot) -> replica``: start a rollout replica in a slot of the fleet (dedicated
     modes: a restart of a dead one); None where replicas live in this process."""
     runner: Any = None
@@ -94,25 +97,21 @@ class TrainerContext:
     """The options every rollout backend of the run was created with (slots, KV length,
     device, ``rollout.engine_kwargs``): an in-process replica made later (the idle switch)
     gets the same."""
-    _loop: asyncio.AbstractEventLoop = field(default_factory=_new_loop, repr=False)
-    _thread: threading.Thread | None = field(default=None, repr=False)
+    loop_thread: LoopThread = field(default_factory=_new_loop_thread, repr=False)
+    """The context's event loop (:class:`~postrl.rollout.loop_thread.LoopThread`): agent loops,
+    tool calls, reward scoring and HTTP traffic to the rollout replicas run on it."""
 
     def start_background(self) -> None:
         """Run the context's event loop in a thread of its own from now on (``fully_async``:
         agent loops, tool calls, reward scoring and HTTP traffic to the rollout replicas go on
         while the main thread trains). :meth:`run_async` then submits to that thread and blocks;
         :meth:`create_task` may only be called from it."""
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(
-            target=_run_single_threaded, args=(self._loop,), name="postrl-trainer-loop", daemon=True
-        )
-        self._thread.start()
+        self.loop_thread.start()
 
     @property
     def in_background(self) -> bool:
         """Whether the loop runs in its own thread (:meth:`start_background`)."""
-        return self._thread is not None
+        return self.loop_thread.started
 
     def sampling_params(self, validation: bool = False) -> Any:
         """Rollout sampling parameters (validation uses ``rollout.val_kwargs``)."""
@@ -139,37 +138,19 @@ class TrainerContext:
     def run_async(self, coro: Any, poll: Callable[[], None] | None = None) -> Any:
         """Run a coroutine on the context's persistent event loop (in the loop's thread after
         :meth:`start_background`) and return its result. ``poll`` (background loop only) is
-        called on this thread about every 0.2 s while it waits."""
-        if self._thread is None:
-            return self._loop.run_until_complete(coro)
-        if threading.current_thread() is self._thread:
-            coro.close()
-            raise RuntimeError("run_async called from the loop thread itself; await instead")
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        while True:  # the coroutine's own waits have deadlines; a dead loop thread must not hang us
-            try:
-                return fut.result(timeout=1.0 if poll is None else 0.2)
-            except TimeoutError:
-                if not self._thread.is_alive():
-                    raise RuntimeError("the trainer's event-loop thread died") from None
-                if poll is not None:
-                    poll()
+        called on this thread about every 0.2 s while it waits (:meth:`LoopThread.run_sync`)."""
+        return self.loop_thread.run_sync(coro, poll)
 
     def create_task(self, coro: Any) -> asyncio.Task[Any]:
         """Schedule a coroutine on the context's loop (it runs whenever the loop next runs:
         during :meth:`run_async`, e.g. a mode's take or a validation; at once when the loop runs
         in the background, where this must be called from the loop's thread)."""
-        if self._thread is not None and threading.current_thread() is not self._thread:
-            coro.close()
-            raise RuntimeError(
-                "create_task from outside the background loop thread; run it via run_async"
-            )
-        return self._loop.create_task(coro)
+        return self.loop_thread.create_task(coro)
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` closed the event loop."""
-        return self._loop.is_closed()
+        return self.loop_thread.closed
 
     def generate(
         self,
@@ -231,8 +212,7 @@ class TrainerContext:
     def close(self) -> None:
         """Close the agent loops (the gateway's server), the fleet, the reward stage and the
         event loop."""
-        alive = self._thread.is_alive() if self._thread is not None else not self._loop.is_running()
-        if not self._loop.is_closed() and alive:
+        if not self.loop_thread.closed and self.loop_thread.alive:
             close = getattr(self.agents, "aclose", None)
             if close is not None:
                 try:
@@ -241,11 +221,7 @@ class TrainerContext:
                     logger.warning("closing the agent loops failed: %r", e)
         self.fleet.close()
         self.reward.close()
-        if self._thread is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
-            self._thread = None
-        self._loop.close()
+        self.loop_thread.close(join_timeout_s=30)
 
 
 def kv_capacity(cfg: PostRLConfig, multi_turn: bool) -> int:
@@ -336,35 +312,6 @@ def build_context(
         replica_spawner=pool.spawn if pool is not None else None,
         runner=runner,
         rollout_options=options,
-    )
-
-
-def build_reward_stage(cfg: PostRLConfig, tokenizer: Any, reward_model: Any = None) -> Any:
-    """The run's :class:`~postrl.reward.RewardStage` from ``reward.*`` (the trainer's, and in
-    the object-store data plane each rollout replica's own)."""
-    from postrl.reward import RewardLoop, RewardStage
-
-    rw = cfg.reward
-    loop = RewardLoop(
-        timeout_s=rw.timeout_s,
-        num_workers=rw.num_workers,
-        custom_fn_path=rw.custom_function.path or None,
-        custom_fn_name=rw.custom_function.name,
-        custom_fn_batch=rw.custom_function.batch,
-        fn_kwargs=rw.reward_kwargs,
-        max_failure_ratio=rw.max_failure_ratio,
-        isolate_builtin=rw.isolate_builtin,
-    )
-    return RewardStage(
-        loop,
-        tokenizer,
-        reward_model=reward_model,
-        rm_mode=rw.model.mode,
-        rm_weight=rw.model.weight,
-        rm_max_length=rw.model.max_length,
-        overlong=rw.overlong,
-        max_response_length=cfg.rollout.response_length,
-        tool_reward_weight=rw.tool_reward_weight,
     )
 
 

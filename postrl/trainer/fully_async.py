@@ -301,9 +301,6 @@ class FullyAsyncMode:
             "rollout/reissued_requests": float(self.ctx.runner.reissued),
         }
 
-    def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:
-        """Trajectories report to the stream (and the reward stage) on their own."""
-
     def sync_weights(self) -> dict[str, float]:
         """Every ``parameter_sync_step`` steps (and before the first): push the weights to the
         replicas while they keep generating, advance the buffer's version, admit what the new

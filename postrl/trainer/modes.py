@@ -10,7 +10,6 @@ fleet, reward stage, weight source) — never from the whole trainer:
   replay buffer). A mode may return it already scored (``token_level_scores`` set: the reward
   stage then passes it through) — ``sync`` does so under DAPO dynamic sampling, which it owns:
   uninformative groups are dropped and refilled exactly;
-* ``on_trajectory(i, output, row)`` — called as each trajectory finishes (reward streaming);
 * ``sync_weights()`` — after the update, make the rollout use the new policy; ``weights/*``
   metrics;
 * ``state_dict()`` / ``load_state_dict(state)`` — what the mode must restore on resume (saved
@@ -76,10 +75,6 @@ class TrainerMode(Protocol):
 
     def next_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
         """The rollout batch of ``step`` (``meta_info['epoch']`` set) and the mode's metrics."""
-        ...
-
-    def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:
-        """One trajectory finished (its output and dataset row)."""
         ...
 
     def sync_weights(self) -> dict[str, float]:
@@ -166,10 +161,6 @@ class SyncMode:
             return batch, dict(self.stream.reward_metrics)
         metrics["timing_s/dynamic_sampling"] = time.perf_counter() - t0
         return batch, metrics
-
-    def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:
-        """Start scoring the trajectory while the rollout tail runs."""
-        self.ctx.reward.on_trajectory(i, output, row)
 
     def sync_weights(self) -> dict[str, float]:
         """Push the updated weights to every replica."""

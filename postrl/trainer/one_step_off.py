@@ -138,9 +138,6 @@ class OneStepOffMode:
         ):  # deterministic: no token is sampled after the batch completes
             self.ctx.fleet.pause()
 
-    def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:
-        """Trajectories report to the stream (and the reward stage) on their own."""
-
     def sync_weights(self) -> dict[str, float]:
         """Push the updated weights, advance the buffer's version, let the interrupted
         requests continue on the new weights."""

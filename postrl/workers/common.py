@@ -2,9 +2,9 @@
 sharding, the rank-0-output dispatch mode.
 
 The engine never sees the run's config: each worker translates the sections it needs into the
-engine's own dataclasses here (:class:`~postrl.engine.model.ModelSpec`,
-:class:`~postrl.engine.optim.OptimSpec`, :class:`~postrl.engine.update.BatchSpec`,
-:class:`~postrl.engine.actor.PolicyLossSpec`), field by field with the same names.
+engine's own dataclasses here (:mod:`postrl.engine.specs`: ``ModelSpec``, ``OptimSpec``,
+``BatchSpec``, ``PolicyLossSpec``), field by field with the same names; the config takes those
+fields' defaults from the specs.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ import torch
 import torch.distributed as dist
 
 from postrl.controller.dispatch import DispatchMode
-from postrl.engine.actor import PolicyLossSpec
-from postrl.engine.model import ModelSpec
-from postrl.engine.optim import OptimSpec
-from postrl.engine.update import BatchSpec
+from postrl.engine.specs import BatchSpec, ModelSpec, OptimSpec, PolicyLossSpec
 from postrl.protocol import DataProto
 
 __all__ = [

@@ -7,10 +7,16 @@ import math
 import pytest
 import torch
 
-from postrl.algos import get_policy_loss
+from postrl.algos import POLICY_LOSS_INPUTS, LossInputs, get_policy_loss
 from postrl.algos.policy_losses_decoupled import proximal_is_weights
 
 F64 = torch.float64
+
+
+def _call(fn, old, new, adv, mask, **kw):
+    """``fn(LossInputs(old, new, adv, mask, <input fields of kw>), <the rest of kw>)``."""
+    fields = {k: kw.pop(k) for k in list(kw) if k in POLICY_LOSS_INPUTS}
+    return fn(LossInputs(old, new, adv, mask, **fields), **kw)
 
 
 def _hand_inputs():
@@ -34,8 +40,15 @@ def test_decoupled_hand_token_level():
     prox, new, adv, mask, mu = _hand_inputs()
     new = new.clone().requires_grad_(True)
     mu = mu.clone().requires_grad_(True)
-    loss, met = get_policy_loss("decoupled")(
-        prox, new, adv, mask, rollout_log_prob=mu, rollout_is="token", rollout_is_threshold=2.0
+    loss, met = _call(
+        get_policy_loss("decoupled"),
+        prox,
+        new,
+        adv,
+        mask,
+        rollout_log_prob=mu,
+        rollout_is="token",
+        rollout_is_threshold=2.0,
     )
     assert loss.item() == pytest.approx(-0.025, abs=1e-12)
     assert met["pg_clipfrac"].item() == pytest.approx(0.5)  # tok1
@@ -58,10 +71,10 @@ def test_decoupled_hand_sequence_level():
     prox, new, adv, mask, mu = _hand_inputs()
     fn = get_policy_loss("decoupled")
     kw = dict(rollout_log_prob=mu, rollout_is="sequence")
-    assert fn(prox, new, adv, mask, rollout_is_threshold=2.0, **kw)[0].item() == pytest.approx(
-        -0.3, abs=1e-12
-    )
-    loss5, met5 = fn(prox, new, adv, mask, rollout_is_threshold=5.0, **kw)
+    assert _call(fn, prox, new, adv, mask, rollout_is_threshold=2.0, **kw)[
+        0
+    ].item() == pytest.approx(-0.3, abs=1e-12)
+    loss5, met5 = _call(fn, prox, new, adv, mask, rollout_is_threshold=5.0, **kw)
     assert loss5.item() == pytest.approx(-0.675, abs=1e-12)
     assert met5["decoupled_is_clipfrac"].item() == 0.0
 
@@ -80,9 +93,9 @@ def test_decoupled_refuses_missing_mu_and_double_weights():
     prox, new, adv, mask, mu = _hand_inputs()
     fn = get_policy_loss("decoupled")
     with pytest.raises(ValueError, match="needs rollout_log_prob"):
-        fn(prox, new, adv, mask)
+        _call(fn, prox, new, adv, mask)
     with pytest.raises(ValueError, match="unset algorithm.rollout_correction.rollout_is"):
-        fn(prox, new, adv, mask, rollout_log_prob=mu, rollout_is_weights=torch.ones_like(mu))
+        _call(fn, prox, new, adv, mask, rollout_log_prob=mu, rollout_is_weights=torch.ones_like(mu))
 
 
 def _rand(seed, b=5, t=7):
@@ -105,10 +118,17 @@ def test_equals_vanilla_when_mu_is_pi_prox(seed, mode, level):
     kw = dict(loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
     n1 = new.clone().requires_grad_(True)
     n2 = new.clone().requires_grad_(True)
-    d, dm = get_policy_loss("decoupled")(
-        prox, n1, adv, mask, rollout_log_prob=prox.clone(), rollout_is=level, **kw
+    d, dm = _call(
+        get_policy_loss("decoupled"),
+        prox,
+        n1,
+        adv,
+        mask,
+        rollout_log_prob=prox.clone(),
+        rollout_is=level,
+        **kw,
     )
-    v, vm = get_policy_loss("vanilla")(prox, n2, adv, mask, **kw)
+    v, vm = _call(get_policy_loss("vanilla"), prox, n2, adv, mask, **kw)
     torch.testing.assert_close(d, v, rtol=1e-12, atol=1e-14)
     d.backward()
     v.backward()
@@ -148,7 +168,8 @@ def _oracle(prox, new, adv, mask, mu, level, c, eps_l, eps_h, clip_c, mode):
 def test_loop_oracle(seed, level, mode):
     prox, new, adv, mask, mu = _rand(seed)
     c, eps_l, eps_h, clip_c = 1.3, 0.2, 0.28, 3.0
-    loss, _ = get_policy_loss("decoupled")(
+    loss, _ = _call(
+        get_policy_loss("decoupled"),
         prox,
         new,
         adv,

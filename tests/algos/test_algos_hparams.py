@@ -50,9 +50,10 @@ def test_bound_loss_uses_the_bound_values_and_shared_settings():
     common = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
     sapo = A.bind_policy_loss("sapo", {"tau_pos": 2.0}, common=common)
     assert sapo.keywords == {"tau_pos": 2.0}  # sapo has no clip ratios: nothing else bound
-    got, _ = sapo(old, new, adv, m)
-    want, _ = A.get_policy_loss("sapo")(old, new, adv, m, tau_pos=2.0)
-    default, _ = A.get_policy_loss("sapo")(old, new, adv, m)
+    x = A.LossInputs(old, new, adv, m)
+    got, _ = sapo(x)
+    want, _ = A.get_policy_loss("sapo")(x, tau_pos=2.0)
+    default, _ = A.get_policy_loss("sapo")(x)
     assert got.item() == want.item() != default.item()
     van = A.bind_policy_loss("vanilla", {}, common=common)
     assert van.keywords == common
@@ -60,8 +61,8 @@ def test_bound_loss_uses_the_bound_values_and_shared_settings():
 
 def test_user_loss_with_var_kwargs_accepts_any_name():
     @A.register_policy_loss("test_hp_open_loss")
-    def open_loss(old_log_prob, log_prob, advantages, response_mask, **hparams):
-        return (log_prob * 0).sum(), {}
+    def open_loss(x, **hparams):
+        return (x.log_prob * 0).sum(), {}
 
     assert A.policy_loss_hparam_errors("test_hp_open_loss", {"anything": 1}) == []
     fn = A.bind_policy_loss("test_hp_open_loss", {"anything": 1}, common={"clip_ratio_c": 3.0})

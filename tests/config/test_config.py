@@ -182,3 +182,48 @@ def test_otb_blocks_old_log_prob_fusion():
     assert (
         "actor.fuse_old_log_prob=True but algorithm.adv_estimator='optimal_token_baseline'" in msg
     )
+
+
+def test_engine_settings_take_their_defaults_from_the_engine_specs():
+    """No default written twice: a config field the engine also takes names the spec's default
+    (``lr: float = OptimSpec.lr``) instead of repeating the literal."""
+    import ast
+    import dataclasses
+    import inspect
+
+    from postrl.config import schema
+    from postrl.config.distill import DistillConfig
+    from postrl.config.supervised import SFTConfig
+    from postrl.engine import specs
+
+    pairs = [
+        (schema.ModelConfig, specs.ModelSpec, {}),
+        (schema.OptimConfig, specs.OptimSpec, {}),
+        (schema.ActorConfig, specs.BatchSpec, {}),
+        (schema.ActorConfig, specs.PolicyLossSpec, {}),
+        (schema.CriticConfig, specs.BatchSpec, {}),
+        (DistillConfig, specs.PolicyLossSpec, {"coef": "distill_coef", "beta": "distill_beta"}),
+        (SFTConfig, specs.OptimSpec, {}),  # lr, warmup_steps: TrainFileOptions' own choices
+        (SFTConfig, specs.ModelSpec, {}),
+    ]
+    checked = 0
+    for cfg_cls, spec_cls, rename in pairs:
+        spec_fields = {
+            f.name: f for f in dataclasses.fields(spec_cls) if f.default is not dataclasses.MISSING
+        }
+        for node in ast.parse(inspect.getsource(cfg_cls)).body[0].body:
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            name = rename.get(node.target.id, node.target.id)
+            if name not in spec_fields:
+                continue
+            src = ast.unparse(node.value)
+            assert f"{spec_cls.__name__}.{name}" in src, (
+                f"{cfg_cls.__name__}.{node.target.id} = {src}: take the default from "
+                f"{spec_cls.__name__}.{name} (postrl/engine/specs.py owns it)"
+            )
+            value = getattr(cfg_cls(), node.target.id)
+            value = tuple(value) if isinstance(value, list) else value  # betas: YAML list
+            assert value == spec_fields[name].default
+            checked += 1
+    assert checked >= 30

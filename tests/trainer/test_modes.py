@@ -41,9 +41,6 @@ class ReverseMode:
         batch = ctx.generate(prompts, ctx.sampling_params(), ctx.cfg.rollout.n, step, None)
         return batch, {"toy/cursor": float(self.cursor)}
 
-    def on_trajectory(self, i: int, output: Any, row: dict[str, Any]) -> None:
-        """Unused: this mode scores every row in the reward stage's ``finish``."""
-
     def sync_weights(self) -> dict[str, float]:
         self.synced += 1
         return self.ctx.sync_weights()
