@@ -72,6 +72,7 @@ class ReplicaActor:
         from postrl.rollout.client import RolloutReplica
 
         self._proc_pid: int | None = None
+        self._closing = False
         if runs_in_own_process(backend):
             self.replica = self._spawn(
                 backend, model_path, replica_id, options, threads, nice, process or {}
@@ -121,7 +122,8 @@ class ReplicaActor:
         def watch() -> None:  # the replica process gone: so is this actor (driver sees it dead)
             while rep.process.poll() is None:
                 time.sleep(0.5)
-            os._exit(1)
+            if not self._closing:
+                os._exit(1)
 
         threading.Thread(target=watch, daemon=True, name="replica-process-watch").start()
         return rep
@@ -149,6 +151,11 @@ class ReplicaActor:
 
     async def policy_version(self) -> int:
         return self.replica.policy_version
+
+    async def close(self) -> None:
+        """Close the replica (a replica process is terminated, its engine shut down)."""
+        self._closing = True
+        await asyncio.to_thread(self.replica.close)
 
 
 class RayRolloutReplica(Liveness):
@@ -366,5 +373,13 @@ class RayRolloutReplica(Liveness):
             pass
 
     def close(self) -> None:
-        """Kill the actor."""
+        """Close the replica in the actor (its engine, or the replica process it started, shuts
+        down; at most ``min(timeout_s, 30)`` s), then kill the actor."""
+        import ray
+
+        if not self.dead:
+            try:
+                ray.get(self.actor.close.remote(), timeout=min(self.timeout_s, 30.0))
+            except Exception:  # noqa: BLE001 (dead or hung: the kill below ends it)
+                pass
         self.kill()

@@ -71,7 +71,8 @@ def test_vllm_fully_async_on_ray_runs_its_replica_process_from_the_actor(
     """``trainer.mode=fully_async trainer.backend=ray rollout.backend=vllm``: the Ray actor (the
     main venv's python, no vllm) starts the replica process with the vLLM venv's python inside
     its placement and forwards to it over 127.0.0.1; every push reaches the engine and is
-    verified, and the watchdog reads the replica process's CPU (its pid, on this machine)."""
+    verified, the watchdog reads the replica process's CPU (its pid, on this machine), and the
+    process ends with the run."""
     import os
 
     from trainer_helpers import fully_async_overrides
@@ -102,6 +103,7 @@ def test_vllm_fully_async_on_ray_runs_its_replica_process_from_the_actor(
         trainer.fit()
     finally:
         trainer.close()
+    assert process_cpu_ticks(rep.pid) is None, "the replica process outlived the run"
     rows = metric_rows(run)
     assert len(rows) == 2
     pushes = [r for r in rows if "weights/version" in r]
