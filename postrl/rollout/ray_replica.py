@@ -119,32 +119,52 @@ class ReplicaActor:
         )
         self._proc_pid = rep.local_pid
 
-        def watch() -> None:  # the replica process gone: so is this actor (driver sees it dead)
-            while rep.process.poll() is None:
+        def watch() -> None:  # the replica process gone (or dead): so is this actor
+            while rep.process.poll() is None and not rep.dead:
                 time.sleep(0.5)
-            if not self._closing:
-                os._exit(1)
+            self._process_dead()
 
         threading.Thread(target=watch, daemon=True, name="replica-process-watch").start()
         return rep
 
+    def _process_dead(self) -> None:
+        """The replica process is gone or its handle declared it dead: end this actor at once
+        (unless closing), so the driver's handle sees ``RayActorError`` and declares the replica
+        dead, as with an engine in the actor (the process is killed first)."""
+        if self._closing:
+            return
+        proc = self.replica.process
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        os._exit(1)
+
+    async def _forward(self, aw: Any) -> Any:
+        try:
+            return await aw
+        except ReplicaDeadError:
+            if self._proc_pid is not None:
+                self._process_dead()
+            raise
+
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
     ) -> TokenOutput:
-        return await self.replica.generate(prompt_ids, sampling, request_id)
+        return await self._forward(self.replica.generate(prompt_ids, sampling, request_id))
 
     async def call(self, method: str, *args: Any) -> Any:
         if self._proc_pid is not None and method != "abort":  # blocking HTTP: off the loop
-            return await asyncio.to_thread(getattr(self.replica, method), *args)
+            return await self._forward(asyncio.to_thread(getattr(self.replica, method), *args))
         return getattr(self.replica, method)(*args)
 
     async def receive_bucket(self, frame: bytes) -> dict[str, Any]:
         if self._proc_pid is not None:  # one frame in flight: the driver awaits each answer
-            return await asyncio.to_thread(self.replica.receive_bucket_report, frame)
+            return await self._forward(asyncio.to_thread(self.replica.receive_bucket_report, frame))
         return self.replica.receive_bucket_report(frame)
 
     async def health(self) -> dict[str, Any]:
         if self._proc_pid is not None:
+            if self.replica.process_gone() is not None or self.replica.dead:
+                self._process_dead()
             d = await self.replica.health(self.replica.control_timeout_s)
             return {**d, "pid": self._proc_pid, "host": socket.gethostname()}
         return {**self.replica.status(), "pid": os.getpid(), "host": socket.gethostname()}
