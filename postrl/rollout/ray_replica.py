@@ -51,7 +51,8 @@ class ReplicaActor:
     overrides it) through the launcher the local path uses (``remote.spawn_replica``), on the
     actor's node and inside its placement, and ``self.replica`` is that process's
     :class:`~postrl.rollout.remote.HTTPRolloutReplica` (127.0.0.1). The actor exits when that
-    process exits, so the driver's handle sees the actor dead as with an in-actor engine, and
+    process exits or its handle declares it dead (a ``ReplicaDeadError`` never leaves the
+    actor), so the driver's handle sees the actor dead as with an in-actor engine, and
     the process dies with the actor (it watches its parent). ``health`` then reports the
     replica process's pid (the watchdog's CPU-progress check reads it).
 
