@@ -41,9 +41,23 @@ __all__ = ["RayRolloutReplica", "ReplicaActor"]
 
 
 class ReplicaActor:
-    """Body of the Ray actor: a ``RolloutReplica`` (``self.replica``) around a freshly created
-    backend, with ``threads`` torch threads. Subclass it to run more in the replica's process
-    (pass the subclass as ``RayRolloutReplica.create(body=...)``)."""
+    """Body of the Ray actor: ``self.replica`` around a freshly created backend, with
+    ``threads`` torch threads. Subclass it to run more in the replica's process (pass the
+    subclass as ``RayRolloutReplica.create(body=...)``).
+
+    A backend whose registry entry declares ``own_process`` (its engine needs packages of its
+    own venv, e.g. ``vllm``) cannot load in the actor's interpreter: the actor then starts the
+    replica process with the entry's interpreter (``base.replica_python``; ``process["python"]``
+    overrides it) through the launcher the local path uses (``remote.spawn_replica``), on the
+    actor's node and inside its placement, and ``self.replica`` is that process's
+    :class:`~postrl.rollout.remote.HTTPRolloutReplica` (127.0.0.1). The actor exits when that
+    process exits or its handle declares it dead (a ``ReplicaDeadError`` never leaves the
+    actor), so the driver's handle sees the actor dead as with an in-actor engine, and
+    the process dies with the actor (it watches its parent). ``health`` then reports the
+    replica process's pid (the watchdog's CPU-progress check reads it).
+
+    ``process``: settings of such a process: ``python``, ``log_path``, ``startup_timeout_s``,
+    ``control_timeout_s``, ``request_timeout_s`` (ignored for an in-actor backend)."""
 
     def __init__(
         self,
@@ -53,10 +67,18 @@ class ReplicaActor:
         options: dict,
         threads: int = 0,
         nice: int = 0,
+        process: dict[str, Any] | None = None,
     ) -> None:
-        from postrl.rollout.base import create_rollout_backend
+        from postrl.rollout.base import create_rollout_backend, runs_in_own_process
         from postrl.rollout.client import RolloutReplica
 
+        self._proc_pid: int | None = None
+        self._closing = False
+        if runs_in_own_process(backend):
+            self.replica = self._spawn(
+                backend, model_path, replica_id, options, threads, nice, process or {}
+            )
+            return
         if nice:
             os.nice(nice)
         if threads > 0:
@@ -67,22 +89,94 @@ class ReplicaActor:
             create_rollout_backend(backend, model_path, **options), replica_id
         )
 
+    def _spawn(
+        self,
+        backend: str,
+        model_path: str,
+        replica_id: int,
+        options: dict,
+        threads: int,
+        nice: int,
+        process: dict[str, Any],
+    ) -> Any:
+        import threading
+        import time
+
+        from postrl.rollout.base import replica_python
+        from postrl.rollout.remote import spawn_replica
+
+        rep = spawn_replica(
+            model_path,
+            backend=backend,
+            options=options,
+            threads=max(1, threads),
+            nice=nice,
+            replica_id=replica_id,
+            log_path=process.get("log_path") or None,
+            startup_timeout_s=float(process.get("startup_timeout_s", 900.0)),
+            request_timeout_s=float(process.get("request_timeout_s", 600.0)),
+            control_timeout_s=float(process.get("control_timeout_s", 300.0)),
+            python=replica_python(backend, str(process.get("python") or "")),
+        )
+        self._proc_pid = rep.local_pid
+
+        def watch() -> None:  # the replica process gone (or dead): so is this actor
+            while rep.process.poll() is None and not rep.dead:
+                time.sleep(0.5)
+            self._process_dead()
+
+        threading.Thread(target=watch, daemon=True, name="replica-process-watch").start()
+        return rep
+
+    def _process_dead(self) -> None:
+        """The replica process is gone or its handle declared it dead: end this actor at once
+        (unless closing), so the driver's handle sees ``RayActorError`` and declares the replica
+        dead, as with an engine in the actor (the process is killed first)."""
+        if self._closing:
+            return
+        proc = self.replica.process
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        os._exit(1)
+
+    async def _forward(self, aw: Any) -> Any:
+        try:
+            return await aw
+        except ReplicaDeadError:
+            if self._proc_pid is not None:
+                self._process_dead()
+            raise
+
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
     ) -> TokenOutput:
-        return await self.replica.generate(prompt_ids, sampling, request_id)
+        return await self._forward(self.replica.generate(prompt_ids, sampling, request_id))
 
     async def call(self, method: str, *args: Any) -> Any:
+        if self._proc_pid is not None and method != "abort":  # blocking HTTP: off the loop
+            return await self._forward(asyncio.to_thread(getattr(self.replica, method), *args))
         return getattr(self.replica, method)(*args)
 
     async def receive_bucket(self, frame: bytes) -> dict[str, Any]:
+        if self._proc_pid is not None:  # one frame in flight: the driver awaits each answer
+            return await self._forward(asyncio.to_thread(self.replica.receive_bucket_report, frame))
         return self.replica.receive_bucket_report(frame)
 
     async def health(self) -> dict[str, Any]:
+        if self._proc_pid is not None:
+            if self.replica.process_gone() is not None or self.replica.dead:
+                self._process_dead()
+            d = await self.replica.health(self.replica.control_timeout_s)
+            return {**d, "pid": self._proc_pid, "host": socket.gethostname()}
         return {**self.replica.status(), "pid": os.getpid(), "host": socket.gethostname()}
 
     async def policy_version(self) -> int:
         return self.replica.policy_version
+
+    async def close(self) -> None:
+        """Close the replica (a replica process is terminated, its engine shut down)."""
+        self._closing = True
+        await asyncio.to_thread(self.replica.close)
 
 
 class RayRolloutReplica(Liveness):
@@ -137,6 +231,7 @@ class RayRolloutReplica(Liveness):
         request_timeout_s: float = 600.0,
         startup_timeout_s: float | None = None,
         body: type | None = None,
+        process: dict[str, Any] | None = None,
         **options: Any,
     ) -> RayRolloutReplica:
         """Start the actor (``ray.init`` must have been called) and wait until it answers
@@ -145,8 +240,9 @@ class RayRolloutReplica(Liveness):
         per reserved CPU); ``nice``: added to the actor process's niceness;
         ``actor_options``: extra ``.options(...)`` such as a ``scheduling_strategy``;
         ``body``: the actor class (default :class:`ReplicaActor`; a subclass adds methods, e.g.
-        the trainer's rollout-side trajectories); ``options``: the backend's constructor
-        options."""
+        the trainer's rollout-side trajectories); ``process``: settings of the replica
+        process the actor starts for a backend that declares ``own_process`` (see
+        :class:`ReplicaActor`); ``options``: the backend's constructor options."""
         import ray
 
         from postrl.rollout.types import RolloutError
@@ -159,7 +255,7 @@ class RayRolloutReplica(Liveness):
             max_task_retries=0,
             **(actor_options or {}),
         )
-        actor = actor_cls.remote(backend, model_path, replica_id, options, threads, nice)
+        actor = actor_cls.remote(backend, model_path, replica_id, options, threads, nice, process)
         rep = cls(actor, replica_id, timeout_s=timeout_s, request_timeout_s=request_timeout_s)
         wait = timeout_s if startup_timeout_s is None else startup_timeout_s
         try:
@@ -298,5 +394,13 @@ class RayRolloutReplica(Liveness):
             pass
 
     def close(self) -> None:
-        """Kill the actor."""
+        """Close the replica in the actor (its engine, or the replica process it started, shuts
+        down; at most ``min(timeout_s, 30)`` s), then kill the actor."""
+        import ray
+
+        if not self.dead:
+            try:
+                ray.get(self.actor.close.remote(), timeout=min(self.timeout_s, 30.0))
+            except Exception:  # noqa: BLE001 (dead or hung: the kill below ends it)
+                pass
         self.kill()

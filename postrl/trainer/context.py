@@ -395,9 +395,14 @@ class DedicatedReplicas:
         cfg, ac = self.cfg, self.cfg.trainer.async_
         control = max(ac.replica_health_timeout_s, 30.0)
         if cfg.trainer.backend == "ray":
+            from pathlib import Path
+
             from postrl.rollout.ray_replica import RayRolloutReplica
             from postrl.trainer.object_store import TrajectoryReplicaActor
 
+            control_s, startup_s = _replica_deadlines(cfg, control)
+            log = Path(cfg.trainer.run_dir) / f"rollout_replica_{slot}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
             rep = RayRolloutReplica.create(
                 cfg.rollout.backend,
                 cfg.model.path,
@@ -407,10 +412,17 @@ class DedicatedReplicas:
                 threads=ac.rollout_threads,
                 nice=ac.rollout_nice,
                 actor_options={"scheduling_strategy": self._strategies[slot]},
-                timeout_s=control,
+                timeout_s=control_s,
                 request_timeout_s=ac.timeout_s,
-                startup_timeout_s=max(ac.timeout_s, 120.0),
+                startup_timeout_s=startup_s,
                 body=TrajectoryReplicaActor if self.owner is not None else None,
+                process={  # used where the backend declares own_process (e.g. vllm)
+                    "python": cfg.rollout.python,
+                    "log_path": str(log),
+                    "startup_timeout_s": startup_s,
+                    "control_timeout_s": control_s,
+                    "request_timeout_s": ac.timeout_s,
+                },
                 **self.options,
             )
             if self.owner is not None:  # its agent loops and reward, from the run's config
@@ -442,6 +454,17 @@ class DedicatedReplicas:
             self._pool = None
 
 
+def _replica_deadlines(cfg: PostRLConfig, control: float) -> tuple[float, float]:
+    """(control, start-up) deadlines of one dedicated replica: a backend that declares
+    ``own_process`` (an engine of a venv of its own, e.g. vllm) starts and reloads slowly."""
+    from postrl.rollout.base import runs_in_own_process
+
+    ac = cfg.trainer.async_
+    if runs_in_own_process(cfg.rollout.backend):
+        return max(control, 300.0), max(ac.timeout_s, 900.0)
+    return control, max(ac.timeout_s, 120.0)
+
+
 def _spawn_process(cfg: PostRLConfig, options: dict[str, Any], slot: int, control: float) -> Any:
     """One replica process (``postrl.rollout.remote``) for ``slot``."""
     from pathlib import Path
@@ -461,6 +484,7 @@ def _spawn_process(cfg: PostRLConfig, options: dict[str, Any], slot: int, contro
     ac, run_dir = cfg.trainer.async_, Path(cfg.trainer.run_dir)
     own = runs_in_own_process(cfg.rollout.backend)  # an engine of its own venv starts slowly
     run_dir.mkdir(parents=True, exist_ok=True)
+    control_s, startup_s = _replica_deadlines(cfg, control)
     return spawn_replica(
         cfg.model.path,
         backend=cfg.rollout.backend,
@@ -470,7 +494,7 @@ def _spawn_process(cfg: PostRLConfig, options: dict[str, Any], slot: int, contro
         replica_id=slot,
         log_path=run_dir / f"rollout_replica_{slot}.log",
         request_timeout_s=ac.timeout_s,
-        control_timeout_s=max(control, 300.0) if own else control,
-        startup_timeout_s=max(ac.timeout_s, 900.0) if own else 120.0,
+        control_timeout_s=control_s,
+        startup_timeout_s=startup_s if own else 120.0,
         python=replica_python(cfg.rollout.backend, cfg.rollout.python),
     )

@@ -307,10 +307,18 @@ class FullyAsyncMode:
         version makes room for."""
         if self.step % self.sync_every:
             return {}
+        from postrl.rollout.types import ReplicaDeadError
+
         if not self.ctx.fleet.live and self.restarter.expected():
             self._await_replacement()  # the push goes to the replacement, as a rescue does
             return {"weights/version": float(self.ctx.fleet.version)}
-        metrics = self.ctx.sync_weights()  # to the live replicas (a dead one is skipped)
+        try:
+            metrics = self.ctx.sync_weights()  # to the live replicas (a dead one is skipped)
+        except ReplicaDeadError:  # the last live replica died during the push
+            if self.ctx.fleet.live or not self.restarter.expected():
+                raise
+            self._await_replacement()
+            return {"weights/version": float(self.ctx.fleet.version)}
         self.ctx.fleet.install_restarted(self.ctx.weight_source())  # with the same weights
         self.ctx.fleet.restart_dead()
         swaps = [r.last_swap for r in self.ctx.fleet.live if r.last_swap]

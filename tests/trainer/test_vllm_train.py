@@ -61,3 +61,53 @@ def test_vllm_sync_run_verifies_every_sync_and_recovers_a_corrupted_one(
     for r in rows:
         assert abs(r["rollout_corr/kl_k1"]) < 1e-4, r["rollout_corr/kl_k1"]
     assert rows[-1]["weights/version"] == 5.0  # the start's push, then one per step
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_vllm_fully_async_on_ray_runs_its_replica_process_from_the_actor(
+    vllm_ready, ray_cluster, tiny_model_dir, tmp_path, digits_reward
+):
+    """``trainer.mode=fully_async trainer.backend=ray rollout.backend=vllm``: the Ray actor (the
+    main venv's python, no vllm) starts the replica process with the vLLM venv's python inside
+    its placement and forwards to it over 127.0.0.1; every push reaches the engine and is
+    verified, the watchdog reads the replica process's CPU (its pid, on this machine), and the
+    process ends with the run."""
+    import os
+
+    from trainer_helpers import fully_async_overrides
+
+    from postrl.config import load_config
+    from postrl.rollout.remote import process_cpu_ticks
+    from postrl.trainer import RLTrainer
+
+    train = write_parquet(generate_addition(8, seed=3), tmp_path / "train.parquet")
+    test = write_parquet(generate_addition(2, seed=3, split="test"), tmp_path / "test.parquet")
+    run = tmp_path / "run"
+    args = [
+        *fully_async_overrides(tiny_model_dir, train, test, digits_reward, run, steps=2),
+        "data.train_batch_size=2",
+        "trainer.async.parameter_sync_step=1",
+        "trainer.test_freq=0",
+        "rollout.backend=vllm",
+        "rollout.max_num_seqs=16",
+        "trainer.backend=ray",
+    ]
+    trainer = RLTrainer(load_config(None, args))
+    try:
+        (rep,) = trainer.ctx.fleet.replicas
+        assert rep.local_pid == rep.pid and rep.pid != os.getpid()
+        assert process_cpu_ticks(rep.pid) is not None
+        cmdline = open(f"/proc/{rep.pid}/cmdline", "rb").read().split(b"\0")
+        assert cmdline[0].decode() == vllm_ready  # the vLLM venv's python, not the actor's
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert process_cpu_ticks(rep.pid) is None, "the replica process outlived the run"
+    rows = metric_rows(run)
+    assert len(rows) == 2
+    pushes = [r for r in rows if "weights/version" in r]
+    assert len(pushes) == 2
+    assert all(r["weight_sync/verified"] == 1.0 for r in pushes)
+    assert all(r["weight_sync/mismatch"] == 0.0 for r in pushes)
+    assert (run / "rollout_replica_0.log").exists()
