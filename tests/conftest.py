@@ -10,11 +10,7 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-if os.environ.get("PYTEST_XDIST_WORKER"):  # tests/suite.py's parallel phase: one core each
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-else:
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 FAULT_MODULES = (
     "tests/agent/test_tool_loop_faults.py",
@@ -32,25 +28,20 @@ FAULT_MODULES = (
 ``make test-stress`` (tests/stress.py) repeats under competing CPU load."""
 
 
-SERIAL_MARKERS = ("fault", "vllm")
+SERIAL_MARKERS = ("fault", "ray", "vllm")
 """Tests with one of these markers are also marked ``serial``: ``tests/suite.py`` runs them
-alone, after the parallel phase (faults must see the machine as a user's run would; a vLLM
-engine is large)."""
+alone, after the parallel phase (faults must see the machine as a user's run would; one Ray
+cluster and one vLLM engine at a time)."""
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests of :data:`FAULT_MODULES` ``fault`` and those of :data:`SERIAL_MARKERS`
-    ``serial``; give the others their xdist group for ``--dist loadgroup``: their file (its
-    module fixtures are built once), or ``ray`` for every Ray test (one local cluster at a
-    time, on one worker)."""
+    """Mark the tests of :data:`FAULT_MODULES` ``fault``, and those of :data:`SERIAL_MARKERS`
+    ``serial``."""
     for item in items:
         if item.nodeid.split("::")[0] in FAULT_MODULES:
             item.add_marker(pytest.mark.fault)
         if any(item.get_closest_marker(m) for m in SERIAL_MARKERS):
             item.add_marker(pytest.mark.serial)
-        else:
-            group = "ray" if item.get_closest_marker("ray") else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

@@ -5,13 +5,12 @@ most tests are tiny models whose time is Python, process starts and HTTP round t
 BLAS. So the suite runs in two phases:
 
 1. every test that is not marked ``serial`` (below) on ``--workers`` pytest-xdist workers, whole
-   files to one worker (module-scoped fixtures are built once) and every Ray test to the same
-   one (one local cluster at a time), with torch at one thread per worker so two workers do
-   not oversubscribe two cores;
-2. the ``serial`` tests alone, in one process, at the thread count the rest of the suite uses:
-   the fault tests (kills, hangs, restarts, weight pushes: they must see the machine as a user's
-   run would, and ``make test-stress`` repeats them under load) and the vLLM tests (an engine of
-   their own, large).
+   files to one worker (module-scoped fixtures are built once, and tests that build on the
+   ones before them in their file keep their order);
+2. the ``serial`` tests alone, in one process: the fault tests (kills, hangs, restarts, weight
+   pushes: they must see the machine as a user's run would, and ``make test-stress`` repeats
+   them under load), the Ray tests (one local cluster at a time) and the vLLM tests (an engine
+   of their own, large).
 
 ``serial`` is given in ``tests/conftest.py`` (:data:`SERIAL_MARKERS`); the exit code is the
 first non-zero one of the two phases (pytest's "no tests collected" counts as success, so
@@ -43,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args, pytest_args = p.parse_known_args(argv)
     base = [sys.executable, "-m", "pytest", "-q"]
-    par = ["-n", str(args.workers), "--dist", "loadgroup"] if args.workers > 1 else []
+    par = ["-n", str(args.workers), "--dist", "loadfile"] if args.workers > 1 else []
     phases = [
         ("parallel", [*base, *par, "-m", "not serial", *pytest_args]),
         ("serial", [*base, "-m", "serial", *pytest_args]),

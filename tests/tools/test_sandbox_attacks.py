@@ -87,8 +87,9 @@ def run(sandbox: Sandbox, code: str, **kw):
     survivors = processes_of_uid(sandbox.config.uid_base, sandbox.config.uid_count)
     assert survivors == [], f"sandbox processes survived the call: {survivors}"
     assert elapsed < sandbox.config.wall_time_s + 3.0, elapsed
-    # the loop ticked at least every ~50 ms on average while the sandbox ran
-    assert ticks >= min(10, elapsed / 0.05), (ticks, elapsed)
+    # the loop ticked at least every ~100 ms on average while the sandbox ran (a blocked loop
+    # ticks once; a busy 2-core box gave one tick per ~58 ms)
+    assert ticks >= min(5, elapsed / 0.1), (ticks, elapsed)
     return res
 
 

@@ -192,13 +192,15 @@ def test_time_budget_stops_and_validates_at_the_marks(small_overrides, digits_re
         trainer.close()
     rows = [r for r in _rows(run) if r["step"] > 0]
     times = [r["perf/train_time_s"] for r in rows]
-    assert times == sorted(times) and times[-1] >= 1.5 > times[-2]
+    # the last step crossed the budget (a slow, busy box may cross it in the first step)
+    assert times == sorted(times) and times[-1] >= 1.5
+    assert len(times) == 1 or times[-2] < 1.5
     assert times == pytest.approx(
         [sum(r["timing_s/step"] for r in rows[: i + 1]) for i in range(len(rows))]
     )
     validated = [r["step"] for r in rows if "val/acc/mean" in r]
     first_past_mark = next(r["step"] for r in rows if r["perf/train_time_s"] >= 0.5)
-    assert validated == [first_past_mark, rows[-1]["step"]]
+    assert validated == sorted({first_past_mark, rows[-1]["step"]})
     assert (run / "checkpoints" / f"step_{rows[-1]['step']:06d}").is_dir()
 
     # resumed with a larger budget: training time continues from the checkpoint's
