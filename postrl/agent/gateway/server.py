@@ -181,17 +181,9 @@ class GatewayServer:
                 param = ".".join(str(p) for p in first.get("loc", ())) or None
                 why = "unknown request key" if first.get("type") == "extra_forbidden" else ""
                 return _err(400, f"{param}: {why or first.get('msg')}", param=param)
-            try:
-                reply = await s.chat(body)
-            except SessionClosedError as e:
-                return _err(410, str(e))
-            except ValueError as e:
-                code = "context_length_exceeded" if s.failure == "context_overflow" else None
-                return _err(400, str(e), code=code)
-            except Exception as e:  # a rollout failure: the trajectory cannot go on
-                s.fail(f"rollout_error: {type(e).__name__}")
-                logger.warning("gateway %s: generation failed: %r", s.request_id, e)
-                return _err(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error")
+            reply = await _session_call(s, s.chat(body), SessionClosedError)
+            if not isinstance(reply, dict):
+                return reply
             if body.stream:
                 usage = bool(body.stream_options and body.stream_options.include_usage)
                 return StreamingResponse(
@@ -245,17 +237,7 @@ class GatewayServer:
             auth = request.headers.get("authorization", "")
             if not hmac.compare_digest(auth.encode(), f"Bearer {s.key}".encode()):
                 return _err(401, "wrong API key for this trajectory", code="invalid_api_key")
-            try:
-                return await s.generate(body)
-            except TokenSessionClosedError as e:
-                return _err(410, str(e))
-            except ValueError as e:
-                code = "context_length_exceeded" if s.failure == "context_overflow" else None
-                return _err(400, str(e), code=code)
-            except Exception as e:  # a rollout failure: the trajectory cannot go on
-                s.fail(f"rollout_error: {type(e).__name__}")
-                logger.warning("gateway %s: generation failed: %r", s.request_id, e)
-                return _err(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error")
+            return await _session_call(s, s.generate(body), TokenSessionClosedError)
 
         @app.post("/s/{sid}/reward")
         async def reward(sid: str, request: Request):
@@ -272,6 +254,24 @@ class GatewayServer:
             return {"ok": True, "reward": r}
 
         return app
+
+
+async def _session_call(s: Any, call: Any, closed: type[Exception]) -> Any:
+    """Await a session's ``call`` (chat or token generation): its reply, or the error response
+    a failure maps to — 410 once the trajectory has ended, 400 for a bad request (with
+    ``context_length_exceeded`` when it overflowed the context), 500 for a rollout failure,
+    which also fails the trajectory."""
+    try:
+        return await call
+    except closed as e:
+        return _err(410, str(e))
+    except ValueError as e:
+        code = "context_length_exceeded" if s.failure == "context_overflow" else None
+        return _err(400, str(e), code=code)
+    except Exception as e:  # a rollout failure: the trajectory cannot go on
+        s.fail(f"rollout_error: {type(e).__name__}")
+        logger.warning("gateway %s: generation failed: %r", s.request_id, e)
+        return _err(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error")
 
 
 async def _aiter(items: list[str]):
