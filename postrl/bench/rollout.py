@@ -49,28 +49,6 @@ def _prompts(kind: str, batch: int, n: int, vocab: int, seed: int) -> list[list[
     return [p for p in base for _ in range(batch // distinct)]
 
 
-def _native_runner(backend: Any, prompts: list[list[int]]) -> Callable[[int], int]:
-    """``run(n)``: the native engine generates ``n`` tokens for every prompt.
-
-    Returns the token count."""
-    from postrl.rollout.types import SamplingParams
-
-    async def once(n: int) -> int:
-        outs = await asyncio.gather(
-            *[
-                backend.generate(
-                    p,
-                    SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=i),
-                    f"b{i}",
-                )
-                for i, p in enumerate(prompts)
-            ]
-        )
-        return sum(len(o.token_ids) for o in outs)
-
-    return lambda n: asyncio.run(once(n))
-
-
 def _hf_runner(model: Any, prompts: list[list[int]], pad_id: int) -> Callable[[int], int]:
     """``run(n)``: ``transformers.generate`` samples ``n`` tokens for the left-padded batch."""
     L = max(len(p) for p in prompts)
@@ -135,11 +113,11 @@ def _median_interleaved(
 
 
 def _backend_runner(
-    backend: Any, prompts: list[list[int]], loop: asyncio.AbstractEventLoop
+    backend: Any, prompts: list[list[int]], loop: asyncio.AbstractEventLoop | None = None
 ) -> Callable[[int], int]:
     """``run(n)``: a rollout backend (or replica handle) generates ``n`` tokens for every prompt,
-    all requests at once, on one event loop kept for the whole bench (a replica handle keeps
-    its connection). Returns the token count."""
+    all requests at once, on ``loop`` kept for the whole bench (a replica handle keeps its
+    connection), or on a fresh loop per call without one. Returns the token count."""
     from postrl.rollout.types import SamplingParams
 
     calls = [0]
@@ -158,6 +136,8 @@ def _backend_runner(
         )
         return sum(len(o.token_ids) for o in outs)
 
+    if loop is None:
+        return lambda n: asyncio.run(once(n))
     return lambda n: loop.run_until_complete(once(n))
 
 
@@ -291,9 +271,9 @@ def run_bench(
     rows = []
     for kind in scenarios:
         prompts = _prompts(kind, batch, group, native.cfg.vocab_size, seed)
-        runners = [_native_runner(native, prompts), _hf_runner(hf, prompts, pad)]
+        runners = [_backend_runner(native, prompts), _hf_runner(hf, prompts, pad)]
         if plain is not None:
-            runners.append(_native_runner(plain, prompts))
+            runners.append(_backend_runner(plain, prompts))
         for n in new_tokens:
             tok_s = _time_interleaved(runners, n, repeats)
             row = dict(
