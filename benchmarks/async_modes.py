@@ -241,8 +241,8 @@ def prepare_tools(work: Path, model: str | None, threads: int) -> tuple[Path, Pa
         write_parquet(generate_tool_arith(512, seed=0, split="train", **_TA_DATA), train)
     if model:
         return Path(model), train
+    from postrl.supervised.sft import run_sft
     from postrl.testing import make_model
-    from postrl.trainer.sft import run_sft
 
     sft_dir, marker = work / "sft-model", work / "sft-model" / "bench_done.json"
     key = {

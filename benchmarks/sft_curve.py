@@ -4,7 +4,7 @@ The bound that the learning benchmark's RL arms are read against (issue 19: "SFT
 the same model"). Starting from the same model as ``benchmarks/learning.py`` (the shared warmed
 ``tiny-qwen2-sft`` by default), it continues the model's own warm-up recipe — plain next-token
 cross-entropy on "What is A+B?" → the decimal sum and end-of-turn, chat template applied, loss on
-the assistant tokens only (:func:`postrl.trainer.sft.tokenize_rows`) — on the same training
+the assistant tokens only (:func:`postrl.supervised.sft.tokenize_rows`) — on the same training
 parquet, for ``--budget-s`` seconds of training time on ``--threads`` threads, and saves the
 model at each ``--marks`` second. Afterwards each saved model is validated with ``postrl eval``
 on the same held-out split with the recipe's greedy validation, so the numbers are read exactly
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from postrl.engine.logprob import policy_logprobs
     from postrl.engine.model import ModelSpec, load_policy
     from postrl.engine.optim import OptimSpec, build_optimizer
-    from postrl.trainer.sft import tokenize_rows
+    from postrl.supervised.sft import tokenize_rows
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)

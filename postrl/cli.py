@@ -162,14 +162,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from postrl.trainer.sft import sft_main
+    from postrl.supervised.sft import sft_main
 
     config, overrides = _config_and_overrides(args)
     return sft_main([config, *overrides] if config else overrides)
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
-    from postrl.trainer.rm import rm_main
+    from postrl.supervised.rm import rm_main
 
     config, overrides = _config_and_overrides(args)
     return rm_main([config, *overrides] if config else overrides)

@@ -48,11 +48,14 @@ MAY_IMPORT: dict[str, set[str]] = {
         "config",
         "tracking",
     },
+    "supervised": {"engine", "data", "config"},
     "config": set(),
     "tracking": set(),
     "__init__": set(),
 }
-"""DESIGN.md's table (``trainer``: "everything above")."""
+"""DESIGN.md's table (``trainer``: "everything above"). ``supervised`` (SFT, reward-model
+training: issue 33) sits beside ``trainer``, not above it: it trains with the engine on rows of
+``data`` with options of ``config``, and runs no rollout, worker group or mode."""
 
 UNRESTRICTED = {"cli", "testing", "bench", "recipes", "verl"}
 

@@ -94,8 +94,8 @@ def prepare_w1(work_dir: str | Path, w: W1 = W1()) -> tuple[Path, Path]:
         ``(model_dir, train_parquet)``.
     """
     from postrl.data import generate_addition, sft_rows_from_rl_rows, write_parquet
+    from postrl.supervised.sft import run_sft
     from postrl.testing import make_model
-    from postrl.trainer.sft import run_sft
 
     work = Path(work_dir)
     key = {

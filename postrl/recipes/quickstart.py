@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     sft_dir = run / "sft-model"
     if not (sft_dir / "model.safetensors").exists():
         _stage(f"3/4 SFT warm-up ({args.sft_steps} steps) so the model answers with a number")
-        from postrl.trainer.sft import run_sft
+        from postrl.supervised.sft import run_sft
 
         m = run_sft(
             str(base),

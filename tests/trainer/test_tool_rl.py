@@ -267,7 +267,7 @@ def test_example_config_fits_the_bound_style_conversation(tiny_model_dir):
 @pytest.mark.slow
 def test_sft_on_demonstrations_teaches_tool_calls(tiny_model_dir, tmp_path):
     """200 demonstrations, a short SFT, then a real rollout: parseable calls at a non-zero rate."""
-    from postrl.trainer.sft import run_sft
+    from postrl.supervised.sft import run_sft
 
     demos = write_parquet(
         tool_arith_demonstrations(200, seed=1, min_digits=2, max_digits=3),

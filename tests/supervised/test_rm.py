@@ -10,7 +10,7 @@ import pytest
 from postrl.data import preference_pairs, write_parquet
 from postrl.data.tasks import TASKS, read_rows
 from postrl.engine.reward_model import RewardModel
-from postrl.trainer.rm import run_rm
+from postrl.supervised.rm import run_rm
 
 
 def test_preference_pairs_from_addition_rows():

@@ -13,7 +13,7 @@ one schedule (:func:`postrl.engine.optim.build_scheduler`: linear warmup, cosine
 
 Entry points: :func:`run_sft` (library) and :func:`sft_main` (``postrl sft [CONFIG.yaml]
 [key=value ...]`` with the keys of :class:`~postrl.config.supervised.SFTConfig`, loaded by
-:func:`postrl.config.loader.load_options`; the keys are listed in ``docs/config.md``).
+:func:`postrl.supervised.common.parse_options`; the keys are listed in ``docs/config.md``).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
-from postrl.config.loader import ConfigError, load_options
+from postrl.config.loader import ConfigError
 from postrl.config.supervised import SFTConfig, TrainFileOptions
 from postrl.data.tasks import read_rows
 from postrl.engine.checkpoint import save_hf
 from postrl.engine.logprob import policy_logprobs
 from postrl.engine.model import ModelSpec, load_policy
-from postrl.engine.optim import OptimSpec, build_optimizer, build_scheduler
+from postrl.engine.optim import OptimSpec, build_optimizer
+from postrl.supervised.common import parse_options, warmup_cosine_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -43,19 +44,7 @@ __all__ = [
     "tokenize_rows",
     "run_sft",
     "sft_main",
-    "parse_options",
-    "warmup_cosine_scheduler",
 ]
-
-
-def warmup_cosine_scheduler(
-    opt: torch.optim.Optimizer, lr: float, warmup_steps: int, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """The engine's schedule for a supervised run: linear warmup over ``warmup_steps``, then
-    cosine from ``lr`` to 10% at ``total_steps`` (a run no longer than its warmup stays in it)."""
-    kind = "cosine" if total_steps > warmup_steps else "constant"  # constant: all warmup
-    spec = OptimSpec(lr=lr, warmup_steps=warmup_steps, lr_scheduler=kind, min_lr_ratio=0.1)
-    return build_scheduler(opt, spec, total_steps)
 
 
 def _messages(row: dict[str, Any]) -> list[dict[str, str]]:
@@ -193,22 +182,6 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
         json.dumps({**metrics, "config": asdict(cfg)}, indent=1, default=str)
     )
     return metrics
-
-
-def parse_options(argv: list[str], cls: type, cmd: str) -> Any:
-    """``[CONFIG.yaml] [key=value ...]`` → an instance of the options dataclass ``cls`` (a YAML
-    file may nest them under ``cmd:``); ``model_path``, ``train_file`` and ``out_dir`` are
-    required. Every problem is reported at once (:func:`postrl.config.loader.load_options`)."""
-    files = [a for a in argv if "=" not in a]
-    if len(files) > 1:
-        raise SystemExit(f"postrl {cmd}: one YAML file at most, got {files}")
-    return load_options(
-        cls,
-        files[0] if files else None,
-        [a for a in argv if "=" in a],
-        section=cmd,
-        required=("model_path", "train_file", "out_dir"),
-    )
 
 
 def sft_main(argv: list[str]) -> int:

@@ -10,14 +10,9 @@ import torch
 from postrl.config import ConfigError
 from postrl.config.supervised import SFTConfig
 from postrl.data.tasks import generate_addition, sft_rows_from_rl_rows, write_parquet
+from postrl.supervised.common import parse_options, warmup_cosine_scheduler
+from postrl.supervised.sft import run_sft, sft_main, tokenize_rows
 from postrl.testing import make_tokenizer
-from postrl.trainer.sft import (
-    parse_options,
-    run_sft,
-    sft_main,
-    tokenize_rows,
-    warmup_cosine_scheduler,
-)
 
 
 def test_assistant_mask_covers_only_the_answer():

@@ -12,8 +12,8 @@ A held-out ``eval_fraction`` of the pairs measures preference accuracy (``r_c > 
 after training.
 
 The LR follows the engine's one schedule (linear warmup, cosine to 10%;
-:func:`postrl.trainer.sft.warmup_cosine_scheduler`). Preference pairs for a numeric task come from
-:func:`postrl.data.preference_pairs` (``postrl data addition OUT --pairs``).
+:func:`postrl.supervised.common.warmup_cosine_scheduler`). Preference pairs for a numeric task
+come from :func:`postrl.data.preference_pairs` (``postrl data addition OUT --pairs``).
 
 Entry points: :func:`run_rm` and :func:`rm_main` (``postrl rm [CONFIG.yaml] [key=value ...]`` with
 the keys of :class:`~postrl.config.supervised.RMConfig`, listed in ``docs/config.md``).
@@ -40,7 +40,7 @@ from postrl.config.loader import ConfigError
 from postrl.config.supervised import RMConfig
 from postrl.data.tasks import read_rows
 from postrl.engine.reward_model import render_conversations, sequence_scores
-from postrl.trainer.sft import parse_options, warmup_cosine_scheduler
+from postrl.supervised.common import parse_options, warmup_cosine_scheduler
 
 logger = logging.getLogger(__name__)
 
