@@ -16,7 +16,7 @@ FAULT_MODULES = (
     "tests/agent/test_tool_loop_faults.py",
     "tests/rollout/test_native_swap.py",
     "tests/rollout/test_ray_replica.py",
-    "tests/rollout/test_remote.py",
+    "tests/rollout/test_replica_process.py",
     "tests/rollout/test_watchdog.py",
     "tests/testing/test_faults.py",
     "tests/trainer/test_fully_async.py",

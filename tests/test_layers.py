@@ -75,7 +75,7 @@ KNOWN: dict[tuple[str, str], str] = {
     ("reward/stage.py", "protocol"): "the reward stage merges columns into a DataProto",
     ("rollout/client.py", "weights"): "weight frames decoded in the rollout client",
     ("rollout/ray_replica.py", "weights"): "weight frames encoded for a Ray replica",
-    ("rollout/remote.py", "weights"): "weight frames encoded for a replica process",
+    ("rollout/http_replica.py", "weights"): "weight frames encoded for a replica process",
     ("rollout/server.py", "weights"): "the HTTP server decodes weight frames it receives",
     ("rollout/server.py", "tools"): "the serving entry point wires a tool parser by name",
 }

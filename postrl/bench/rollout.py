@@ -150,7 +150,7 @@ def _start_backend(name: str, model_dir: str, options: dict[str, Any], log_dir: 
         return create_rollout_backend(name, model_dir, **options)
     from pathlib import Path
 
-    from postrl.rollout.remote import spawn_replica
+    from postrl.rollout.replica_process import spawn_replica
 
     return spawn_replica(
         model_dir,

@@ -2,7 +2,7 @@
 
 A handle to a replica in another process (``HTTPRolloutReplica``, ``RayRolloutReplica``) is
 either live or **dead** — declared so by a failed call or by the
-:class:`~postrl.rollout.remote.ReplicaWatchdog` — and a dead handle is never used again (a
+:class:`~postrl.rollout.watchdog.ReplicaWatchdog` — and a dead handle is never used again (a
 restart builds a new one). :meth:`Liveness.race` runs one request so that declaring the replica
 dead fails it at once with :class:`ReplicaDeadError`, even while it waits on a process that
 hangs; the rollout client answers that by re-issuing the request to a live replica.

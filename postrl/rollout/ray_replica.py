@@ -7,7 +7,7 @@ backend; the returned handle has the surface of ``RolloutReplica`` (``load``,
 ``fully_async`` (``dead`` / ``mark_dead`` / ``race`` from
 :class:`~postrl.rollout.liveness.Liveness`, async ``health``, ``process_gone``, ``busy_s``,
 ``last_swap``, ``kill``), so ``LoadBalancer``, ``RolloutClient``, the weight-sync backends and
-the :class:`~postrl.rollout.remote.ReplicaWatchdog` drive it unchanged.
+the :class:`~postrl.rollout.watchdog.ReplicaWatchdog` drive it unchanged.
 
 Placement is the caller's: ``actor_options`` go to ``ActorClass.options`` (a
 ``PlacementGroupSchedulingStrategy`` puts the replica on a bundle of a placement group of its
@@ -50,7 +50,7 @@ class ReplicaActor:
     replica process with the entry's interpreter (``base.replica_python``; ``process["python"]``
     overrides it) through the launcher the local path uses (``remote.spawn_replica``), on the
     actor's node and inside its placement, and ``self.replica`` is that process's
-    :class:`~postrl.rollout.remote.HTTPRolloutReplica` (127.0.0.1). The actor exits when that
+    :class:`~postrl.rollout.http_replica.HTTPRolloutReplica` (127.0.0.1). The actor exits when that
     process exits or its handle declares it dead (a ``ReplicaDeadError`` never leaves the
     actor), so the driver's handle sees the actor dead as with an in-actor engine, and
     the process dies with the actor (it watches its parent). ``health`` then reports the
@@ -103,7 +103,7 @@ class ReplicaActor:
         import time
 
         from postrl.rollout.base import replica_python
-        from postrl.rollout.remote import spawn_replica
+        from postrl.rollout.replica_process import spawn_replica
 
         rep = spawn_replica(
             model_path,

@@ -1,7 +1,7 @@
 """``Replica``: what every rollout replica is, wherever it runs.
 
 One typed surface for the in-process :class:`~postrl.rollout.client.RolloutReplica`, the
-subprocess :class:`~postrl.rollout.remote.HTTPRolloutReplica` (any backend, vLLM's included,
+subprocess :class:`~postrl.rollout.http_replica.HTTPRolloutReplica` (any backend, vLLM's included,
 in a process and interpreter of its own) and the Ray actor
 :class:`~postrl.rollout.ray_replica.RayRolloutReplica`.
 The load balancer, the resuming client, the fleet and the weight-sync backends use only this
@@ -73,7 +73,7 @@ class Replica(Protocol):
 @runtime_checkable
 class RemoteReplica(Replica, Protocol):
     """A replica in another process: watched by
-    :class:`~postrl.rollout.remote.ReplicaWatchdog`, replaced by
+    :class:`~postrl.rollout.watchdog.ReplicaWatchdog`, replaced by
     :class:`~postrl.rollout.restart.ReplicaRestarter`.
 
     Extra attributes: ``busy_s`` (the engine's seconds in steps, as of the last ping),

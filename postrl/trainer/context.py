@@ -327,9 +327,9 @@ class DedicatedReplicas:
     registry entry declares ``own_process`` (``vllm``, in every mode), and how to start one
     more in a slot (a restart).
 
-    ``trainer.backend=local``: ``rollout.num_replicas`` processes (``postrl.rollout.remote``)
-    with ``trainer.async.rollout_threads`` threads each, logs in
-    ``RUN_DIR/rollout_replica_<i>.log``. ``trainer.backend=ray``: Ray actors on a placement
+    ``trainer.backend=local``: ``rollout.num_replicas`` processes
+    (``postrl.rollout.replica_process``) with ``trainer.async.rollout_threads`` threads each,
+    logs in ``RUN_DIR/rollout_replica_<i>.log``. ``trainer.backend=ray``: Ray actors on a placement
     group of their own (``rollout_replicas``: one bundle per replica of
     ``rollout_threads`` CPUs, plus one GPU each with ``trainer.device=cuda``), apart from the
     training workers' pool; the group is released by :meth:`close`."""
@@ -466,7 +466,7 @@ def _replica_deadlines(cfg: PostRLConfig, control: float) -> tuple[float, float]
 
 
 def _spawn_process(cfg: PostRLConfig, options: dict[str, Any], slot: int, control: float) -> Any:
-    """One replica process (``postrl.rollout.remote``) for ``slot``."""
+    """One replica process (``postrl.rollout.replica_process``) for ``slot``."""
     from pathlib import Path
 
     try:
@@ -479,7 +479,7 @@ def _spawn_process(cfg: PostRLConfig, options: dict[str, Any], slot: int, contro
             f"fastapi, uvicorn and httpx ({e}); pip install 'postrl[serve]'"
         ) from e
     from postrl.rollout.base import replica_python, runs_in_own_process
-    from postrl.rollout.remote import spawn_replica
+    from postrl.rollout.replica_process import spawn_replica
 
     ac, run_dir = cfg.trainer.async_, Path(cfg.trainer.run_dir)
     own = runs_in_own_process(cfg.rollout.backend)  # an engine of its own venv starts slowly

@@ -4,9 +4,9 @@ for training.
 verl's ``separate_async`` (formerly ``fully_async``). The rollout replicas run in **processes of
 their own** (``trainer.backend=local``: ``rollout.num_replicas`` processes with
 ``trainer.async.rollout_threads`` torch threads each, served over HTTP on 127.0.0.1 by
-``postrl.rollout.remote``); the trainer process keeps the rest of the cores. The trainer's event
-loop runs in a background thread, so agent loops, tool calls, reward scoring and the traffic to
-the replicas go on while the main thread trains.
+``postrl.rollout.replica_process``); the trainer process keeps the rest of the cores. The
+trainer's event loop runs in a background thread, so agent loops, tool calls, reward scoring
+and the traffic to the replicas go on while the main thread trains.
 
 One step trains **one PPO mini-batch** (``actor.ppo_mini_batch_size`` groups: one optimizer
 step), taken from the replay buffer as soon as that many groups are complete and scored;
@@ -139,10 +139,10 @@ _FACTS: dict[str, Any] = dict(
 class FullyAsyncMode:
     """Continuous generation on dedicated replicas, one mini-batch per step (module docstring).
     Built from a :class:`~postrl.trainer.context.TrainerContext` whose fleet holds
-    :class:`~postrl.rollout.remote.HTTPRolloutReplica` handles."""
+    :class:`~postrl.rollout.http_replica.HTTPRolloutReplica` handles."""
 
     def __init__(self, ctx: Any) -> None:
-        from postrl.rollout.remote import ReplicaWatchdog
+        from postrl.rollout.watchdog import ReplicaWatchdog
 
         self.ctx = ctx
         cfg = ctx.cfg

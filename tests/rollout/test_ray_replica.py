@@ -52,7 +52,7 @@ def test_a_hung_ray_replica_is_declared_dead_and_its_requests_reissued(tiny_mode
 
     from postrl.rollout import LoadBalancer, ReplicaDeadError
     from postrl.rollout.ray_replica import RayRolloutReplica
-    from postrl.rollout.remote import ReplicaWatchdog
+    from postrl.rollout.watchdog import ReplicaWatchdog
 
     d0 = tiny_model_factory("qwen2")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)

@@ -50,7 +50,7 @@ def vllm_python() -> str:
 
 @pytest.fixture(scope="module")
 def vllm_replica(tiny_model_dir, tmp_path_factory):
-    from postrl.rollout.remote import spawn_replica
+    from postrl.rollout.replica_process import spawn_replica
 
     log = tmp_path_factory.mktemp("vllm") / "replica.log"
     rep = spawn_replica(
@@ -190,7 +190,7 @@ def test_serve_backend_vllm_answers_the_openai_client(vllm_replica, native, tiny
     import httpx
     from transformers import AutoTokenizer
 
-    from postrl.rollout.remote import HTTPRolloutReplica
+    from postrl.rollout.http_replica import HTTPRolloutReplica
     from postrl.testing.servers import start_server
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -20,8 +20,8 @@ import pytest
 from postrl.rollout import ReplicaRestartError
 from postrl.rollout.fleet import RolloutFleet
 from postrl.rollout.liveness import Liveness
-from postrl.rollout.remote import ReplicaWatchdog, process_cpu_ticks
 from postrl.rollout.restart import ReplicaRestarter
+from postrl.rollout.watchdog import ReplicaWatchdog, process_cpu_ticks
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
 
@@ -136,8 +136,8 @@ def test_every_replica_kind_implements_the_protocol(tiny_model_dir):
     """The in-process, subprocess and Ray replica classes all satisfy ``Replica`` (the remote
     ones ``RemoteReplica``): the fleet and the balancer probe none of them."""
     from postrl.rollout import RemoteReplica, Replica, RolloutReplica, create_rollout_backend
+    from postrl.rollout.http_replica import HTTPRolloutReplica
     from postrl.rollout.ray_replica import RayRolloutReplica
-    from postrl.rollout.remote import HTTPRolloutReplica
 
     local = RolloutReplica(create_rollout_backend("native", tiny_model_dir, max_model_len=32))
     assert isinstance(local, Replica) and not isinstance(local, RemoteReplica)

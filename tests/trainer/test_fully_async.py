@@ -191,7 +191,7 @@ def test_separate_async_is_an_alias(small_overrides):
 
 def _replica_pids(model_dir) -> list[int]:
     out = subprocess.run(
-        ["pgrep", "-f", f"postrl.rollout.remote --model {model_dir}"],
+        ["pgrep", "-f", f"postrl.rollout.replica_process --model {model_dir}"],
         capture_output=True,
         text=True,
     ).stdout

@@ -78,7 +78,7 @@ def test_vllm_fully_async_on_ray_runs_its_replica_process_from_the_actor(
     from trainer_helpers import fully_async_overrides
 
     from postrl.config import load_config
-    from postrl.rollout.remote import process_cpu_ticks
+    from postrl.rollout.watchdog import process_cpu_ticks
     from postrl.trainer import RLTrainer
 
     train = write_parquet(generate_addition(8, seed=3), tmp_path / "train.parquet")

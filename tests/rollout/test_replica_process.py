@@ -1,4 +1,4 @@
-"""Rollout replicas in processes of their own (``postrl.rollout.remote``): many in-flight
+"""Rollout replicas in processes of their own (``postrl.rollout.replica_process``): many in-flight
 requests through repeated weight pushes over HTTP at random moments — nothing aborted, no
 deadlock, every token's log-prob matches the version it is tagged with; a killed replica is
 detected and its requests are re-issued to another."""
@@ -24,7 +24,7 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8], [1, 4, 1, 4, 2]]
 
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir, tmp_path_factory):
-    from postrl.rollout.remote import spawn_replica
+    from postrl.rollout.replica_process import spawn_replica
 
     log = tmp_path_factory.mktemp("replicas")
     reps = [
@@ -130,7 +130,7 @@ def test_raw_weight_frames_are_checked_and_the_process_runs_at_its_niceness(
     import psutil
 
     from postrl.rollout import RolloutError
-    from postrl.rollout.remote import spawn_replica
+    from postrl.rollout.replica_process import spawn_replica
 
     rep = spawn_replica(
         tiny_model_dir,
@@ -154,7 +154,7 @@ def test_an_abort_is_never_lost_to_the_stream_opening_or_to_overtaking(tiny_mode
     """An abort sent while the loop's stream connection is still opening (the generate that
     opens it is waiting) reaches the replica; one that arrives before the generate it targets
     ends that generate at once. Both used to be dropped: the request ran to its end."""
-    from postrl.rollout.remote import spawn_replica
+    from postrl.rollout.replica_process import spawn_replica
 
     rep = spawn_replica(  # its own: the module's replicas may have been killed by now
         tiny_model_dir,
