@@ -39,7 +39,8 @@ class ReplicaRestarter:
 
     Args:
         fleet: the :class:`~postrl.rollout.fleet.RolloutFleet`.
-        spawn: ``spawn(slot) -> replica`` (e.g. the trainer's ``DedicatedReplicas.spawn``).
+        spawn: ``spawn(slot) -> replica`` (e.g.
+            :meth:`~postrl.rollout.dedicated.DedicatedReplicas.spawn`).
         budget: restarts allowed over the run (failed ones count).
     """
 

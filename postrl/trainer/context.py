@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # annotations only: these layers are imported lazily where th
     from postrl.controller.worker_group import WorkerGroup
     from postrl.reward.stage import RewardStage
     from postrl.rollout import Replica
+    from postrl.rollout.dedicated import DedicatedReplicas
     from postrl.rollout.fleet import RolloutFleet
 
 logger = logging.getLogger(__name__)
@@ -272,8 +273,9 @@ def build_context(
     dedicated = bool(TRAINER_MODES.meta(tc.mode).get("dedicated_rollout")) or rollout_side
     own = runs_in_own_process(r.backend)  # e.g. vllm: its own venv, in every mode
     pool: DedicatedReplicas | None = None
+    owner: Any = None  # the object-store plane's PayloadOwner actor
     if dedicated or own:  # fully_async: every replica in a process (or Ray actor) of its own
-        pool = DedicatedReplicas(cfg, options, payload_owner=rollout_side)
+        pool, owner = _dedicated_replicas(cfg, options, payload_owner=rollout_side)
         replicas = pool.start()
     else:
         replicas = [
@@ -298,7 +300,7 @@ def build_context(
         replicas, sync, balancer=balancer, on_close=(pool.close,) if pool is not None else ()
     )
     runner = DATA_PLANES.get(tc.async_.data_plane).create(
-        agents=agents, reward=reward, fleet=fleet, owner=pool.owner if pool else None, cfg=cfg
+        agents=agents, reward=reward, fleet=fleet, owner=owner, cfg=cfg
     )
     return TrainerContext(
         cfg,
@@ -321,180 +323,79 @@ def _send_frame(bucket: Any, receiver: Any) -> None:
     receiver.receive_bucket(encode_frame(bucket))
 
 
-class DedicatedReplicas:
-    """The rollout replicas of a ``dedicated_rollout`` mode (``fully_async``), of a data plane
-    that declares ``rollout_side`` (``object_store``, in every mode) or of a backend whose
-    registry entry declares ``own_process`` (``vllm``, in every mode), and how to start one
-    more in a slot (a restart).
+def _dedicated_replicas(
+    cfg: PostRLConfig, options: dict[str, Any], *, payload_owner: bool
+) -> tuple[DedicatedReplicas, Any]:
+    """The run's :class:`~postrl.rollout.dedicated.DedicatedReplicas` (described from the
+    config) and its payload owner (None without one). ``trainer.backend=ray``: a placement
+    group of their own (``rollout_replicas``: one bundle per replica of ``rollout_threads``
+    CPUs, plus one GPU each with ``trainer.device=cuda``), apart from the training workers'
+    pool; with ``payload_owner`` (a data plane that declares ``rollout_side``) also a
+    :class:`~postrl.trainer.object_store.PayloadOwner` actor and replicas that run whole
+    trajectories (:class:`~postrl.trainer.object_store.TrajectoryReplicaActor`, set up from the
+    run's config)."""
+    from postrl.rollout.dedicated import DedicatedReplicas, DedicatedSpec
 
-    ``trainer.backend=local``: ``rollout.num_replicas`` processes
-    (``postrl.rollout.replica_process``) with ``trainer.async.rollout_threads`` threads each,
-    logs in ``RUN_DIR/rollout_replica_<i>.log``. ``trainer.backend=ray``: Ray actors on a placement
-    group of their own (``rollout_replicas``: one bundle per replica of
-    ``rollout_threads`` CPUs, plus one GPU each with ``trainer.device=cuda``), apart from the
-    training workers' pool; the group is released by :meth:`close`."""
-
-    def __init__(
-        self, cfg: PostRLConfig, options: dict[str, Any], *, payload_owner: bool = False
-    ) -> None:
-        self.cfg = cfg
-        self.options = options
-        self.payload_owner = payload_owner
-        """Start a :class:`~postrl.trainer.object_store.PayloadOwner` and replicas that run
-        whole trajectories (a data plane that declares ``rollout_side``; Ray only)."""
-        self._strategies: list[Any] = []
-        self._pool: Any = None
-        self.owner: Any = None
-        """The :class:`~postrl.trainer.object_store.PayloadOwner` actor (object-store data
-        plane), else None."""
-
-    def start(self) -> list[Any]:
-        """Start every replica (all or none: a failure closes those already started)."""
-        cfg = self.cfg
-        if cfg.trainer.backend == "ray":
-            self._reserve()
-        replicas: list[Any] = []
-        try:
-            for i in range(cfg.rollout.num_replicas):
-                replicas.append(self.spawn(i))
-        except BaseException:
-            for rep in replicas:
-                rep.close()
-            self.close()
-            raise
-        return replicas
-
-    def _reserve(self) -> None:
-        import ray
-
-        from postrl.controller import ResourcePool
-        from postrl.controller.backends.ray import placement_strategies
-
-        if not ray.is_initialized():
-            ray.init()
-        cfg, ac = self.cfg, self.cfg.trainer.async_
-        self._pool = ResourcePool(
-            process_on_nodes=(cfg.rollout.num_replicas,),
-            use_gpu=cfg.trainer.device == "cuda",
-            num_cpus_per_process=float(ac.rollout_threads),
-            num_gpus_per_process=1.0,
-            name=f"rollout_replicas_{id(self)}",
-            strategy="PACK",  # replicas may spread over nodes
-        )
-        self._strategies = placement_strategies(self._pool, timeout_s=ac.timeout_s)
-        if self.payload_owner:
-            from postrl.trainer.object_store import PayloadOwner
-
-            owner = ray.remote(PayloadOwner).options(num_cpus=0, max_restarts=0, max_concurrency=64)
-            self.owner = owner.remote()
-            ray.get(self.owner.ping.remote(), timeout=ac.timeout_s)
-
-    def spawn(self, slot: int) -> Any:
-        """Start the replica for ``slot`` (the first time, or in place of a dead one: the Ray
-        actor reuses the slot's bundle)."""
-        cfg, ac = self.cfg, self.cfg.trainer.async_
-        control = max(ac.replica_health_timeout_s, 30.0)
-        if cfg.trainer.backend == "ray":
-            from pathlib import Path
-
-            from postrl.rollout.ray_replica import RayRolloutReplica
-            from postrl.trainer.object_store import TrajectoryReplicaActor
-
-            control_s, startup_s = _replica_deadlines(cfg, control)
-            log = Path(cfg.trainer.run_dir) / f"rollout_replica_{slot}.log"
-            log.parent.mkdir(parents=True, exist_ok=True)
-            rep = RayRolloutReplica.create(
-                cfg.rollout.backend,
-                cfg.model.path,
-                slot,
-                num_cpus=float(ac.rollout_threads),
-                num_gpus=1.0 if self._pool.use_gpu else 0.0,
-                threads=ac.rollout_threads,
-                nice=ac.rollout_nice,
-                actor_options={"scheduling_strategy": self._strategies[slot]},
-                timeout_s=control_s,
-                request_timeout_s=ac.timeout_s,
-                startup_timeout_s=startup_s,
-                body=TrajectoryReplicaActor if self.owner is not None else None,
-                process={  # used where the backend declares own_process (e.g. vllm)
-                    "python": cfg.rollout.python,
-                    "log_path": str(log),
-                    "startup_timeout_s": startup_s,
-                    "control_timeout_s": control_s,
-                    "request_timeout_s": ac.timeout_s,
-                },
-                **self.options,
-            )
-            if self.owner is not None:  # its agent loops and reward, from the run's config
-                import ray
-
-                try:
-                    ray.get(
-                        rep.actor.setup_trajectories.remote(cfg, self.options["max_model_len"]),
-                        timeout=max(ac.timeout_s, 120.0),
-                    )
-                except BaseException:
-                    rep.kill()
-                    raise
-            return rep
-        return _spawn_process(cfg, self.options, slot, control)
-
-    def close(self) -> None:
-        """Release the Ray placement group and the payload owner (the replicas themselves close
-        with the fleet)."""
-        if self.owner is not None:
-            import ray
-
-            ray.kill(self.owner, no_restart=True)
-            self.owner = None
-        if self._pool is not None:
-            from postrl.controller.backends.ray import release_resource_pool
-
-            release_resource_pool(self._pool)
-            self._pool = None
-
-
-def _replica_deadlines(cfg: PostRLConfig, control: float) -> tuple[float, float]:
-    """(control, start-up) deadlines of one dedicated replica: a backend that declares
-    ``own_process`` (an engine of a venv of its own, e.g. vllm) starts and reloads slowly."""
-    from postrl.rollout.base import runs_in_own_process
-
-    ac = cfg.trainer.async_
-    if runs_in_own_process(cfg.rollout.backend):
-        return max(control, 300.0), max(ac.timeout_s, 900.0)
-    return control, max(ac.timeout_s, 120.0)
-
-
-def _spawn_process(cfg: PostRLConfig, options: dict[str, Any], slot: int, control: float) -> Any:
-    """One replica process (``postrl.rollout.replica_process``) for ``slot``."""
-    from pathlib import Path
-
-    try:
-        import fastapi  # noqa: F401
-        import httpx  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise ImportError(
-            f"trainer.mode={cfg.trainer.mode} serves its rollout replicas over HTTP and needs "
-            f"fastapi, uvicorn and httpx ({e}); pip install 'postrl[serve]'"
-        ) from e
-    from postrl.rollout.base import replica_python, runs_in_own_process
-    from postrl.rollout.replica_process import spawn_replica
-
-    ac, run_dir = cfg.trainer.async_, Path(cfg.trainer.run_dir)
-    own = runs_in_own_process(cfg.rollout.backend)  # an engine of its own venv starts slowly
-    run_dir.mkdir(parents=True, exist_ok=True)
-    control_s, startup_s = _replica_deadlines(cfg, control)
-    return spawn_replica(
-        cfg.model.path,
-        backend=cfg.rollout.backend,
+    r, tc, ac = cfg.rollout, cfg.trainer, cfg.trainer.async_
+    spec = DedicatedSpec(
+        backend=r.backend,
+        model_path=cfg.model.path,
+        num_replicas=r.num_replicas,
         options=options,
         threads=ac.rollout_threads,
         nice=ac.rollout_nice,
-        replica_id=slot,
-        log_path=run_dir / f"rollout_replica_{slot}.log",
+        control_timeout_s=max(ac.replica_health_timeout_s, 30.0),
         request_timeout_s=ac.timeout_s,
-        control_timeout_s=control_s,
-        startup_timeout_s=startup_s if own else 120.0,
-        python=replica_python(cfg.rollout.backend, cfg.rollout.python),
+        run_dir=tc.run_dir,
+        python=r.python,
+        use_gpu=tc.device == "cuda",
+        requested_by=f"trainer.mode={tc.mode}",
     )
+    if tc.backend != "ray":
+        return DedicatedReplicas(spec), None
+    import ray
+
+    from postrl.controller import ResourcePool
+    from postrl.controller.backends.ray import placement_strategies, release_resource_pool
+    from postrl.rollout.dedicated import ReplicaPlacement
+
+    if not ray.is_initialized():
+        ray.init()
+    res = ResourcePool(
+        process_on_nodes=(r.num_replicas,),
+        use_gpu=spec.use_gpu,
+        num_cpus_per_process=float(ac.rollout_threads),
+        num_gpus_per_process=1.0,
+        name=f"rollout_replicas_{id(spec)}",
+        strategy="PACK",  # replicas may spread over nodes
+    )
+    placement = ReplicaPlacement(
+        placement_strategies(res, timeout_s=ac.timeout_s), lambda: release_resource_pool(res)
+    )
+    if not payload_owner:
+        return DedicatedReplicas(spec, placement=placement), None
+    from postrl.trainer.object_store import PayloadOwner, TrajectoryReplicaActor
+
+    owner_cls = ray.remote(PayloadOwner).options(num_cpus=0, max_restarts=0, max_concurrency=64)
+    owner = owner_cls.remote()
+    try:
+        ray.get(owner.ping.remote(), timeout=ac.timeout_s)
+    except BaseException:
+        ray.kill(owner, no_restart=True)
+        placement.release()
+        raise
+
+    def prepare(rep: Any) -> None:  # its agent loops and reward, from the run's config
+        ray.get(
+            rep.actor.setup_trajectories.remote(cfg, options["max_model_len"]),
+            timeout=max(ac.timeout_s, 120.0),
+        )
+
+    pool = DedicatedReplicas(
+        spec,
+        placement=placement,
+        actor_body=TrajectoryReplicaActor,
+        prepare=prepare,
+        on_close=(lambda: ray.kill(owner, no_restart=True),),
+    )
+    return pool, owner

@@ -36,7 +36,7 @@ the actor's current weights as a new version. A restart that fails is counted
 (``rollout/replica_restart_failures``) and tried again while the budget lasts; the run stops
 with a named error when a failed restart leaves no budget (``ReplicaRestartError``) or when no
 replica is left and none may be restarted. With ``trainer.backend=ray`` the replicas are Ray
-actors on a placement group of their own (:class:`~postrl.trainer.context.DedicatedReplicas`);
+actors on a placement group of their own (:class:`~postrl.rollout.dedicated.DedicatedReplicas`);
 with ``trainer.async.data_plane=object_store`` they also run the agent loops and the reward and
 keep the trajectories in Ray's object store, and the driver trains from tags and references
 (:mod:`postrl.trainer.object_store`).

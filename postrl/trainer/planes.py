@@ -5,7 +5,8 @@ workers; its registry entry names its :class:`~postrl.trainer.runner.TrajectoryR
 declares its facts:
 
 * ``rollout_side``: trajectories run, are scored and stay on the rollout side (the replicas are
-  Ray actors of their own with a payload owner: :class:`~postrl.trainer.context.DedicatedReplicas`);
+  Ray actors of their own with a payload owner:
+  :class:`~postrl.rollout.dedicated.DedicatedReplicas`);
 * ``rules``: a tuple of :class:`PlaneRule`, **the one table** of the features the plane carries
   differently from the ``driver`` plane: ``fetched`` (the taken groups come to the driver for a
   stage that reads tensors there; :func:`~postrl.trainer.ref_batch.driver_tensor_reasons` reads

@@ -1,0 +1,53 @@
+"""``postrl.rollout.dedicated``: the dedicated replicas of a run, started all or none.
+
+The runs that start them for real (processes and Ray actors, restarts included) are
+``tests/trainer/test_fully_async.py``, ``test_fully_async_ray.py`` and ``test_object_store.py``;
+here, what those do not reach: the spec's deadlines, a placement too small for the replicas, and
+a failed start that leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from postrl.rollout.dedicated import (
+    DedicatedReplicas,
+    DedicatedSpec,
+    ReplicaPlacement,
+    replica_deadlines,
+)
+from postrl.rollout.types import RolloutError
+
+
+def test_an_own_process_backend_gets_the_long_deadlines():
+    # control: max(given, 300) for vllm (its engine reloads slowly), as given for native;
+    # start-up: max(request deadline, 900) for vllm, max(request deadline, 120) for native
+    native = DedicatedSpec("native", "m", 1, control_timeout_s=30.0, request_timeout_s=60.0)
+    vllm = DedicatedSpec("vllm", "m", 1, control_timeout_s=30.0, request_timeout_s=60.0)
+    assert replica_deadlines(native) == (30.0, 120.0)
+    assert replica_deadlines(vllm) == (300.0, 900.0)
+
+
+def test_a_placement_needs_a_bundle_per_replica():
+    released = []
+    with pytest.raises(ValueError, match="placement has 1 bundles for 2 replicas"):
+        DedicatedReplicas(
+            DedicatedSpec("native", "m", 2),
+            placement=ReplicaPlacement(["s0"], lambda: released.append(1)),
+        )
+
+
+def test_a_failed_start_closes_everything_and_names_the_log(tmp_path):
+    """A replica process that cannot load its model: ``RolloutError`` naming its log, and
+    ``on_close`` ran (the caller's actors and placement are given back)."""
+    closed = []
+    spec = DedicatedSpec(
+        "native", str(tmp_path / "no-such-model"), 1, run_dir=str(tmp_path / "run"), nice=5
+    )
+    pool = DedicatedReplicas(spec, on_close=(lambda: closed.append("owner"),))
+    with pytest.raises(RolloutError, match="rollout_replica_0.log"):
+        pool.start()
+    assert closed == ["owner"]
+    assert (tmp_path / "run" / "rollout_replica_0.log").exists()
+    pool.close()  # idempotent
+    assert closed == ["owner"]
