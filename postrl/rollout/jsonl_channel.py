@@ -11,9 +11,11 @@ Ops: ``{"op": "generate", "id": i, "prompt_ids": ..., "sampling": ..., "request_
 "nbytes": n}`` followed by ``n`` raw bytes, one ``postrl.weights`` frame (answered with the
 policy version and, at an update's last frame, the swap's metrics). Nothing is unpickled.
 
-:class:`ReplicaChannel` is the client end (in the trainer: :class:`~postrl.rollout.http_replica.
-HTTPRolloutReplica` opens one per event loop); :func:`serve_replica_stream` the server end (in
-the replica process: :mod:`postrl.rollout.replica_process`).
+:class:`ReplicaChannel` is the client end (in the trainer, each
+:class:`~postrl.rollout.http_replica.HTTPRolloutReplica` opens one per event loop; its weight
+frames go over a blocking connection of their own to the same port);
+:func:`serve_replica_stream` is the server end (in the replica process:
+:mod:`postrl.rollout.replica_process`).
 """
 
 from __future__ import annotations
