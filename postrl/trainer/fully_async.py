@@ -180,7 +180,7 @@ class FullyAsyncMode:
         ctx = self.ctx
         ctx.fleet.restart_dead()
         t0 = time.perf_counter()
-        batch, metrics = ctx.run_async(self._next(step), poll=self._rescue)
+        batch, metrics = ctx.run_async(self._next(step), ctx.fleet.changed, self._rescue)
         wait = time.perf_counter() - t0
         since = max(time.perf_counter() - self._last_take, 1e-9)
         self._last_take = time.perf_counter()
@@ -209,13 +209,15 @@ class FullyAsyncMode:
             self._rescue()
 
     def _rescue(self) -> None:
-        """While the take waits (this thread, every ~0.2 s): start replacements for dead
-        replicas, and when none is live, put one that came up in service at once with the
-        actor's current weights as a new policy version (the usual push would only come
-        after this batch, which no replica is left to generate)."""
+        """While the take waits (this thread, woken by ``fleet.changed``: a replica declared
+        dead, a replacement that finished starting): start replacements for dead replicas,
+        and when none is live, put one that came up in service at once with the actor's
+        current weights as a new policy version (the usual push would only come after this
+        batch, which no replica is left to generate)."""
         fleet = self.ctx.fleet
         fleet.restart_dead()
         if not fleet.rescue(self.ctx.weight_source()):  # the actor's weights: a new version
+            fleet.restart_dead()  # a replacement that failed to join starts again (budget)
             return
         logger.warning(
             "no rollout replica was live: a restarted one serves version %d", fleet.version
