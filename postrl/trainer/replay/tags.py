@@ -135,11 +135,6 @@ class GroupTags:
     epoch: int = 0
 
     @property
-    def num_finished(self) -> int:
-        """Trajectories finished."""
-        return sum(t.status is TrajectoryStatus.FINISHED for t in self.tags)
-
-    @property
     def num_failed(self) -> int:
         """Trajectories failed."""
         return sum(t.status is TrajectoryStatus.FAILED for t in self.tags)
