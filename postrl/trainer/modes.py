@@ -115,8 +115,8 @@ class SyncMode:
     and the batch comes back scored)."""
 
     def __init__(self, ctx: Any) -> None:
-        from postrl.trainer.replay import ReplayBuffer
-        from postrl.trainer.stream import GroupStream
+        from postrl.trainer.asynchronous.replay import ReplayBuffer
+        from postrl.trainer.asynchronous.stream import GroupStream
 
         self.ctx = ctx
         cfg = ctx.cfg

@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 from postrl.protocol import DataProto
-from postrl.trainer.feed import AsyncFeed
+from postrl.trainer.asynchronous.feed import AsyncFeed
 from postrl.trainer.modes import register_trainer
 
 __all__ = ["OneStepOffMode"]
@@ -128,10 +128,10 @@ class OneStepOffMode:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The feed's snapshot (:meth:`~postrl.trainer.feed.AsyncFeed.snapshot`: the loader
-        position, the buffer, the groups trained so far). In-flight trajectories restart from
-        their prompts after this call, in this run too (a resumed run then continues exactly as
-        this one does)."""
+        """The feed's snapshot (:meth:`AsyncFeed.snapshot
+        <postrl.trainer.asynchronous.feed.AsyncFeed.snapshot>`: the loader position, the buffer, the
+        groups trained so far). In-flight trajectories restart from their prompts after this call,
+        in this run too (a resumed run then continues exactly as this one does)."""
         return self.feed.snapshot()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -3,11 +3,11 @@
 ``one_step_off`` and ``fully_async`` differ in *when* they fill the buffer, take a batch, pause
 the fleet and push weights. What they share is here, once:
 
-* the **stream** — the replay buffer and :class:`~postrl.trainer.stream.GroupStream` of an
-  off-policy mode: groups scored as they complete, bounded by ``trainer.async.*``
-  (``max_staleness``, ``staleness_strategy``, ``timeout_s``), ``data.train_batch_size`` groups
-  per policy version, DAPO refills (``algorithm.filter_groups``) within
-  :func:`~postrl.trainer.modes.refill_limit`;
+* the **stream** — the replay buffer and
+  :class:`~postrl.trainer.asynchronous.stream.GroupStream` of an off-policy mode: groups scored as
+  they complete, bounded by ``trainer.async.*`` (``max_staleness``, ``staleness_strategy``,
+  ``timeout_s``), ``data.train_batch_size`` groups per policy version, DAPO refills
+  (``algorithm.filter_groups``) within :func:`~postrl.trainer.modes.refill_limit`;
 * the **admission budget** — :meth:`AsyncFeed.room`: how many groups may be admitted now, given
   the buffer's pacing cap ``(max_staleness + 1) × train_batch_size``, the run's remaining budget
   (``total_steps × groups_per_step`` less the groups trained and those untrained in the buffer:
@@ -30,9 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 from postrl.protocol import DataProto
+from postrl.trainer.asynchronous.replay import ReplayBuffer
+from postrl.trainer.asynchronous.stream import GroupStream
 from postrl.trainer.modes import refill_limit
-from postrl.trainer.replay import ReplayBuffer
-from postrl.trainer.stream import GroupStream
 
 logger = logging.getLogger(__name__)
 

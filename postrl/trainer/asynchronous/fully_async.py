@@ -55,8 +55,8 @@ import time
 from typing import Any
 
 from postrl.protocol import DataProto
-from postrl.trainer.feed import AsyncFeed
-from postrl.trainer.idle_switch import IdleSwitch
+from postrl.trainer.asynchronous.feed import AsyncFeed
+from postrl.trainer.asynchronous.idle_switch import IdleSwitch
 from postrl.trainer.modes import register_trainer
 
 logger = logging.getLogger(__name__)
@@ -320,10 +320,10 @@ class FullyAsyncMode:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The feed's snapshot (:meth:`~postrl.trainer.feed.AsyncFeed.snapshot`: the loader
-        position, the buffer, the groups trained so far), taken on the loop thread. In-flight
-        trajectories restart from their prompts after this call (their partial outputs are
-        discarded)."""
+        """The feed's snapshot (:meth:`AsyncFeed.snapshot
+        <postrl.trainer.asynchronous.feed.AsyncFeed.snapshot>`: the loader position, the buffer, the
+        groups trained so far), taken on the loop thread. In-flight trajectories restart from their
+        prompts after this call (their partial outputs are discarded)."""
         return self.ctx.run_async(self.feed.snapshot_async())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
