@@ -590,8 +590,8 @@ class TrainerConfig:
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
     """Off-policy modes (YAML key ``async``)."""
     sampler: str = "oldest_first"
-    """Which complete groups an update takes (a ``postrl.trainer.replay.SAMPLERS`` name or
-    ``module:Class``)."""
+    """Which complete groups an update takes (a ``postrl.trainer.asynchronous.replay.SAMPLERS``
+    name or ``module:Class``)."""
     deterministic: bool = False
     """``one_step_off`` follows a fixed interleaving (groups are scored inline, in-flight
     trajectories restart at a checkpoint), so a resumed run reproduces the uninterrupted one bit

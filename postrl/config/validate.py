@@ -346,7 +346,7 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
     if facts.get("config_errors") is not None:  # what the mode asks of the config
         e.extend(facts["config_errors"](cfg))
     e.extend(data_plane_errors(cfg))  # every mode: a plane a mode cannot use is refused
-    samplers = _declared("postrl.trainer.replay.samplers", "SAMPLERS")
+    samplers = _declared("postrl.trainer.asynchronous.replay.samplers", "SAMPLERS")
     if samplers is not None and ":" not in t.sampler and samplers.check(t.sampler):
         e.append(f"trainer.sampler={t.sampler!r}: {samplers.check(t.sampler)}")
     return e

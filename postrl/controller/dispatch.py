@@ -32,16 +32,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from postrl.controller.errors import ControllerError
 from postrl.protocol.data import DataProto
 from postrl.registry import Registry
-
-if TYPE_CHECKING:  # pragma: no cover
-    from postrl.controller.future import GroupFuture
 
 __all__ = [
     "DISPATCH_MODES",
@@ -123,7 +120,6 @@ class DispatchContext:
 
 DispatchFn = Callable[[DispatchContext, tuple, dict], Sequence["RankCall | None"]]
 CollectFn = Callable[[DispatchContext, list], Any]
-ShardsFn = Callable[[DispatchContext, list, list], "tuple[list, int] | None"]
 
 
 @dataclass(frozen=True)
@@ -134,19 +130,14 @@ class DispatchMode:
         name: registry key.
         dispatch_fn: ``(ctx, args, kwargs) -> [RankCall | None] * world_size``.
         collect_fn: ``(ctx, outputs) -> result``; ``outputs[i]`` came from ``ctx.ranks[i]``.
-        shards_fn: optional ``(ctx, ranks, handles) -> (per-dp-shard handles, pad_size)``: lets a
-            non-blocking result be fed shard-by-shard into the next group call without
-            gathering on the driver.
-        accepts_futures: if True, ``dispatch_fn`` receives :class:`GroupFuture` args unresolved
-            (it must handle them, e.g. via :func:`split_proto`); otherwise the group resolves
-            futures to values first.
+
+    A :class:`~postrl.controller.future.GroupFuture` passed as an argument is resolved on the
+    driver before ``dispatch_fn`` sees it.
     """
 
     name: str
     dispatch_fn: DispatchFn
     collect_fn: CollectFn
-    shards_fn: ShardsFn | None = None
-    accepts_futures: bool = False
 
 
 DISPATCH_MODES: Registry[DispatchMode] = Registry("dispatch mode")
@@ -157,12 +148,10 @@ def register_dispatch_mode(
     dispatch_fn: DispatchFn,
     collect_fn: CollectFn,
     *,
-    shards_fn: ShardsFn | None = None,
-    accepts_futures: bool = False,
     override: bool = False,
 ) -> DispatchMode:
     """Add a dispatch mode usable as ``@register(dispatch_mode=name)``; returns it."""
-    mode = DispatchMode(name, dispatch_fn, collect_fn, shards_fn, accepts_futures)
+    mode = DispatchMode(name, dispatch_fn, collect_fn)
     DISPATCH_MODES.add(name, mode, override=override)
     return mode
 
@@ -243,27 +232,12 @@ def registered_methods(cls: type) -> dict[str, DispatchSpec]:
 
 
 # ---------------------------------------------------------------------------- helpers
-def _is_future(x: Any) -> bool:
-    from postrl.controller.future import GroupFuture
-
-    return isinstance(x, GroupFuture)
-
-
 def split_proto(ctx: DispatchContext, value: Any, n: int, arg_name: str) -> tuple[list[Any], int]:
-    """Split a DataProto (or a future of one) into ``n`` shards, padding when not divisible.
-
-    A :class:`GroupFuture` whose mode knows its shards (same backend, ``n`` shards, no pad) is
-    passed through shard-by-shard: the data never visits the driver. Otherwise it is resolved.
-    Returns ``(shards, pad_size)``.
-    """
+    """Split a DataProto into ``n`` shards, padding when not divisible; rows by reference
+    (``ref_shards``: the object-store data plane) shard themselves, so each rank receives
+    references and materialises its own rows. Returns ``(shards, pad_size)``."""
     if hasattr(value, "ref_shards"):  # rows by reference: the batch shards itself, padded
         return list(value.ref_shards(n)), 0  # with masked rows (protocol/refs.py)
-    if _is_future(value):
-        fut: GroupFuture = value
-        shards = fut.dp_shards() if fut.backend == ctx.backend else None
-        if shards is not None and shards[1] == 0 and len(shards[0]) == n:
-            return list(shards[0]), 0
-        value = fut.result()
     if not isinstance(value, DataProto):
         raise ControllerError(
             f"{ctx.role}.{ctx.method}: {arg_name} must be a DataProto for a dp-split dispatch, "
@@ -278,11 +252,12 @@ def split_proto(ctx: DispatchContext, value: Any, n: int, arg_name: str) -> tupl
 def _split_args(
     ctx: DispatchContext, args: tuple, kwargs: dict, n: int
 ) -> tuple[list[tuple], list[dict], int]:
-    """Split every DataProto/future arg into ``n`` shards; broadcast the others."""
+    """Split every DataProto (or rows-by-reference) arg into ``n`` shards; broadcast the
+    others."""
     pads: set[int] = set()
     split_args: list[list[Any]] = []
     for i, a in enumerate(args):
-        if isinstance(a, DataProto) or _is_future(a) or hasattr(a, "ref_shards"):
+        if isinstance(a, DataProto) or hasattr(a, "ref_shards"):
             shards, pad = split_proto(ctx, a, n, f"positional arg {i}")
             pads.add(pad)
             split_args.append(shards)
@@ -290,7 +265,7 @@ def _split_args(
             split_args.append([a] * n)
     split_kwargs: dict[str, list[Any]] = {}
     for k, v in kwargs.items():
-        if isinstance(v, DataProto) or _is_future(v) or hasattr(v, "ref_shards"):
+        if isinstance(v, DataProto) or hasattr(v, "ref_shards"):
             shards, pad = split_proto(ctx, v, n, f"argument {k!r}")
             pads.add(pad)
             split_kwargs[k] = shards
@@ -353,21 +328,11 @@ def _collect_dp_proto(ctx: DispatchContext, outputs: list) -> Any:
     return _concat_unpad(outputs, ctx.state.get("pad_size", 0))
 
 
-def _shards_dp_proto(ctx: DispatchContext, ranks: list, handles: list) -> tuple[list, int]:
-    return list(handles), ctx.state.get("pad_size", 0)
-
-
 register_dispatch_mode(Dispatch.ONE_TO_ALL, _one_to_all, _collect_list)
 register_dispatch_mode(Dispatch.ALL_TO_ALL, _per_rank_lists, _collect_list)
 register_dispatch_mode(Dispatch.RANK_ZERO, _rank_zero, _collect_first)
 register_dispatch_mode(Dispatch.DP_COMPUTE, _per_rank_lists, _collect_list)
-register_dispatch_mode(
-    Dispatch.DP_COMPUTE_PROTO,
-    _dp_proto,
-    _collect_dp_proto,
-    shards_fn=_shards_dp_proto,
-    accepts_futures=True,
-)
+register_dispatch_mode(Dispatch.DP_COMPUTE_PROTO, _dp_proto, _collect_dp_proto)
 
 
 # ---------------------------------------------------------------------------- nd (mesh-aware)
@@ -426,16 +391,6 @@ def make_nd_compute_dispatch(mesh_name: str) -> DispatchMode:
         order = _collect_order(ctx, ctx.ranks)
         return _concat_unpad([outputs[j] for j in order], ctx.state.get("pad_size", 0))
 
-    def shards(ctx: DispatchContext, ranks: list, handles: list) -> tuple[list, int]:
-        return [handles[j] for j in _collect_order(ctx, ranks)], ctx.state.get("pad_size", 0)
-
-    mode = register_dispatch_mode(
-        f"nd_compute_proto:{mesh_name}",
-        dispatch,
-        collect,
-        shards_fn=shards,
-        accepts_futures=True,
-        override=True,
-    )
+    mode = register_dispatch_mode(f"nd_compute_proto:{mesh_name}", dispatch, collect, override=True)
     _ND_CACHE[mesh_name] = mode
     return mode

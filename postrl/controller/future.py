@@ -1,8 +1,8 @@
 """``GroupFuture``: the result of a non-blocking group call.
 
-It can be awaited on the driver (:meth:`GroupFuture.result`) or passed straight into the next
-group call: a dp-split dispatch then forwards the per-rank handles (Ray object refs) without
-gathering the data on the driver.
+It can be awaited on the driver (:meth:`GroupFuture.result`) or passed into the next group
+call, which resolves it first (the rows of the object-store data plane travel by reference
+instead: ``ref_shards``, ``postrl/protocol/refs.py``).
 """
 
 from __future__ import annotations
@@ -40,11 +40,6 @@ class GroupFuture:
         self.timeout_s = timeout_s
         self._value: Any = _UNSET
 
-    @property
-    def backend(self) -> str:
-        """Backend name of the group that produced this future."""
-        return self.group.backend_name
-
     def result(self, timeout_s: float | None = None) -> Any:
         """Wait (at most ``timeout_s``, default the method's deadline) and collect.
 
@@ -62,12 +57,6 @@ class GroupFuture:
     def done(self) -> bool:
         """True when every rank has finished (successfully or not)."""
         return self._value is not _UNSET or self.group._handles_done(self.handles)
-
-    def dp_shards(self) -> tuple[list[Any], int] | None:
-        """``(per-dp-rank handles, pad_size)`` when the mode supports pass-through, else None."""
-        if self.mode.shards_fn is None:
-            return None
-        return self.mode.shards_fn(self.ctx, self.ranks, self.handles)
 
     def __repr__(self) -> str:
         state = "done" if self._value is not _UNSET else "pending"

@@ -7,8 +7,8 @@ dispatches (split), executes on the ranks and collects (join)::
     log_probs = actor_wg.compute_log_prob(batch)      # DataProto in, DataProto out
 
 Non-blocking methods (``blocking=False``) return a :class:`GroupFuture` that may be passed
-straight into the next group call. Backends implement four hooks: ``_launch``, ``_wait``,
-``_handles_done`` and ``_shutdown_workers``.
+into the next group call (it is resolved first). Backends implement four hooks: ``_launch``,
+``_wait``, ``_handles_done`` and ``_shutdown_workers``.
 """
 
 from __future__ import annotations
@@ -186,9 +186,8 @@ class WorkerGroup:
     def _call(self, method: str, spec: DispatchSpec, args: tuple, kwargs: dict) -> GroupFuture:
         self._check_open()
         mode = spec.mode
-        if not mode.accepts_futures:
-            args = tuple(a.result() if isinstance(a, GroupFuture) else a for a in args)
-            kwargs = {k: v.result() if isinstance(v, GroupFuture) else v for k, v in kwargs.items()}
+        args = tuple(a.result() if isinstance(a, GroupFuture) else a for a in args)
+        kwargs = {k: v.result() if isinstance(v, GroupFuture) else v for k, v in kwargs.items()}
         ctx = DispatchContext(self.world_size, method, self.name, self.backend_name, self.dp_info)
         calls = list(mode.dispatch_fn(ctx, args, kwargs))
         if len(calls) != self.world_size:

@@ -12,6 +12,8 @@ Its other verbs change which replicas serve: :meth:`~RolloutFleet.restart_dead` 
 :class:`~postrl.rollout.restart.ReplicaRestarter` given by :meth:`~RolloutFleet.enable_restarts`),
 :meth:`~RolloutFleet.add_standby` (a replica routed to only while it is not on standby, e.g. the
 trainer's idle-switch replica). Replicas are :class:`~postrl.rollout.replica.Replica` objects.
+Once restarts are on, :attr:`RolloutFleet.changed` is notified whenever a replica is declared
+dead or a replacement finished starting: the trainer waits on it instead of polling the fleet.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from postrl.rollout.replica import Replica
+from postrl.rollout.replica import RemoteReplica, Replica
+from postrl.rollout.signal import Signal
 
 __all__ = ["RolloutFleet"]
 
@@ -54,6 +57,9 @@ class RolloutFleet:
         """Replicas put back by :meth:`install` so far."""
         self.restarter: Any = None
         """The :class:`~postrl.rollout.restart.ReplicaRestarter` (:meth:`enable_restarts`)."""
+        self.changed = Signal()
+        """Notified (from any thread) when a watched replica is declared dead or a replacement
+        finished starting, successfully or not (:meth:`enable_restarts`)."""
         self._on_close = on_close
 
     @property
@@ -131,6 +137,8 @@ class RolloutFleet:
         if self.balancer is not None:
             self.balancer.replace(slot, replica)
         self.restarts += 1
+        if self.restarter is not None:
+            self._watch(replica)
 
     # ------------------------------------------------------------------ restarts
     def enable_restarts(self, spawn: Callable[[int], Replica], budget: int) -> None:
@@ -138,7 +146,18 @@ class RolloutFleet:
         ``budget`` restarts per run (:class:`~postrl.rollout.restart.ReplicaRestarter`)."""
         from postrl.rollout.restart import ReplicaRestarter
 
+        for r in self.replicas:
+            self._watch(r)
         self.restarter = ReplicaRestarter(self, spawn, budget)
+
+    def _watch(self, replica: Replica) -> None:
+        """Notify :attr:`changed` when ``replica`` is declared dead."""
+        if not isinstance(replica, RemoteReplica):
+            raise TypeError(
+                f"rollout replica {replica.replica_id} ({type(replica).__name__}) is not a "
+                "RemoteReplica: only replicas in processes of their own are restarted"
+            )
+        replica.on_dead(self.changed.notify)
 
     def restart_dead(self) -> None:
         """Begin a replacement for every dead replica not being replaced (budget permitting;

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from postrl.rollout.types import ReplicaDeadError
@@ -25,8 +25,9 @@ T = TypeVar("T")
 
 
 class Liveness:
-    """Mixin: ``dead``, ``dead_reason``, :meth:`mark_dead`, :meth:`wait_dead` and
-    :meth:`race`. The class using it calls ``Liveness.__init__(self)`` and has a ``replica_id``."""
+    """Mixin: ``dead``, ``dead_reason``, :meth:`mark_dead`, :meth:`wait_dead`, :meth:`on_dead`
+    and :meth:`race`. The class using it calls ``Liveness.__init__(self)`` and has a
+    ``replica_id``."""
 
     replica_id: int
 
@@ -35,6 +36,7 @@ class Liveness:
         self._dead_futs: list[asyncio.Future[None]] = []
         self._live_lock = threading.Lock()
         self._dead_event = threading.Event()
+        self._on_dead: list[Callable[[], None]] = []
 
     @property
     def dead(self) -> bool:
@@ -49,12 +51,24 @@ class Liveness:
                 return
             self.dead_reason = reason
             futs, self._dead_futs = self._dead_futs, []
+            hooks, self._on_dead = self._on_dead, []
         self._dead_event.set()
         logger.warning("rollout replica %d declared dead: %s", self.replica_id, reason)
         for f in futs:
             loop = f.get_loop()
             if not loop.is_closed():
                 loop.call_soon_threadsafe(_set_done, f)
+        for fn in hooks:
+            fn()
+
+    def on_dead(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once when the replica is declared dead (at once if it already is), on
+        the declaring thread: it must be quick and thread-safe (e.g. a signal's ``notify``)."""
+        with self._live_lock:
+            if self.dead_reason is None:
+                self._on_dead.append(fn)
+                return
+        fn()
 
     def wait_dead(self, timeout_s: float) -> bool:
         """Block until the replica is declared dead (True) or ``timeout_s`` passed (False)."""

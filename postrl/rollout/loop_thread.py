@@ -21,6 +21,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from postrl.rollout.signal import Signal
 from postrl.rollout.types import RolloutTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class LoopThread:
                 ThreadPoolExecutor(thread_name_prefix=executor_name, initializer=thread_init)
             )
         self._thread: threading.Thread | None = None
+        self._exited = Signal()  # the loop's thread ended (wakes run_sync's waiters)
         if start:
             self.start()
 
@@ -70,9 +72,12 @@ class LoopThread:
         self._thread.start()
 
     def _run_forever(self) -> None:
-        if self._init is not None:
-            self._init()
-        self.loop.run_forever()
+        try:
+            if self._init is not None:
+                self._init()
+            self.loop.run_forever()
+        finally:
+            self._exited.notify()
 
     @property
     def started(self) -> bool:
@@ -123,11 +128,18 @@ class LoopThread:
         """Await ``coro`` (executed on the loop thread) from any other event loop."""
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
-    def run_sync(self, coro: Coroutine[Any, Any, T], poll: Callable[[], None] | None = None) -> T:
+    def run_sync(
+        self,
+        coro: Coroutine[Any, Any, T],
+        wake: Signal | None = None,
+        on_wake: Callable[[], None] | None = None,
+    ) -> T:
         """Run ``coro`` to its result: inline before :meth:`start`, else on the loop thread
-        while this thread blocks. ``poll`` (started loop only) is called on this thread about
-        every 0.2 s while it waits. The coroutine's own waits carry the deadlines; a loop
-        thread that died raises ``RuntimeError`` instead of hanging the caller."""
+        while this thread blocks — woken by the result, by the loop thread's end (then
+        ``RuntimeError`` instead of hanging the caller) and, with ``wake``, by each of its
+        notifications, on which ``on_wake()`` runs on this thread (started loop only; once at
+        the start too, so a change just before the call is not missed). The coroutine's own
+        waits carry the deadlines; nothing here polls."""
         if self._thread is None:
             return self.loop.run_until_complete(coro)
         if threading.current_thread() is self._thread:
@@ -135,15 +147,28 @@ class LoopThread:
             raise RuntimeError(
                 f"run_sync called from the loop thread {self.name!r} itself; await instead"
             )
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        while True:
-            try:
-                return fut.result(timeout=1.0 if poll is None else 0.2)
-            except TimeoutError:
+        woke = threading.Event()
+        set_woke = woke.set
+        signals = [self._exited] if wake is None else [self._exited, wake]
+        for s in signals:  # listening before the coroutine runs: no notification is missed
+            s.add_listener(set_woke)
+        if wake is not None:
+            woke.set()
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            fut.add_done_callback(lambda _: set_woke())
+            while True:
+                if fut.done():
+                    return fut.result()
                 if not self._thread.is_alive():
-                    raise RuntimeError(f"the event-loop thread {self.name!r} died") from None
-                if poll is not None:
-                    poll()
+                    raise RuntimeError(f"the event-loop thread {self.name!r} died")
+                woke.wait()  # (no deadline of its own: see the docstring)
+                woke.clear()
+                if not fut.done() and on_wake is not None and self._thread.is_alive():
+                    on_wake()
+        finally:
+            for s in signals:
+                s.remove_listener(set_woke)
 
     def create_task(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Schedule ``coro`` on the loop: it runs whenever the loop next runs (inline: during

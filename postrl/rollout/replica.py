@@ -16,6 +16,7 @@ backends' contract (``postrl.weights``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from postrl.rollout.types import SamplingParams, TokenOutput
@@ -97,6 +98,10 @@ class RemoteReplica(Replica, Protocol):
 
     def wait_dead(self, timeout_s: float) -> bool:
         """Block until it is declared dead (True) or ``timeout_s`` passed (False)."""
+        ...
+
+    def on_dead(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once when it is declared dead (at once if it already is)."""
         ...
 
     def kill(self) -> None:

@@ -81,7 +81,12 @@ class ReplicaRestarter:
                 rep.dead_reason,
                 self.left,
             )
-            self._pending[slot] = self._pool.submit(self._replace, slot, rep)
+            fut = self._pool.submit(self._replace, slot, rep)
+            fut.add_done_callback(self._started)
+            self._pending[slot] = fut
+
+    def _started(self, _fut: Future[Any]) -> None:
+        self.fleet.changed.notify()  # a replacement is up (or failed): the trainer may rescue
 
     def _replace(self, slot: int, dead: Any) -> Any:
         dead.kill()  # a hung process or actor holds its cores (and its Ray bundle)

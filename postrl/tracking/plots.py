@@ -12,7 +12,7 @@ __all__ = ["PLOTS", "make_plots", "summarize", "read_metrics"]
 PLOTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "reward": ("reward", ("critic/score/mean", "critic/rewards/mean")),
     "accuracy": ("validation accuracy", ("val/acc/mean",)),
-    "kl": ("KL", ("actor/ppo_kl", "actor/kl_loss", "critic/kl")),
+    "kl": ("KL", ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")),
     "entropy": ("entropy", ("actor/entropy",)),
     "response_length": ("response length", ("response_length/mean",)),
 }

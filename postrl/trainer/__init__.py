@@ -4,9 +4,13 @@ Heavy modules are imported lazily: ``from postrl.trainer import RLTrainer`` work
 ``import postrl.trainer`` alone stays cheap.
 """
 
-from postrl.trainer.fully_async import FullyAsyncMode  # registers fully_async, separate_async
+from postrl.trainer.asynchronous.fully_async import (
+    FullyAsyncMode,  # registers fully_async, separate_async
+)
+from postrl.trainer.asynchronous.one_step_off import (
+    OneStepOffMode,  # registers trainer.mode=one_step_off
+)
 from postrl.trainer.modes import TRAINER_MODES, SyncMode, TrainerMode, register_trainer
-from postrl.trainer.one_step_off import OneStepOffMode  # registers trainer.mode=one_step_off
 
 __all__ = [
     "TRAINER_MODES",

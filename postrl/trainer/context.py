@@ -19,6 +19,7 @@ from postrl.data import PromptLoader
 from postrl.protocol import DataProto
 from postrl.reward.stage import build_reward_stage  # the reward stage's builder, in reward/
 from postrl.rollout.loop_thread import LoopThread
+from postrl.rollout.signal import Signal
 
 if TYPE_CHECKING:  # annotations only: these layers are imported lazily where they are built
     from transformers import PreTrainedTokenizerBase
@@ -136,11 +137,14 @@ class TrainerContext:
             stop_token_ids=stop_ids,
         )
 
-    def run_async(self, coro: Any, poll: Callable[[], None] | None = None) -> Any:
+    def run_async(
+        self, coro: Any, wake: Signal | None = None, on_wake: Callable[[], None] | None = None
+    ) -> Any:
         """Run a coroutine on the context's persistent event loop (in the loop's thread after
-        :meth:`start_background`) and return its result. ``poll`` (background loop only) is
-        called on this thread about every 0.2 s while it waits (:meth:`LoopThread.run_sync`)."""
-        return self.loop_thread.run_sync(coro, poll)
+        :meth:`start_background`) and return its result. With a background loop, ``on_wake``
+        runs on this thread at each notification of ``wake`` (a
+        :class:`~postrl.rollout.signal.Signal`) while it waits (:meth:`LoopThread.run_sync`)."""
+        return self.loop_thread.run_sync(coro, wake, on_wake)
 
     def create_task(self, coro: Any) -> asyncio.Task[Any]:
         """Schedule a coroutine on the context's loop (it runs whenever the loop next runs:

@@ -49,7 +49,6 @@ __all__ = [
     "SyncMode",
     "is_on_policy",
     "refill_limit",
-    "off_policy_stream",
 ]
 
 TRAINER_MODES: Registry[type] = Registry("trainer mode")
@@ -116,8 +115,8 @@ class SyncMode:
     and the batch comes back scored)."""
 
     def __init__(self, ctx: Any) -> None:
-        from postrl.trainer.replay import ReplayBuffer
-        from postrl.trainer.stream import GroupStream
+        from postrl.trainer.asynchronous.replay import ReplayBuffer
+        from postrl.trainer.asynchronous.stream import GroupStream
 
         self.ctx = ctx
         cfg = ctx.cfg
@@ -191,32 +190,3 @@ def refill_limit(cfg: Any) -> int | None:
     if not fg.max_num_gen_batches:
         return None
     return (fg.max_num_gen_batches - 1) * cfg.data.train_batch_size
-
-
-def off_policy_stream(ctx: Any, *, inline_scoring: bool) -> Any:
-    """The replay buffer and :class:`~postrl.trainer.stream.GroupStream` of an off-policy mode
-    (``one_step_off``, ``fully_async``): groups scored as they complete, bounded by
-    ``trainer.async.*``, ``data.train_batch_size`` groups per policy version, DAPO refills
-    within :func:`refill_limit`. Returns the stream (its buffer is ``stream.buffer``)."""
-    from postrl.trainer.replay import ReplayBuffer
-    from postrl.trainer.stream import GroupStream
-
-    cfg = ctx.cfg
-    ac, fg = cfg.trainer.async_, cfg.algorithm.filter_groups
-    buffer = ReplayBuffer(
-        cfg.rollout.n,
-        cfg.data.train_batch_size,
-        max_staleness=ac.max_staleness,
-        strategy=ac.staleness_strategy,
-        sampler=cfg.trainer.sampler,
-        filter_groups=fg.enable,
-        max_failure_ratio=cfg.reward.max_failure_ratio,
-        timeout_s=ac.timeout_s,
-    )
-    return GroupStream(
-        ctx,
-        buffer,
-        score_on_completion=True,
-        inline_scoring=inline_scoring,
-        max_refills=refill_limit(cfg) if fg.enable else None,
-    )

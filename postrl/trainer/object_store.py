@@ -341,7 +341,7 @@ class ObjectStoreRunner:
         """Read the scores the replica wrote into the tags (a restored group: scored here)."""
         if any(not isinstance(h, RemoteTrajectory) for h in handles):
             return self.local.score(handles)
-        from postrl.trainer.stream import merge_reward_metrics
+        from postrl.trainer.asynchronous.stream import merge_reward_metrics
 
         # each rollout-side call scored its rows together and reported once
         parts = [(t.rows, t.reward_metrics) for t in handles if t.reward_metrics]

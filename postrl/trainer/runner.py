@@ -1,6 +1,6 @@
 """Trajectory runners: the one place the data planes differ.
 
-:class:`~postrl.trainer.stream.GroupStream` has one path for every plane::
+:class:`~postrl.trainer.asynchronous.stream.GroupStream` has one path for every plane::
 
     runner.run(row)  →  buffer.generated / finish(key, handle, tag)  →  runner.collate(
                                                                           buffer.assemble(uids))

@@ -56,8 +56,7 @@ def kl_in_reward_stage(
     )
     b["token_level_rewards"] = rewards
     metrics = {k: float(v) for k, v in m.items()}
-    current_kl = metrics.get("actor/reward_kl_penalty", metrics.get("critic/kl", 0.0))
-    kl_ctrl.update(current_kl, n_steps=len(batch))
+    kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=len(batch))
     metrics["actor/reward_kl_penalty_coeff"] = float(kl_ctrl.value)
     return DataProto(b, batch.non_tensor_batch, batch.meta_info), metrics
 

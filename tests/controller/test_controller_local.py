@@ -68,8 +68,8 @@ def test_dp_compute_proto_pads_and_unpads(wg):
 
 def test_future_passes_into_next_call(wg):
     fut = wg.add_offset_async(rows(6))
-    assert not isinstance(fut, DataProto) and fut.dp_shards() is not None
-    fut2 = wg.add_offset_async(fut)  # shards forwarded, no driver gather
+    assert not isinstance(fut, DataProto)
+    fut2 = wg.add_offset_async(fut)  # resolved, then split again
     out = wg.add_offset(fut2)
     assert torch.equal(out.batch["y"], torch.arange(6, dtype=torch.float32) + 300)
 

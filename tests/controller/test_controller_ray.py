@@ -64,8 +64,8 @@ def rows(n: int) -> DataProto:
 def driver_script(wg) -> dict:
     """The same driver code for every backend."""
     out = wg.add_offset(rows(10), scale=2.0)
-    chained = wg.add_offset(wg.add_offset_async(wg.add_offset_async(rows(7))))  # padded: resolved
-    passthrough = wg.add_offset(wg.add_offset_async(rows(8)))  # shards forwarded worker to worker
+    chained = wg.add_offset(wg.add_offset_async(wg.add_offset_async(rows(7))))  # padded
+    passthrough = wg.add_offset(wg.add_offset_async(rows(8)))  # a future into the next call
     return {
         "whoami": wg.whoami("x"),
         "all_to_all": wg.times_rank([1, 2], y=[3, 4]),

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from postrl.rollout.loop_thread import LoopThread
+from postrl.rollout.signal import Signal
 from postrl.rollout.types import RolloutTimeoutError
 
 
@@ -32,13 +33,21 @@ def test_inline_until_started_then_in_its_thread():
         lt.start()  # idempotent
         assert lt.started and lt.run_sync(_where()) == "t-loop"
         assert "t-loop" in inits
-        polls: list[int] = []
+        # a notification wakes the blocked caller, which runs on_wake on its own thread
+        changed, heard = Signal(), threading.Event()
+        woken: list[str] = []
 
-        async def slow() -> int:
-            await asyncio.sleep(0.5)
+        def on_wake() -> None:
+            woken.append(threading.current_thread().name)
+            heard.set()
+
+        async def notifying() -> int:
+            changed.notify()  # (from the loop thread)
+            await asyncio.to_thread(heard.wait, 60)
             return 7
 
-        assert lt.run_sync(slow(), poll=lambda: polls.append(1)) == 7 and polls
+        assert lt.run_sync(notifying(), changed, on_wake) == 7
+        assert woken and set(woken) == {threading.current_thread().name}
         with pytest.raises(RuntimeError, match="from outside the loop thread 't-loop'"):
             lt.create_task(_where())
         with pytest.raises(RolloutTimeoutError, match="within 0.05s"):
@@ -56,6 +65,19 @@ def test_a_dead_loop_thread_raises_instead_of_hanging():
     lt.loop.call_soon_threadsafe(lt.loop.stop)  # the thread ends, the loop is left open
     lt._thread.join(timeout=5)
     with pytest.raises(RuntimeError, match="event-loop thread 't-dead' died"):
-        lt.run_sync(asyncio.sleep(10), poll=lambda: None)  # 0.2 s waits: finds it sooner
+        lt.run_sync(asyncio.sleep(10))
     lt.close()
     assert lt.closed
+
+
+def test_a_loop_thread_that_ends_during_a_wait_wakes_the_caller():
+    """No poll: the thread's end itself wakes the blocked caller (a 60 s sleep would hang it)."""
+    lt = LoopThread("t-ends")
+
+    async def stop_then_sleep() -> None:
+        asyncio.get_running_loop().call_soon(lt.loop.stop)
+        await asyncio.sleep(60)
+
+    with pytest.raises(RuntimeError, match="event-loop thread 't-ends' died"):
+        lt.run_sync(stop_then_sleep())
+    lt.close()

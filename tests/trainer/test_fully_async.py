@@ -428,7 +428,7 @@ def test_the_wait_strategy_takes_mini_batches_within_the_bound(
 
 
 def test_idle_switch_decision():
-    from postrl.trainer.idle_switch import should_switch
+    from postrl.trainer.asynchronous.idle_switch import should_switch
 
     kw = dict(ready_groups=0, needed_groups=2, weights_current=True, cost_s=0.05)
     assert should_switch("never", predicted_wait_s=9.0, **kw) == (False, "never")

@@ -103,7 +103,7 @@ def test_object_store_moves_no_tensor_through_the_driver_and_survives_a_killed_r
             # the replica holding the most finished, untrained trajectories: their payloads
             # must outlive it (when none holds any yet, try again at the next step)
             held = [0] * len(first)
-            for o in t.mode.stream.buffer.payloads().values():
+            for o in t.mode.feed.buffer.payloads().values():
                 held[o.replica] += 1
             slot = max(range(len(first)), key=held.__getitem__)
             if held[slot]:

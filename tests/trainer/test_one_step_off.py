@@ -279,7 +279,7 @@ def test_off_policy_metrics_by_hand():
     """verl's training/off_policy/* from the per-token versions: staleness = current − oldest
     token's version, spans = versions that sampled the row (observation tokens, -1, skipped)."""
     from postrl.protocol import DataProto
-    from postrl.trainer.stream import off_policy_metrics
+    from postrl.trainer.asynchronous.stream import off_policy_metrics
 
     v = torch.tensor(
         [

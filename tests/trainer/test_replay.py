@@ -1,6 +1,6 @@
-"""The replay buffer (``postrl/trainer/replay/``): decisions from tags only, event-driven
-wake-ups, staleness counted in the tokens' policy versions, whole-group eviction with exact
-refills, admission pacing, and a JSON checkpoint round trip.
+"""The replay buffer (``postrl/trainer/asynchronous/replay/``): decisions from tags only,
+event-driven wake-ups, staleness counted in the tokens' policy versions, whole-group eviction with
+exact refills, admission pacing, and a JSON checkpoint round trip.
 
 The buffer never reads a payload, so most payloads here are poison objects that raise on any
 access (the proof that sampling, staleness and eviction decide from tags), and the rollouts of
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from postrl.trainer.replay import (
+from postrl.trainer.asynchronous.replay import (
     SAMPLERS,
     AdmissionError,
     GroupTags,

@@ -5,10 +5,10 @@ Every trainer mode draws its batches from one of these, by one path for every da
     runner.run(row) → buffer.generated / finish(key, handle, tag) → runner.collate(
                                                                       buffer.assemble(uids))
 
-The :class:`~postrl.trainer.replay.ReplayBuffer` owns each group (tags, dataset index, epoch,
-payloads through its store); the context's runner (:mod:`postrl.trainer.runner`) is what differs
-between the planes. A prompt admitted into the buffer becomes ``rollout.n`` tasks on the
-context's event loop; each trajectory reports to the buffer as it starts and finishes, and a
+The :class:`~postrl.trainer.asynchronous.replay.ReplayBuffer` owns each group (tags, dataset
+index, epoch, payloads through its store); the context's runner (:mod:`postrl.trainer.runner`) is
+what differs between the planes. A prompt admitted into the buffer becomes ``rollout.n`` tasks on
+the context's event loop; each trajectory reports to the buffer as it starts and finishes, and a
 complete group is either
 
 * **scored at completion** (``score_on_completion``: DAPO filtering and the async modes) — the
@@ -45,9 +45,9 @@ import torch
 
 from postrl.protocol import DataProto
 from postrl.reward import RewardFailureError
+from postrl.trainer.asynchronous.replay import ReplayBuffer
+from postrl.trainer.asynchronous.replay.tags import Eviction
 from postrl.trainer.ref_batch import RefBatch
-from postrl.trainer.replay import ReplayBuffer
-from postrl.trainer.replay.tags import Eviction
 
 logger = logging.getLogger(__name__)
 

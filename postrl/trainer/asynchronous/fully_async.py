@@ -55,8 +55,9 @@ import time
 from typing import Any
 
 from postrl.protocol import DataProto
-from postrl.trainer.idle_switch import IdleSwitch
-from postrl.trainer.modes import off_policy_stream, register_trainer
+from postrl.trainer.asynchronous.feed import AsyncFeed
+from postrl.trainer.asynchronous.idle_switch import IdleSwitch
+from postrl.trainer.modes import register_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -150,10 +151,8 @@ class FullyAsyncMode:
         self.k = cfg.data.train_batch_size  # groups per policy version
         self.mini = cfg.actor.ppo_mini_batch_size  # groups per step
         self.sync_every = ac.parameter_sync_step
-        self.stream = off_policy_stream(ctx, inline_scoring=False)
-        self.buffer = self.stream.buffer
+        self.feed = AsyncFeed(ctx, groups_per_step=self.mini, inline_scoring=False)
         self.step = 0  # the step whose update the next sync_weights pushes (0: the first push)
-        self.trained = 0  # groups taken so far (the admission budget)
         self.watchdog = ReplicaWatchdog(
             ctx.fleet.replicas,
             ac.replica_health_interval_s,
@@ -181,20 +180,16 @@ class FullyAsyncMode:
         ctx = self.ctx
         ctx.fleet.restart_dead()
         t0 = time.perf_counter()
-        batch, metrics = ctx.run_async(self._next(step), poll=self._rescue)
+        batch, metrics = ctx.run_async(self._next(step), ctx.fleet.changed, self._rescue)
         wait = time.perf_counter() - t0
         since = max(time.perf_counter() - self._last_take, 1e-9)
         self._last_take = time.perf_counter()
-        kept = int(metrics["dynamic_sampling/num_kept_groups"])
-        self.trained += kept
         metrics["async/trainer_wait_s"] = wait
         metrics["async/trainer_idle_fraction"] = min(1.0, wait / since)
         if self.switch is not None:
             self.switch.observe_wait(wait)
         metrics.update(self._fleet_metrics())
-        if not ctx.cfg.algorithm.filter_groups.enable:
-            metrics = {k: v for k, v in metrics.items() if not k.startswith("dynamic_sampling/")}
-        return batch, metrics
+        return batch, self.feed.taken(metrics)
 
     def _await_replacement(self) -> None:
         """No replica is live at a push: wait (``restart_wait_s`` at most) until a replacement
@@ -214,13 +209,15 @@ class FullyAsyncMode:
             self._rescue()
 
     def _rescue(self) -> None:
-        """While the take waits (this thread, every ~0.2 s): start replacements for dead
-        replicas, and when none is live, put one that came up in service at once with the
-        actor's current weights as a new policy version (the usual push would only come
-        after this batch, which no replica is left to generate)."""
+        """While the take waits (this thread, woken by ``fleet.changed``: a replica declared
+        dead, a replacement that finished starting): start replacements for dead replicas,
+        and when none is live, put one that came up in service at once with the actor's
+        current weights as a new policy version (the usual push would only come after this
+        batch, which no replica is left to generate)."""
         fleet = self.ctx.fleet
         fleet.restart_dead()
         if not fleet.rescue(self.ctx.weight_source()):  # the actor's weights: a new version
+            fleet.restart_dead()  # a replacement that failed to join starts again (budget)
             return
         logger.warning(
             "no rollout replica was live: a restarted one serves version %d", fleet.version
@@ -228,16 +225,17 @@ class FullyAsyncMode:
         self.ctx.run_async(self._after_sync())
 
     async def _next(self, step: int) -> tuple[DataProto, dict[str, float]]:
-        admitted = self._top_up(step)
+        feed = self.feed
+        admitted = feed.admit(self._draw, step)
         switch, switched = self.switch, False
         if switch is not None:  # the actor's weights are the fleet's right after a push
             switched = switch.begin(
-                ready_groups=len(self.buffer.ready()),
+                ready_groups=len(feed.buffer.ready()),
                 needed_groups=self.mini,
                 weights_current=(step - 1) % self.sync_every == 0,
             )
         try:
-            batch, metrics = await self.stream.take_async(
+            batch, metrics = await feed.stream.take_async(
                 self.mini, step, self.ctx.loader.next_prompts
             )
         finally:
@@ -247,32 +245,16 @@ class FullyAsyncMode:
             metrics.update(switch.metrics(switched))
             if switched:
                 metrics.update(switch_metrics)
-        admitted += self._top_up(step)  # the groups taken leave room at once
-        metrics["async/admitted_groups"] = float(admitted)
-        metrics["async/in_flight_groups"] = float(len(self.buffer.groups()))
-        metrics["async/in_flight_trajectories"] = float(self.stream.in_flight)
+        admitted += feed.admit(self._draw, step)  # the groups taken leave room at once
+        metrics.update(feed.occupancy(admitted))
+        metrics["async/in_flight_trajectories"] = float(feed.stream.in_flight)
         return batch, metrics
-
-    def _top_up(self, step: int) -> int:
-        """Admit prompts while the pacing cap allows it and the run will still train them
-        (runs on the loop thread); returns how many."""
-        budget = self.ctx.total_steps * self.mini if self.ctx.total_steps else None
-        n = 0
-        while True:
-            room = self.buffer.can_admit()
-            if budget is not None:
-                room = min(room, budget - self.trained - len(self.buffer.groups()))
-            prompts = self._draw(room)
-            if prompts is None:
-                return n
-            self.stream.admit(prompts, step)
-            n += len(prompts)
 
     def _draw(self, room: int) -> DataProto | None:
         """The next mini-batch of prompts (``room`` permitting), in the loader's order and cut
         into the same batches as ``sync``: an epoch's trailing partial batch is skipped (the
         whole next batch is drawn from the next epoch), so each prompt of an epoch is trained
-        exactly once."""
+        exactly once. Runs on the loop thread."""
         loader = self.ctx.loader
         if room < self.mini:
             return None
@@ -332,39 +314,23 @@ class FullyAsyncMode:
     async def _after_sync(self) -> None:
         if self._restore is not None:
             state, self._restore = self._restore, None
-            await self._load(state)
-        self.buffer.set_version(self.ctx.fleet.version)
-        self._top_up(self.step)
+            self.feed.restore(state)
+        self.feed.buffer.set_version(self.ctx.fleet.version)
+        self.feed.admit(self._draw, self.step)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The loader position, the buffer (finished trajectories with their data, in-flight
-        prompts as prompts, refills owed) and the groups trained so far. In-flight trajectories
-        restart from their prompts after this call (their partial outputs are discarded)."""
-        return self.ctx.run_async(self._snapshot())
-
-    async def _snapshot(self) -> dict[str, Any]:
-        dropped = await self.stream.drop_in_flight_async()
-        if dropped:
-            logger.info("checkpoint: %d in-flight trajectories restart from their prompts", dropped)
-        state = {
-            "loader": self.ctx.loader.state_dict(),
-            "stream": self.stream.state_dict(),
-            "trained": self.trained,
-        }
-        self.stream.resume_pending()
-        return state
+        """The feed's snapshot (:meth:`AsyncFeed.snapshot
+        <postrl.trainer.asynchronous.feed.AsyncFeed.snapshot>`: the loader position, the buffer, the
+        groups trained so far), taken on the loop thread. In-flight trajectories restart from their
+        prompts after this call (their partial outputs are discarded)."""
+        return self.ctx.run_async(self.feed.snapshot_async())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` at the first weight push (the replicas start from the
         model's files: trajectories restarted before the checkpoint's weights reach them would
         be sampled by the wrong policy)."""
         self._restore = state
-
-    async def _load(self, state: dict[str, Any]) -> None:
-        self.ctx.loader.load_state_dict(state["loader"])
-        self.trained = int(state["trained"])
-        self.stream.load_state_dict(state["stream"])
 
     def close(self) -> None:
         """Stop the watchdog and cancel the trajectories still running."""
@@ -377,7 +343,7 @@ class FullyAsyncMode:
     async def _close(self) -> None:
         self._watch.cancel()
         await asyncio.gather(self._watch, return_exceptions=True)
-        await self.stream.close_async()
+        await self.feed.stream.close_async()
 
 
 def _no_spawner(slot: int) -> Any:

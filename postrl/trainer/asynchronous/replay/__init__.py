@@ -1,15 +1,24 @@
 """The replay buffer of async training: tags (control plane), the trajectory store (data
 plane), the event-driven :class:`ReplayBuffer` and its samplers. See ``docs/async.md``."""
 
-from postrl.trainer.replay.buffer import EVICTION_REASONS, STRATEGIES, ReplayBuffer
-from postrl.trainer.replay.errors import AdmissionError, ReplayTimeoutError, StalenessBoundError
-from postrl.trainer.replay.samplers import SAMPLERS, OldestFirstSampler, Sampler, build_sampler
-from postrl.trainer.replay.store import (
+from postrl.trainer.asynchronous.replay.buffer import EVICTION_REASONS, STRATEGIES, ReplayBuffer
+from postrl.trainer.asynchronous.replay.errors import (
+    AdmissionError,
+    ReplayTimeoutError,
+    StalenessBoundError,
+)
+from postrl.trainer.asynchronous.replay.samplers import (
+    SAMPLERS,
+    OldestFirstSampler,
+    Sampler,
+    build_sampler,
+)
+from postrl.trainer.asynchronous.replay.store import (
     LocalTrajectoryStore,
     MissingTrajectoryError,
     TrajectoryStore,
 )
-from postrl.trainer.replay.tags import (
+from postrl.trainer.asynchronous.replay.tags import (
     Eviction,
     GroupTags,
     TrajectoryKey,

@@ -1,13 +1,13 @@
 """The data plane of the replay buffer: trajectory payloads by key.
 
-The control plane (:mod:`postrl.trainer.replay.tags`, the buffer, samplers) decides from tags
-alone; payloads — the data plane's handle of a trajectory (:mod:`postrl.trainer.runner`) — are
-written when a trajectory is generated (replaced once when its group is scored) and read for
-training once, when a batch is assembled from the sampled keys. :class:`LocalTrajectoryStore`
-keeps the handles in this process: on the ``driver`` plane a handle holds the trajectory itself,
-on the ``object_store`` plane it is a tag with a Ray object reference (the payload stays in
-Ray's object store, freed when the last reference goes). Another store fits the same
-:class:`TrajectoryStore` protocol.
+The control plane (:mod:`postrl.trainer.asynchronous.replay.tags`, the buffer, samplers)
+decides from tags alone; payloads — the data plane's handle of a trajectory
+(:mod:`postrl.trainer.runner`) — are written when a trajectory is generated (replaced once when its
+group is scored) and read for training once, when a batch is assembled from the sampled keys.
+:class:`LocalTrajectoryStore` keeps the handles in this process: on the ``driver`` plane a handle
+holds the trajectory itself, on the ``object_store`` plane it is a tag with a Ray object reference
+(the payload stays in Ray's object store, freed when the last reference goes). Another store fits
+the same :class:`TrajectoryStore` protocol.
 
 A store never inspects a payload: it keeps the reference as given.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from postrl.trainer.replay.tags import TrajectoryKey
+from postrl.trainer.asynchronous.replay.tags import TrajectoryKey
 
 __all__ = ["TrajectoryStore", "LocalTrajectoryStore", "MissingTrajectoryError"]
 

@@ -4,7 +4,8 @@ A :class:`TrajectoryTag` is a small frozen record — key ``(group uid, sample i
 prompt/response length, the trainer step it was dispatched at, and the oldest and newest policy
 version among its tokens. A :class:`GroupTags` is the snapshot of one prompt's ``n`` tags that
 samplers, staleness and eviction decisions read. Neither ever holds a tensor or a reference to
-the trajectory itself: the payload lives in the data plane (:mod:`postrl.trainer.replay.store`).
+the trajectory itself: the payload lives in the data plane
+(:mod:`postrl.trainer.asynchronous.replay.store`).
 
 Policy versions come from the rollout: ``TokenOutput.versions`` is a list of
 ``(num_tokens, policy_version)`` segments (a trajectory resumed after a weight update has one
@@ -133,11 +134,6 @@ class GroupTags:
     seq: int = 0
     index: int = -1
     epoch: int = 0
-
-    @property
-    def num_finished(self) -> int:
-        """Trajectories finished."""
-        return sum(t.status is TrajectoryStatus.FINISHED for t in self.tags)
 
     @property
     def num_failed(self) -> int:

@@ -34,13 +34,11 @@ their prompts (in this run too), so a resumed run reproduces the uninterrupted o
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from postrl.protocol import DataProto
-from postrl.trainer.modes import off_policy_stream, register_trainer
-
-logger = logging.getLogger(__name__)
+from postrl.trainer.asynchronous.feed import AsyncFeed
+from postrl.trainer.modes import register_trainer
 
 __all__ = ["OneStepOffMode"]
 
@@ -83,54 +81,36 @@ class OneStepOffMode:
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
         cfg = ctx.cfg
-        ac = cfg.trainer.async_
         self.k = cfg.data.train_batch_size
         self.deterministic = cfg.trainer.deterministic
-        self.stream = off_policy_stream(ctx, inline_scoring=self.deterministic)
-        self.buffer = self.stream.buffer
+        self.feed = AsyncFeed(ctx, groups_per_step=self.k, inline_scoring=self.deterministic)
         if self.deterministic:
-            self.stream.on_ready = self._pause_when_ready
-        self.ahead = (2 + ac.num_warmup_batches) * self.k  # untrained groups at a step's start
-        self.trained = 0  # groups taken so far (the admission budget)
+            self.feed.stream.on_ready = self._pause_when_ready
+        # untrained groups at a step's start
+        self.ahead = (2 + cfg.trainer.async_.num_warmup_batches) * self.k
         self._taking = False  # inside take (validation also runs the loop)
 
     # ------------------------------------------------------------------ the step
     def next_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
         """Top up the buffer, generate until a batch is complete, take it, pause the rest."""
-        ctx = self.ctx
+        ctx, feed = self.ctx, self.feed
         ctx.fleet.wake_up()
-        admitted = self._fill(step)
+        admitted = feed.admit(self._draw, step, ahead=self.ahead)
         self._taking = True
         try:
-            batch, metrics = self.stream.take(self.k, step, ctx.loader.next_prompts)
+            batch, metrics = feed.stream.take(self.k, step, ctx.loader.next_prompts)
         finally:
             self._taking = False
         ctx.fleet.pause()  # in-flight requests stop here and resume on the new weights
         if ctx.cfg.rollout.free_cache_engine:
             ctx.fleet.sleep()
-        kept = int(metrics["dynamic_sampling/num_kept_groups"])
-        self.trained += kept
-        metrics["async/admitted_groups"] = float(admitted)
-        metrics["async/in_flight_groups"] = float(len(self.buffer.groups()))
-        metrics["async/interrupted_trajectories"] = float(self.stream.in_flight)
-        if not ctx.cfg.algorithm.filter_groups.enable:
-            metrics = {k: v for k, v in metrics.items() if not k.startswith("dynamic_sampling/")}
-        return batch, metrics
+        metrics.update(feed.occupancy(admitted))
+        metrics["async/interrupted_trajectories"] = float(feed.stream.in_flight)
+        return batch, feed.taken(metrics)
 
-    def _fill(self, step: int) -> int:
-        """Admit whole batches from the loader while the buffer holds fewer than ``ahead``
-        untrained groups, the pacing cap allows it and the run will still train them."""
-        ctx, n = self.ctx, 0
-        budget = ctx.total_steps * self.k if ctx.total_steps else None
-        while True:
-            untrained = len(self.buffer.groups())
-            room = min(self.buffer.can_admit(), self.ahead - untrained)
-            if budget is not None:
-                room = min(room, budget - self.trained - untrained)
-            if room < self.k:
-                return n
-            self.stream.admit(ctx.loader.next_batch(), step)
-            n += self.k
+    def _draw(self, room: int) -> DataProto | None:
+        """Whole batches from the loader while ``room`` holds one."""
+        return self.ctx.loader.next_batch() if room >= self.k else None
 
     def _pause_when_ready(self, ready: int) -> None:
         if (
@@ -142,33 +122,22 @@ class OneStepOffMode:
         """Push the updated weights, advance the buffer's version, let the interrupted
         requests continue on the new weights."""
         metrics = self.ctx.sync_weights()
-        self.buffer.set_version(self.ctx.fleet.version)
+        self.feed.buffer.set_version(self.ctx.fleet.version)
         self.ctx.fleet.resume()
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The loader position, the buffer (finished trajectories with their data, in-flight
-        prompts as prompts, refills owed) and the groups trained so far. In-flight trajectories
-        restart from their prompts after this call, in this run too (a resumed run then
-        continues exactly as this one does)."""
-        dropped = self.stream.drop_in_flight()
-        if dropped:
-            logger.info("checkpoint: %d in-flight trajectories restart from their prompts", dropped)
-        state = {
-            "loader": self.ctx.loader.state_dict(),
-            "stream": self.stream.state_dict(),
-            "trained": self.trained,
-        }
-        self.stream.resume_pending()
-        return state
+        """The feed's snapshot (:meth:`AsyncFeed.snapshot
+        <postrl.trainer.asynchronous.feed.AsyncFeed.snapshot>`: the loader position, the buffer, the
+        groups trained so far). In-flight trajectories restart from their prompts after this call,
+        in this run too (a resumed run then continues exactly as this one does)."""
+        return self.feed.snapshot()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (pending trajectories start when the rollout next runs)."""
-        self.ctx.loader.load_state_dict(state["loader"])
-        self.trained = int(state["trained"])
-        self.stream.load_state_dict(state["stream"])
+        self.feed.restore(state)
 
     def close(self) -> None:
         """Cancel the trajectories still running."""
-        self.stream.close()
+        self.feed.stream.close()

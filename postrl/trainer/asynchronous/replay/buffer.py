@@ -1,8 +1,9 @@
 """``ReplayBuffer``: the event-driven control plane of async training.
 
 The buffer tracks groups of ``n`` trajectories (one prompt each) from admission to training,
-from tags alone (:mod:`~postrl.trainer.replay.tags`); the trajectories themselves go to a
-:class:`~postrl.trainer.replay.store.TrajectoryStore` and are read only by :meth:`assemble`.
+from tags alone (:mod:`~postrl.trainer.asynchronous.replay.tags`); the trajectories themselves
+go to a :class:`~postrl.trainer.asynchronous.replay.store.TrajectoryStore` and are read only by
+:meth:`assemble`.
 
 Lifecycle of a group::
 
@@ -45,14 +46,22 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from postrl.trainer.replay.errors import AdmissionError, ReplayTimeoutError, StalenessBoundError
-from postrl.trainer.replay.samplers import OldestFirstSampler, build_sampler, check_selection
-from postrl.trainer.replay.store import (
+from postrl.trainer.asynchronous.replay.errors import (
+    AdmissionError,
+    ReplayTimeoutError,
+    StalenessBoundError,
+)
+from postrl.trainer.asynchronous.replay.samplers import (
+    OldestFirstSampler,
+    build_sampler,
+    check_selection,
+)
+from postrl.trainer.asynchronous.replay.store import (
     LocalTrajectoryStore,
     MissingTrajectoryError,
     TrajectoryStore,
 )
-from postrl.trainer.replay.tags import (
+from postrl.trainer.asynchronous.replay.tags import (
     Eviction,
     GroupTags,
     TrajectoryKey,
@@ -144,7 +153,7 @@ class ReplayBuffer:
         strategy: ``drop`` (evict complete groups older than the bound, one refill each) or
             ``wait`` (never drop: ``sample`` waits until the batch can be taken within it).
         sampler: a registered sampler name or ``module:Class`` (see
-            :mod:`~postrl.trainer.replay.samplers`).
+            :mod:`~postrl.trainer.asynchronous.replay.samplers`).
         store: the data plane (default: a new :class:`LocalTrajectoryStore`).
         filter_groups: DAPO dynamic sampling: evict complete groups with fewer than two
             distinct finite scores among their finished trajectories (``finish(score=...)``).

@@ -1,8 +1,8 @@
 """Samplers: which complete groups the next update trains on, decided from tags only.
 
 A sampler is a class with ``select(groups, k, current_version) -> list[str]``: from the
-candidate :class:`~postrl.trainer.replay.tags.GroupTags` (complete, within the staleness
-bound) it returns ``k`` distinct group uids. It sees tags, never payloads — the buffer has
+candidate :class:`~postrl.trainer.asynchronous.replay.tags.GroupTags` (complete, within the
+staleness bound) it returns ``k`` distinct group uids. It sees tags, never payloads — the buffer has
 nothing else to give it.
 
 Registered samplers (``trainer.sampler``):
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from postrl.registry import Registry
-from postrl.trainer.replay.tags import GroupTags, sort_oldest_first
+from postrl.trainer.asynchronous.replay.tags import GroupTags, sort_oldest_first
 
 __all__ = ["SAMPLERS", "Sampler", "OldestFirstSampler", "build_sampler", "check_selection"]
 
