@@ -63,8 +63,8 @@ $(VERIFIERS_STAMP):
 quickstart: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m postrl.recipes.quickstart --run-dir $(RUN)
 
-# Two phases (tests/suite.py): the tests not marked `serial` on TEST_WORKERS xdist workers, then
-# the fault, Ray and vLLM tests alone.
+# tests/suite.py: every test not marked `serial` on TEST_WORKERS xdist workers (whole files, the
+# longest first), then the tests marked `serial` by hand alone (none today).
 TEST_WORKERS ?= 2
 test: $(STAMP) vllm-venv verifiers-venv
 	$(BIN)/python tests/suite.py --workers $(TEST_WORKERS) $(PYTEST_ARGS)

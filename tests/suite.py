@@ -1,20 +1,19 @@
 """The whole suite in two phases: what `make test` (and so `.ci/run`) runs.
 
 Measured on the 2-core AVX2 kind, one plain pytest process keeps ~0.8 of the two cores busy:
-most tests are tiny models whose time is Python, process starts and HTTP round trips, not
-BLAS. So the suite runs in two phases:
+most tests are tiny models whose time is Python, process starts, sleeps on purpose (hangs,
+deadlines) and HTTP round trips, not BLAS. So:
 
-1. every test that is not marked ``serial`` (below) on ``--workers`` pytest-xdist workers, whole
-   files to one worker (module-scoped fixtures are built once, and tests that build on the
-   ones before them in their file keep their order);
-2. the ``serial`` tests alone, in one process: the fault tests (kills, hangs, restarts, weight
-   pushes: they must see the machine as a user's run would, and ``make test-stress`` repeats
-   them under load), the Ray tests (one local cluster at a time) and the vLLM tests (an engine
-   of their own, large).
+1. every test that is not marked ``serial`` runs on ``--workers`` pytest-xdist workers, whole
+   files to one worker (``--dist loadfile``: module-scoped fixtures are built once, and tests
+   that build on the ones before them in their file keep their order), the longest files first
+   (``tests/conftest.py``'s :data:`SLOW_FIRST`, ``--no-loadscope-reorder``). The fault tests
+   (kills, hangs, restarts, weight pushes) run here too: they wait on events with deadlines that
+   hold next to a busy neighbour, which ``make test-stress`` proves by repeating them under load;
+2. the tests marked ``serial`` by hand, alone, in one process (none today).
 
-``serial`` is given in ``tests/conftest.py`` (:data:`SERIAL_MARKERS`); the exit code is the
-first non-zero one of the two phases (pytest's "no tests collected" counts as success, so
-``make test PYTEST_ARGS=tests/algos`` works)::
+The exit code is the first non-zero one of the two phases (pytest's "no tests collected" counts
+as success, so ``make test PYTEST_ARGS=tests/algos`` works)::
 
     python tests/suite.py                      # what `make test` runs
     python tests/suite.py --workers 1 -x       # one process, stop at the first failure
@@ -42,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args, pytest_args = p.parse_known_args(argv)
     base = [sys.executable, "-m", "pytest", "-q"]
-    par = ["-n", str(args.workers), "--dist", "loadfile"] if args.workers > 1 else []
+    par = (
+        ["-n", str(args.workers), "--dist", "loadfile", "--no-loadscope-reorder"]
+        if args.workers > 1
+        else []
+    )
     phases = [
         ("parallel", [*base, *par, "-m", "not serial", *pytest_args]),
         ("serial", [*base, "-m", "serial", *pytest_args]),
