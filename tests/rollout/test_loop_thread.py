@@ -80,4 +80,8 @@ def test_a_loop_thread_that_ends_during_a_wait_wakes_the_caller():
 
     with pytest.raises(RuntimeError, match="event-loop thread 't-ends' died"):
         lt.run_sync(stop_then_sleep())
+    pending = asyncio.all_tasks(lt.loop)  # the stopped loop's sleeper: cancelled, not leaked
+    for task in pending:
+        task.cancel()
+    lt.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     lt.close()
