@@ -85,6 +85,10 @@ def test_fully_async_trains_each_prompt_once_within_the_staleness_bound(
     assert len(versions) == 8, "weights are pushed every parameter_sync_step=2 steps"
     assert max(r["replay/staleness/max"] for r in rows) <= 1
     assert all(r["rollout/live_replicas"] == 1 for r in rows)
+    # nothing is generated that the run will not train: 16 steps x 2 groups admitted, no more
+    # (the admit after a take counts that take as trained first), none left over at the end
+    assert sum(r["async/admitted_groups"] for r in rows) == 16 * 2
+    assert not trainer.mode.feed.buffer.groups()
 
 
 def test_fully_async_config_errors_name_the_field_and_the_fix(small_overrides):

@@ -167,6 +167,7 @@ class FullyAsyncMode:
         ctx.start_background()
         self._watch = ctx.run_async(self._start_watchdog())
         self._last_take = time.perf_counter()
+        self._admitted_at_sync = 0  # admitted after the last push: counted in the next step
         self._restore: dict[str, Any] | None = None  # a checkpoint's state, applied at the push
         self._busy_mark = (time.perf_counter(), 0.0)  # (wall, replicas' engine seconds)
 
@@ -189,7 +190,7 @@ class FullyAsyncMode:
         if self.switch is not None:
             self.switch.observe_wait(wait)
         metrics.update(self._fleet_metrics())
-        return batch, self.feed.taken(metrics)
+        return batch, metrics
 
     def _await_replacement(self) -> None:
         """No replica is live at a push: wait (``restart_wait_s`` at most) until a replacement
@@ -226,7 +227,8 @@ class FullyAsyncMode:
 
     async def _next(self, step: int) -> tuple[DataProto, dict[str, float]]:
         feed = self.feed
-        admitted = feed.admit(self._draw, step)
+        admitted, self._admitted_at_sync = self._admitted_at_sync, 0
+        admitted += feed.admit(self._draw, step)
         switch, switched = self.switch, False
         if switch is not None:  # the actor's weights are the fleet's right after a push
             switched = switch.begin(
@@ -245,6 +247,7 @@ class FullyAsyncMode:
             metrics.update(switch.metrics(switched))
             if switched:
                 metrics.update(switch_metrics)
+        metrics = feed.taken(metrics)  # counted as trained before the room is computed again
         admitted += feed.admit(self._draw, step)  # the groups taken leave room at once
         metrics.update(feed.occupancy(admitted))
         metrics["async/in_flight_trajectories"] = float(feed.stream.in_flight)
@@ -316,7 +319,7 @@ class FullyAsyncMode:
             state, self._restore = self._restore, None
             self.feed.restore(state)
         self.feed.buffer.set_version(self.ctx.fleet.version)
-        self.feed.admit(self._draw, self.step)
+        self._admitted_at_sync += self.feed.admit(self._draw, self.step)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
