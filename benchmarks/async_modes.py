@@ -632,8 +632,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     }
     for name in names:
         base, overrides, desc = workload_config(name, args, work)
-        runs = []
+        runs, speedups = [], []
         for rep in range(args.repeats):
+            # this machine's thread speed-up now (the planner, postrl bench modes, reads it)
+            from postrl.bench.modes import measure_speedup
+
+            speedups.append(measure_speedup(args.threads))
             for mode in ("sync", *[m for m in args.modes if m != "sync"]):
                 t0 = time.perf_counter()
                 rows = run_once(base, overrides, mode, args.steps, args.fa_threads)
@@ -652,6 +656,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "base_config": base,
             "overrides": overrides,
             "runs": runs,
+            "speedup": speedups,
+            "loadavg": list(os.getloadavg()),
             **summarize_workload(runs),
         }
     out["machine"]["loadavg_end"] = list(os.getloadavg())

@@ -159,9 +159,9 @@ def thread_time(
     return t_ref * speedup(ref_threads) / speedup(threads)
 
 
-def power_speedup(s2: float) -> Callable[[float], float]:
-    """``s(n) = n^a`` with ``s(2) = s2`` (``s2`` = time on 1 thread / time on 2)."""
-    a = math.log(max(s2, 1e-9)) / math.log(2)
+def power_speedup(s_at: float, threads: int = 2) -> Callable[[float], float]:
+    """``s(n) = n^a`` through ``s(threads) = s_at`` (time on 1 thread / time on ``threads``)."""
+    a = math.log(max(s_at, 1e-9)) / math.log(max(threads, 2))
     return lambda n: max(n, 1e-9) ** a
 
 
@@ -363,12 +363,17 @@ def profile_from_rows(
     )
 
 
-def measure_speedup(threads: int, n: int = 256, reps: int = 5) -> float:
-    """Time on 1 thread / time on ``threads`` threads of an fp32 ``n×n`` GEMM chain (best of
-    ``reps``): this machine's ``s(threads)``, under whatever load it has now."""
+def measure_speedup(threads: int, tokens: int = 2048, width: int = 256, reps: int = 3) -> float:
+    """Time on 1 thread / time on ``threads`` threads of a small-model update's kind of work
+    (an fp32 ``width → 2·width → width`` MLP block, forward and backward, on ``tokens`` rows:
+    the tiny models' shapes, many short parallel regions), best of ``reps``: this machine's
+    ``s(threads)`` under whatever load it has now (on a loaded machine a team of threads waits
+    for its slowest member at every op, and ``s`` can fall below 1)."""
     import torch
 
-    a, b = torch.randn(n, 4 * n), torch.randn(4 * n, n)
+    x = torch.randn(tokens, width)
+    w1 = torch.randn(width, 2 * width, requires_grad=True)
+    w2 = torch.randn(2 * width, width, requires_grad=True)
     old = torch.get_num_threads()
 
     def best(t: int) -> float:
@@ -376,8 +381,8 @@ def measure_speedup(threads: int, n: int = 256, reps: int = 5) -> float:
         out = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            for _ in range(20):
-                a @ b
+            for _ in range(10):
+                (torch.nn.functional.silu(x @ w1) @ w2).square().mean().backward()
             out.append(time.perf_counter() - t0)
         return min(out)
 
@@ -408,16 +413,39 @@ def format_predictions(
     return "\n".join(lines)
 
 
+def bench_latency(settings: dict[str, Any], workload: str) -> Latency:
+    """The tool latency of a ``benchmarks/async_modes.py`` workload, from its settings:
+    ``tail`` log-normal (``--tail-latency``), ``tools`` uniform (``--latency-ms``), else none."""
+    if workload == "tail":
+        med, sigma, lo, hi = settings["tail_latency"]
+        return Latency("lognormal", med / 1e3, sigma, lo / 1e3, hi / 1e3)
+    if workload == "tools":
+        lo, hi = settings["latency_ms"]
+        return Latency("uniform", lo=lo / 1e3, hi=hi / 1e3)
+    return Latency("const", 0.0)
+
+
 def validate_bench(
     results: dict[str, Any],
     workload: str,
-    lat: Latency,
-    speedup: Callable[[float], float],
+    lat: Latency | None,
+    speedup: Callable[[float], float] | None = None,
 ) -> dict[str, Any]:
     """Predictions from the ``sync`` runs of ``workload`` in an ``async_modes.py`` output,
-    next to each mode's measured median samples/s."""
+    next to each mode's measured median samples/s; ``speedup`` None: the median ``s(threads)``
+    the benchmark measured beside its runs."""
     w = results["workloads"][workload]
     settings = results["settings"]
+    s_measured = None
+    if speedup is None:  # the s(threads) the benchmark measured beside its runs
+        if not w.get("speedup"):
+            raise ValueError(
+                f"{workload}: the benchmark output records no speed-up: pass --speedup"
+            )
+        s_measured = statistics.median(w["speedup"])
+        speedup = power_speedup(s_measured, int(settings.get("threads", 2)))
+    if lat is None:  # the workload's own latency, from the benchmark's settings
+        lat = bench_latency(settings, workload)
     sync_runs = [r for r in w["runs"] if r["mode"] == "sync"]
     rows = [row for r in sync_runs for row in r["steps"][1:-1]]
     threads = int(settings.get("threads", 2))
@@ -430,6 +458,8 @@ def validate_bench(
     stale = {m: v.get("staleness_mean") for m, v in w["median"].items() if m in preds}
     return {
         "workload": workload,
+        "latency": asdict(lat),
+        "speedup_measured": s_measured,
         "profile": asdict(prof),
         "predicted": {m: asdict(p) for m, p in preds.items()},
         "measured_samples_per_s": measured,
@@ -460,7 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--workload", default="", help="with --from-bench: which workload (default all)"
     )
-    ap.add_argument("--latency", default="none", help="tool/reward latency per call (see above)")
+    ap.add_argument(
+        "--latency",
+        default="",
+        help="tool/reward latency per call (see above; --from-bench: the workload's settings)",
+    )
     ap.add_argument("--trajectories", type=float, default=0, help="B (default: from the rows)")
     ap.add_argument("--group-size", type=int, default=0, help="rollout.n (--metrics)")
     ap.add_argument("--threads", type=int, default=2, help="the sync run's trainer.num_threads")
@@ -482,17 +516,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="write the numbers as JSON")
     args = ap.parse_args(argv)
     try:
-        lat = parse_latency(args.latency)
+        lat = parse_latency(args.latency) if args.latency else None
     except ValueError as e:
         ap.error(str(e))
-    s2 = args.speedup or measure_speedup(args.threads)
-    s_at = s2  # s(threads) measured; s(n) = n^a through it
-    a = math.log(max(s_at, 1e-9)) / math.log(max(args.threads, 2))
-    speedup = lambda n: max(n, 1e-9) ** a  # noqa: E731
-    out: dict[str, Any] = {"latency": args.latency, "speedup": s2, "threads": args.threads}
+    if lat is None and not args.from_bench:
+        ap.error("--metrics needs --latency (none, const:MS, uniform:..., lognormal:...)")
+    if args.from_bench and not args.speedup:
+        s_at, how = None, "the benchmark's, measured beside its runs"
+    else:
+        s_at = args.speedup or measure_speedup(args.threads)
+        how = "given" if args.speedup else "measured now"
+    speedup = power_speedup(s_at, args.threads) if s_at else None
+    out: dict[str, Any] = {"latency": args.latency, "speedup": s_at, "threads": args.threads}
     text = [
-        f"speed-up of {args.threads} threads over 1: {s2:.2f}x "
-        f"({'given' if args.speedup else 'measured now, fp32 GEMM'}); latency {args.latency}"
+        f"speed-up of {args.threads} threads over 1: "
+        + (f"{s_at:.2f}x ({how})" if s_at else how)
+        + f"; latency {args.latency or 'the workload settings'}"
     ]
     if args.from_bench:
         res = json.loads(Path(args.from_bench).read_text())
@@ -501,8 +540,13 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             v = validate_bench(res, name, lat, speedup)
             out["validation"].append(v)
-            text += [f"== {name}: predicted from its sync runs vs measured ==", v["table"]]
+            text += [
+                f"== {name}: predicted from its sync runs vs measured (latency "
+                f"{v['latency']}, s({args.threads}) {v['speedup_measured'] or s_at:.2f}) ==",
+                v["table"],
+            ]
         prof = Profile(**out["validation"][-1]["profile"])
+        lat = Latency(**out["validation"][-1]["latency"])
     else:
         rows = [json.loads(x) for x in Path(args.metrics).read_text().splitlines() if x.strip()]
         rows = [r for r in rows if "timing_s/step" in r][args.skip :]

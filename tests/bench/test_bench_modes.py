@@ -19,6 +19,7 @@ from postrl.bench.modes import (
     predict_one_step_off,
     predict_sync,
     profile_from_rows,
+    validate_bench,
 )
 
 # G = 1 s of engine compute, U = 0.5 s after generation, 64 trajectories in groups of 8,
@@ -129,3 +130,35 @@ def test_profile_and_cli_from_metrics(tmp_path, capsys):
     assert plan["predicted"]["sync"]["samples_per_s"] == pytest.approx(32)
     assert plan["extrapolated"]["3,1"]["fully_async"]["step_s"] == pytest.approx(0.5)
     assert "one_step_off" in capsys.readouterr().out
+
+
+def test_validate_against_a_benchmark_output():
+    """The sync runs of an async_modes.py output give the profile; each mode's measured median
+    sits next to its prediction (the tail workload's log-normal latency from its settings)."""
+    row = {
+        "timing_s/step": 2.0,
+        "timing_s/gen": 1.5,
+        "rollout/engine_busy_s": 1.0,
+        "agent/num_tool_calls": 1.0,
+        "trajectories": 64.0,
+        "groups": 8.0,
+    }
+    results = {
+        "settings": {"threads": 2, "fa_threads": None, "tail_latency": [500, 0.0, 50, 2000]},
+        "workloads": {
+            "tail": {
+                "runs": [{"mode": "sync", "steps": [row] * 4}],
+                "speedup": [2.0, 2.0],
+                "median": {
+                    "sync": {"samples_per_s": 32.0, "staleness_mean": None},
+                    "fully_async": {"samples_per_s": 40.0, "staleness_mean": 1.0},
+                },
+            }
+        },
+    }
+    v = validate_bench(results, "tail", None)
+    assert v["latency"]["a"] == pytest.approx(0.5)  # sigma 0: every call waits the median
+    assert v["predicted"]["sync"]["samples_per_s"] == pytest.approx(32, rel=1e-3)
+    assert v["error"]["sync"] == pytest.approx(0.0, abs=1e-3)
+    # trainer 1 s, rollout 2 s (linear speed-up, 1 + 1 threads): 32/s against 40 measured
+    assert v["error"]["fully_async"] == pytest.approx(32 / 40 - 1, abs=1e-3)
