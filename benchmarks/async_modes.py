@@ -227,7 +227,8 @@ class LatencyCalculatorTool(ProblemCalculatorTool):
 def _find_w1_model() -> Path | None:
     env = os.environ.get("POSTRL_W1_MODEL")
     cands = [Path(env)] if env else []
-    cands += [ROOT / "shared/w1/tiny-qwen2-sft", ROOT.parent / "shared/w1/tiny-qwen2-sft"]
+    # the checkout, or a folder above it (a worktree under /work/wt/<name> finds /work/shared)
+    cands += [d / "shared/w1/tiny-qwen2-sft" for d in (ROOT, *ROOT.parents)]
     return next((p for p in cands if (p / "config.json").exists()), None)
 
 
@@ -405,6 +406,11 @@ def mode_overrides(
         f"trainer.num_threads={trainer}",
         "trainer.async.parameter_sync_step=1",
     ]
+
+
+def _model_of(overrides: list[str]) -> str | None:
+    """The ``model.path=`` among a workload's overrides (None: the base config's)."""
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith("model.path=")), None)
 
 
 def run_once(
@@ -637,7 +643,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             # this machine's thread speed-up now (the planner, postrl bench modes, reads it)
             from postrl.bench.modes import measure_speedup
 
-            speedups.append(measure_speedup(args.threads))
+            speedups.append(measure_speedup(args.threads, _model_of(overrides)))
             for mode in ("sync", *[m for m in args.modes if m != "sync"]):
                 t0 = time.perf_counter()
                 rows = run_once(base, overrides, mode, args.steps, args.fa_threads)

@@ -363,31 +363,48 @@ def profile_from_rows(
     )
 
 
-def measure_speedup(threads: int, tokens: int = 2048, width: int = 256, reps: int = 3) -> float:
-    """Time on 1 thread / time on ``threads`` threads of a small-model update's kind of work
-    (an fp32 ``width → 2·width → width`` MLP block, forward and backward, on ``tokens`` rows:
-    the tiny models' shapes, many short parallel regions), best of ``reps``: this machine's
-    ``s(threads)`` under whatever load it has now (on a loaded machine a team of threads waits
-    for its slowest member at every op, and ``s`` can fall below 1)."""
+def measure_speedup(
+    threads: int, model: str | None = None, rows: int = 32, length: int = 64, reps: int = 3
+) -> float:
+    """Time on 1 thread / time on ``threads`` threads of an update's kind of work, median of
+    ``reps``: with ``model`` (an HF directory, the run's) its forward and backward on ``rows ×
+    length`` random tokens; without, an fp32 256 → 512 → 256 MLP block's on 2048 rows (the tiny
+    models' shapes). This machine's ``s(threads)`` under whatever load it has now: on a loaded
+    machine a team of threads waits for its slowest member at every op, and ``s`` can fall
+    below 1."""
     import torch
 
-    x = torch.randn(tokens, width)
-    w1 = torch.randn(width, 2 * width, requires_grad=True)
-    w2 = torch.randn(2 * width, width, requires_grad=True)
     old = torch.get_num_threads()
+    if model:
+        from transformers import AutoModelForCausalLM
 
-    def best(t: int) -> float:
+        net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        ids = torch.randint(0, net.config.vocab_size, (rows, length))
+
+        def work() -> None:
+            net(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+
+    else:
+        x = torch.randn(2048, 256)
+        w1 = torch.randn(256, 512, requires_grad=True)
+        w2 = torch.randn(512, 256, requires_grad=True)
+
+        def work() -> None:
+            for _ in range(10):
+                (torch.nn.functional.silu(x @ w1) @ w2).square().mean().backward()
+
+    def median_time(t: int) -> float:
         torch.set_num_threads(t)
+        work()  # warm-up
         out = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            for _ in range(10):
-                (torch.nn.functional.silu(x @ w1) @ w2).square().mean().backward()
+            work()
             out.append(time.perf_counter() - t0)
-        return min(out)
+        return statistics.median(out)
 
     try:
-        return best(1) / best(threads)
+        return median_time(1) / median_time(threads)
     finally:
         torch.set_num_threads(old)
 
@@ -513,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         default=_parse_workers("1,1;4,4;8,8;12,4"),
         help="N,M rollout/trainer worker pairs to extrapolate to ('1,1;4,4;8,8;12,4')",
     )
+    ap.add_argument("--model", default="", help="time s(threads) on this model's fwd+bwd")
     ap.add_argument("--out", default="", help="write the numbers as JSON")
     args = ap.parse_args(argv)
     try:
@@ -524,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_bench and not args.speedup:
         s_at, how = None, "the benchmark's, measured beside its runs"
     else:
-        s_at = args.speedup or measure_speedup(args.threads)
+        s_at = args.speedup or measure_speedup(args.threads, args.model or None)
         how = "given" if args.speedup else "measured now"
     speedup = power_speedup(s_at, args.threads) if s_at else None
     out: dict[str, Any] = {"latency": args.latency, "speedup": s_at, "threads": args.threads}
