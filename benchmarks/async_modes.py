@@ -39,6 +39,17 @@ What it measures
       generating the next batch meanwhile, and a tool wait keeps running while the actor
       trains.
 
+    * ``tail`` — the ``tools`` task with the latency async exists for: log-normal per call
+      (median 200 ms, sigma 1), clipped to [50 ms, 2 s] (``--tail-latency``), as a sandbox or
+      a remote API answers. Calls within a ``sync`` step wait side by side (asyncio), so
+      ``sync`` pays the batch's slowest call, not the sum. ``--workload all`` runs all three.
+
+    Before each repeat the benchmark measures ``s(threads)``, the speed-up of ``--threads``
+    torch threads over one on the workload's model (``postrl.bench.modes.measure_speedup``),
+    so that ``postrl bench modes --from-bench OUT`` can predict each mode from the ``sync``
+    runs and set the prediction next to the measurement. ``sync`` logs
+    ``timing_s/gen_engine`` (the engine's compute inside ``timing_s/gen``).
+
     Per run, the first step (warm-up: allocation, first-call costs) is skipped, and so is the
     last one when the run has at least 3 steps: one_step_off generates one batch ahead, so at
     step 1 it generates two batches and at the last step none (the run's budget stops
@@ -153,7 +164,7 @@ _KEEP = (
     "async/trainer_idle_fraction",
     "async/switch/switched",
     "rollout/replica_idle_fraction",
-    "rollout/engine_busy_s",
+    "timing_s/gen_engine",
     "timing_s/reward",
     "timing_s/sync_weights",
     "weights/pause_s",

@@ -1,7 +1,7 @@
 """``postrl bench modes``: which ``trainer.mode`` to pick, predicted from a few measured steps.
 
 A planner, on paper. It reads a few steps of a ``sync`` run (its ``metrics.jsonl``) — the
-engine's compute per batch (``rollout/engine_busy_s``), the generation and step times, the
+engine's compute per batch (``timing_s/gen_engine``), the generation and step times, the
 tool calls per trajectory — plus the tool (or reward) latency distribution the user knows or
 measured (``--latency lognormal:MEDIAN_MS,SIGMA,LO_MS,HI_MS``, ``uniform:LO_MS,HI_MS``,
 ``const:MS``), and predicts for ``sync``, ``one_step_off`` and ``fully_async`` the samples/s
@@ -160,8 +160,11 @@ def thread_time(
 
 
 def power_speedup(s_at: float, threads: int = 2) -> Callable[[float], float]:
-    """``s(n) = n^a`` through ``s(threads) = s_at`` (time on 1 thread / time on ``threads``)."""
-    a = math.log(max(s_at, 1e-9)) / math.log(max(threads, 2))
+    """``s(n) = n^a`` through ``s(threads) = s_at`` (time on 1 thread / time on ``threads``);
+    measured on one thread there is nothing to scale by: ``s(n) = n`` is not known, so 1."""
+    if threads <= 1:
+        return lambda n: 1.0
+    a = math.log(max(s_at, 1e-9)) / math.log(threads)
     return lambda n: max(n, 1e-9) ** a
 
 
@@ -174,7 +177,7 @@ class Profile:
     group_size: int
     """``rollout.n``."""
     gen_compute_s: float
-    """G: the engine's seconds in steps per batch (``rollout/engine_busy_s``)."""
+    """G: the engine's seconds in steps per batch (``timing_s/gen_engine``)."""
     gen_s: float
     """``timing_s/gen`` (G plus the exposed wait)."""
     after_gen_s: float
@@ -339,7 +342,7 @@ def _med(rows: Sequence[dict[str, Any]], key: str, default: float | None = None)
     if default is None:
         raise ValueError(
             f"the sync metrics have no {key!r}: run the profile steps with trainer.mode=sync "
-            f"on the native rollout backend (it reports rollout/engine_busy_s)"
+            f"on the native rollout backend (it reports timing_s/gen_engine)"
         )
     return default
 
@@ -353,7 +356,7 @@ def profile_from_rows(
     return Profile(
         trajectories=trajectories,
         group_size=group_size,
-        gen_compute_s=_med(rows, "rollout/engine_busy_s"),
+        gen_compute_s=_med(rows, "timing_s/gen_engine"),
         gen_s=gen,
         after_gen_s=_med(rows, "timing_s/step") - gen,
         calls_per_traj=_med(rows, "agent/num_tool_calls", 0.0),
@@ -372,6 +375,8 @@ def measure_speedup(
     models' shapes). This machine's ``s(threads)`` under whatever load it has now: on a loaded
     machine a team of threads waits for its slowest member at every op, and ``s`` can fall
     below 1."""
+    if threads <= 1:
+        return 1.0
     import torch
 
     old = torch.get_num_threads()
@@ -459,8 +464,9 @@ def validate_bench(
             raise ValueError(
                 f"{workload}: the benchmark output records no speed-up: pass --speedup"
             )
-        s_measured = statistics.median(w["speedup"])
-        speedup = power_speedup(s_measured, int(settings.get("threads", 2)))
+        threads = int(settings.get("threads", 2))
+        s_measured = statistics.median(w["speedup"]) if threads > 1 else 1.0
+        speedup = power_speedup(s_measured, threads)
     if lat is None:  # the workload's own latency, from the benchmark's settings
         lat = bench_latency(settings, workload)
     sync_runs = [r for r in w["runs"] if r["mode"] == "sync"]

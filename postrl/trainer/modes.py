@@ -170,7 +170,7 @@ class SyncMode:
         busy = engine_busy_s(ctx.fleet.replicas)
         # the engines' seconds in steps during this generation: the compute part of
         # timing_s/gen (the rest is waiting: tools, stragglers); `postrl bench modes` reads it
-        engine = {"rollout/engine_busy_s": busy - busy0} if busy is not None else {}
+        engine = {"timing_s/gen_engine": busy - busy0} if busy is not None else {}
         if not ctx.cfg.algorithm.filter_groups.enable:
             # nothing filtered, nothing stale: no replay metrics to report; the reward metrics
             # of groups scored as they completed (a plane whose replicas score them), if any

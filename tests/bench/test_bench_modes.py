@@ -103,23 +103,23 @@ def test_extrapolate_splits_workers():
 
 def test_profile_and_cli_from_metrics(tmp_path, capsys):
     rows = [
-        {"timing_s/step": 9.0, "timing_s/gen": 9.0, "rollout/engine_busy_s": 9.0},  # warm-up
+        {"timing_s/step": 9.0, "timing_s/gen": 9.0, "timing_s/gen_engine": 9.0},  # warm-up
         {
             "timing_s/step": 2.0,
             "timing_s/gen": 1.5,
-            "rollout/engine_busy_s": 1.0,
+            "timing_s/gen_engine": 1.0,
             "agent/num_tool_calls": 1.0,
         },
         {
             "timing_s/step": 2.0,
             "timing_s/gen": 1.5,
-            "rollout/engine_busy_s": 1.0,
+            "timing_s/gen_engine": 1.0,
             "agent/num_tool_calls": 1.0,
         },
     ]
     prof = profile_from_rows(rows[1:], 64, 8, 2)
     assert (prof.gen_compute_s, prof.after_gen_s, prof.calls_per_traj) == (1.0, 0.5, 1.0)
-    with pytest.raises(ValueError, match="rollout/engine_busy_s"):
+    with pytest.raises(ValueError, match="timing_s/gen_engine"):
         profile_from_rows([{"timing_s/step": 1.0, "timing_s/gen": 0.5}], 64, 8, 2)
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
@@ -138,7 +138,7 @@ def test_validate_against_a_benchmark_output():
     row = {
         "timing_s/step": 2.0,
         "timing_s/gen": 1.5,
-        "rollout/engine_busy_s": 1.0,
+        "timing_s/gen_engine": 1.0,
         "agent/num_tool_calls": 1.0,
         "trajectories": 64.0,
         "groups": 8.0,
