@@ -649,12 +649,17 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     }
     for name in names:
         base, overrides, desc = workload_config(name, args, work)
-        runs, speedups = [], []
+        runs, speedups, contention = [], [], []
+        fa = args.fa_threads or (
+            max(1, args.threads - args.threads // 2),
+            max(1, args.threads // 2),
+        )
         for rep in range(args.repeats):
-            # this machine's thread speed-up now (the planner, postrl bench modes, reads it)
-            from postrl.bench.modes import measure_speedup
+            # this machine's thread speed-up and contention now (postrl bench modes reads them)
+            from postrl.bench.modes import measure_contention, measure_speedup
 
             speedups.append(measure_speedup(args.threads, _model_of(overrides)))
+            contention.append(measure_contention(fa[0], fa[1], _model_of(overrides)))
             for mode in ("sync", *[m for m in args.modes if m != "sync"]):
                 t0 = time.perf_counter()
                 rows = run_once(base, overrides, mode, args.steps, args.fa_threads)
@@ -674,6 +679,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "overrides": overrides,
             "runs": runs,
             "speedup": speedups,
+            "contention": contention,
             "loadavg": list(os.getloadavg()),
             **summarize_workload(runs),
         }

@@ -252,10 +252,14 @@ def predict_fully_async(
     rollout_threads: float = 1,
     replicas: int = 1,
     max_staleness: int = 1,
+    contention: float = 1.0,
 ) -> Prediction:
-    """The slowest of three pipelines (module docstring): trainer ``U(t) + push``, replicas
-    ``G(R × r)``, latency ``(G(r) + W_group) / (max_staleness + 1)`` per batch."""
-    train = thread_time(p.after_gen_s, p.threads, trainer_threads, speedup) + p.push_s
+    """The slowest of three pipelines (module docstring): trainer ``U(t)·c + push``, replicas
+    ``G(R × r)``, latency ``(G(r) + W_group) / (max_staleness + 1)`` per batch; ``c`` the
+    measured slow-down of the trainer's work while a replica computes beside it on the same
+    machine (:func:`measure_contention`; 1 on cores of its own)."""
+    train = contention * thread_time(p.after_gen_s, p.threads, trainer_threads, speedup)
+    train += p.push_s
     gen = thread_time(p.gen_compute_s, p.threads, replicas * rollout_threads, speedup)
     w_group = _wait(p, lat, p.group_size)
     w_batch = _wait(p, lat, p.trajectories)
@@ -285,6 +289,7 @@ def predict_all(
     rollout_threads: float = 1,
     replicas: int = 1,
     max_staleness: int = 1,
+    contention: float = 1.0,
 ) -> dict[str, Prediction]:
     """Every mode's :class:`Prediction` on the measured machine."""
     return {
@@ -298,6 +303,7 @@ def predict_all(
             rollout_threads=rollout_threads,
             replicas=replicas,
             max_staleness=max_staleness,
+            contention=contention,
         ),
     }
 
@@ -366,20 +372,12 @@ def profile_from_rows(
     )
 
 
-def measure_speedup(
-    threads: int, model: str | None = None, rows: int = 32, length: int = 64, reps: int = 3
-) -> float:
-    """Time on 1 thread / time on ``threads`` threads of an update's kind of work, median of
-    ``reps``: with ``model`` (an HF directory, the run's) its forward and backward on ``rows ×
-    length`` random tokens; without, an fp32 256 → 512 → 256 MLP block's on 2048 rows (the tiny
-    models' shapes). This machine's ``s(threads)`` under whatever load it has now: on a loaded
-    machine a team of threads waits for its slowest member at every op, and ``s`` can fall
-    below 1."""
-    if threads <= 1:
-        return 1.0
+def _work(model: str | None, rows: int = 32, length: int = 64) -> Callable[[], None]:
+    """The update's kind of work: with ``model`` (an HF directory) its forward and backward on
+    ``rows × length`` random tokens; without, an fp32 256 → 512 → 256 MLP block's on 2048 rows
+    (the tiny models' shapes)."""
     import torch
 
-    old = torch.get_num_threads()
     if model:
         from transformers import AutoModelForCausalLM
 
@@ -389,29 +387,89 @@ def measure_speedup(
         def work() -> None:
             net(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
 
-    else:
-        x = torch.randn(2048, 256)
-        w1 = torch.randn(256, 512, requires_grad=True)
-        w2 = torch.randn(512, 256, requires_grad=True)
+        return work
+    x = torch.randn(2048, 256)
+    w1 = torch.randn(256, 512, requires_grad=True)
+    w2 = torch.randn(512, 256, requires_grad=True)
 
-        def work() -> None:
-            for _ in range(10):
-                (torch.nn.functional.silu(x @ w1) @ w2).square().mean().backward()
+    def mlp() -> None:
+        for _ in range(10):
+            (torch.nn.functional.silu(x @ w1) @ w2).square().mean().backward()
 
-    def median_time(t: int) -> float:
-        torch.set_num_threads(t)
-        work()  # warm-up
+    return mlp
+
+
+_WORK: dict[str | None, Callable[[], None]] = {}
+
+
+def measure_work_time(threads: int, model: str | None = None, reps: int = 3) -> float:
+    """Median seconds of one :func:`_work` call on ``threads`` torch threads (after a warm-up)."""
+    import torch
+
+    work = _WORK.get(model) or _WORK.setdefault(model, _work(model))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        work()
         out = []
         for _ in range(reps):
             t0 = time.perf_counter()
             work()
             out.append(time.perf_counter() - t0)
         return statistics.median(out)
-
-    try:
-        return median_time(1) / median_time(threads)
     finally:
         torch.set_num_threads(old)
+
+
+def measure_speedup(threads: int, model: str | None = None, reps: int = 3) -> float:
+    """Time on 1 thread / time on ``threads`` threads of the update's kind of work
+    (:func:`_work`), medians of ``reps``: this machine's ``s(threads)`` under whatever load it
+    has now (on a loaded machine a team of threads waits for its slowest member at every op,
+    and ``s`` can fall below 1)."""
+    if threads <= 1:
+        return 1.0
+    return measure_work_time(1, model, reps) / measure_work_time(threads, model, reps)
+
+
+_CONTENDER = """
+import sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+x = torch.randn(2048, 256); w = torch.randn(256, 512); v = torch.randn(512, 256)
+print("ready", flush=True)
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    torch.nn.functional.silu(x @ w) @ v
+"""
+
+
+def measure_contention(
+    threads: int, other_threads: int = 1, model: str | None = None, reps: int = 3
+) -> float:
+    """How much slower the update's kind of work (as in :func:`measure_speedup`) runs on
+    ``threads`` threads while another process computes on ``other_threads`` threads beside it
+    (a rollout replica generating), than alone: median time with / median time without. On
+    cores of its own it is ~1; on a machine whose cores the two share, or that other jobs
+    load, more."""
+    import subprocess
+
+    def median_time() -> float:
+        return measure_work_time(threads, model, reps)
+
+    alone = median_time()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CONTENDER, str(other_threads), "120"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        if proc.stdout is None or proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("measure_contention: the contending process did not start")
+        beside = median_time()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    return beside / alone
 
 
 # ---------------------------------------------------------------------------- report
@@ -467,6 +525,7 @@ def validate_bench(
         threads = int(settings.get("threads", 2))
         s_measured = statistics.median(w["speedup"]) if threads > 1 else 1.0
         speedup = power_speedup(s_measured, threads)
+    contention = statistics.median(w["contention"]) if w.get("contention") else 1.0
     if lat is None:  # the workload's own latency, from the benchmark's settings
         lat = bench_latency(settings, workload)
     sync_runs = [r for r in w["runs"] if r["mode"] == "sync"]
@@ -476,13 +535,16 @@ def validate_bench(
     groups = statistics.median(row["groups"] for row in rows)
     prof = profile_from_rows(rows, traj, int(round(traj / groups)), threads)
     fa = settings.get("fa_threads") or [max(1, threads - threads // 2), max(1, threads // 2)]
-    preds = predict_all(prof, lat, speedup, trainer_threads=fa[0], rollout_threads=fa[1])
+    preds = predict_all(
+        prof, lat, speedup, trainer_threads=fa[0], rollout_threads=fa[1], contention=contention
+    )
     measured = {m: v["samples_per_s"] for m, v in w["median"].items() if m in preds}
     stale = {m: v.get("staleness_mean") for m, v in w["median"].items() if m in preds}
     return {
         "workload": workload,
         "latency": asdict(lat),
         "speedup_measured": s_measured,
+        "contention_measured": contention,
         "profile": asdict(prof),
         "predicted": {m: asdict(p) for m, p in preds.items()},
         "measured_samples_per_s": measured,
@@ -537,6 +599,12 @@ def main(argv: list[str] | None = None) -> int:
         help="N,M rollout/trainer worker pairs to extrapolate to ('1,1;4,4;8,8;12,4')",
     )
     ap.add_argument("--model", default="", help="time s(threads) on this model's fwd+bwd")
+    ap.add_argument(
+        "--contention",
+        type=float,
+        default=0.0,
+        help="--metrics: the trainer's slow-down beside a computing replica (0: measure now)",
+    )
     ap.add_argument("--out", default="", help="write the numbers as JSON")
     args = ap.parse_args(argv)
     try:
@@ -566,7 +634,8 @@ def main(argv: list[str] | None = None) -> int:
             out["validation"].append(v)
             text += [
                 f"== {name}: predicted from its sync runs vs measured (latency "
-                f"{v['latency']}, s({args.threads}) {v['speedup_measured'] or s_at:.2f}) ==",
+                f"{v['latency']}, s({args.threads}) {v['speedup_measured'] or s_at:.2f}, "
+                f"contention {v['contention_measured']:.2f}) ==",
                 v["table"],
             ]
         prof = Profile(**out["validation"][-1]["profile"])
@@ -584,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.fa_threads
             else [max(1, args.threads - args.threads // 2), max(1, args.threads // 2)]
         )
+        c = args.contention or measure_contention(fa[0], fa[1], args.model or None)
         preds = predict_all(
             prof,
             lat,
@@ -591,11 +661,13 @@ def main(argv: list[str] | None = None) -> int:
             trainer_threads=fa[0],
             rollout_threads=fa[1],
             max_staleness=args.max_staleness,
+            contention=c,
         )
         out["profile"], out["predicted"] = asdict(prof), {m: asdict(p) for m, p in preds.items()}
+        out["contention"] = c
         text += [
             f"profile: B={prof.trajectories:g} G={prof.gen_compute_s:.3f}s gen={prof.gen_s:.3f}s "
-            f"U={prof.after_gen_s:.3f}s calls/traj={prof.calls_per_traj:.2f}",
+            f"U={prof.after_gen_s:.3f}s calls/traj={prof.calls_per_traj:.2f}; contention {c:.2f}",
             format_predictions(preds),
         ]
     text.append("extrapolated (each worker = this machine's cores, linear, no comm cost):")

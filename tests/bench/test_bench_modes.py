@@ -90,6 +90,9 @@ def test_fully_async_pipelines():
     assert flat.parts["latency"] == pytest.approx(0.75)
     slow = predict_fully_async(P, Latency("const", 3.5), power_speedup(1.0))
     assert slow.step_s == pytest.approx(2.25) and slow.bound == "latency (in-flight cap)"
+    # the trainer 1.5x slower beside its replica (measured contention): 0.5 x 2 x 1.5 = 1.5
+    busy = predict_fully_async(P, HALF_S, lin, contention=1.5)
+    assert busy.parts["trainer"] == pytest.approx(1.5) and busy.step_s == pytest.approx(2.0)
     assert fully_async_staleness(0.3, 1.0, 2) == pytest.approx(0.3)
     assert fully_async_staleness(5.0, 1.0, 2) == 2.0
 
@@ -125,7 +128,21 @@ def test_profile_and_cli_from_metrics(tmp_path, capsys):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "plan.json"
     argv = ["--metrics", str(path), "--latency", "const:500", "--trajectories", "64"]
-    main([*argv, "--group-size", "8", "--speedup", "2", "--workers", "3,1", "--out", str(out)])
+    main(
+        [
+            *argv,
+            "--group-size",
+            "8",
+            "--speedup",
+            "2",
+            "--contention",
+            "1",
+            "--workers",
+            "3,1",
+            "--out",
+            str(out),
+        ]
+    )
     plan = json.loads(out.read_text())
     assert plan["predicted"]["sync"]["samples_per_s"] == pytest.approx(32)
     assert plan["extrapolated"]["3,1"]["fully_async"]["step_s"] == pytest.approx(0.5)
