@@ -28,7 +28,11 @@ the async modes' measurements):
   plus the push), the replicas (``G`` at ``R × r`` threads) and the latency bound (at most
   ``(max_staleness + 1) × B`` trajectories in flight, each group living ``G_r + W_group``:
   Little's law). Thread counts convert through the measured speed-up ``s(n)`` of ``n`` threads
-  over one (:func:`thread_time`; ``--speedup`` or a short GEMM measurement).
+  over one (:func:`thread_time`; ``--speedup``, or timed now on the model's forward and
+  backward), and the trainer's work is slowed by the measured contention ``c`` of a replica
+  computing beside it, for the share of the step the replicas compute
+  (:func:`contended_time`, :func:`measure_contention`; ``--contention``; ~1 on cores of its
+  own).
 
 Staleness: ``sync`` 0; ``one_step_off`` 1 (each batch was generated one version back); in
 ``fully_async`` a group waits in the buffer while the trainer is the bottleneck, so its age is
@@ -254,13 +258,14 @@ def predict_fully_async(
     max_staleness: int = 1,
     contention: float = 1.0,
 ) -> Prediction:
-    """The slowest of three pipelines (module docstring): trainer ``U(t)·c + push``, replicas
-    ``G(R × r)``, latency ``(G(r) + W_group) / (max_staleness + 1)`` per batch; ``c`` the
-    measured slow-down of the trainer's work while a replica computes beside it on the same
-    machine (:func:`measure_contention`; 1 on cores of its own)."""
-    train = contention * thread_time(p.after_gen_s, p.threads, trainer_threads, speedup)
-    train += p.push_s
+    """The slowest of three pipelines (module docstring): trainer ``U(t) + push`` slowed by
+    ``c`` while the replicas compute (:func:`contended_time`), replicas ``G(R × r)``, latency
+    ``(G(r) + W_group) / (max_staleness + 1)`` per batch; ``c`` the measured slow-down of the
+    trainer's work while a replica computes beside it on the same machine
+    (:func:`measure_contention`; 1 on cores of its own)."""
+    base = thread_time(p.after_gen_s, p.threads, trainer_threads, speedup)
     gen = thread_time(p.gen_compute_s, p.threads, replicas * rollout_threads, speedup)
+    train = contended_time(base, p.push_s, gen, contention)
     w_group = _wait(p, lat, p.group_size)
     w_batch = _wait(p, lat, p.trajectories)
     # a group is done when its slowest member is; its generation overlaps the other groups'
@@ -279,6 +284,17 @@ def predict_fully_async(
         bound,
         {"trainer": train, "rollout": gen, "latency": latency, "W_group": w_group, "W": w_batch},
     )
+
+
+def contended_time(work_s: float, push_s: float, other_s: float, contention: float) -> float:
+    """The trainer's step ``T`` when its ``work_s`` is slowed by ``contention`` only while the
+    replicas compute (``other_s`` of every ``T``): ``T = work·(1 + (c − 1)·min(1, other/T)) +
+    push``; the positive root of ``T² − (work + push)·T − (c − 1)·work·other = 0`` (or
+    ``c·work + push`` when the replicas never rest)."""
+    extra = max(contention - 1.0, 0.0)
+    a = work_s + push_s
+    t = (a + math.sqrt(a * a + 4 * extra * work_s * other_s)) / 2
+    return contention * work_s + push_s if other_s >= t else t
 
 
 def predict_all(

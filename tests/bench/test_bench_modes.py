@@ -9,6 +9,7 @@ import pytest
 from postrl.bench.modes import (
     Latency,
     Profile,
+    contended_time,
     expected_max,
     extrapolate,
     fully_async_staleness,
@@ -93,6 +94,10 @@ def test_fully_async_pipelines():
     # the trainer 1.5x slower beside its replica (measured contention): 0.5 x 2 x 1.5 = 1.5
     busy = predict_fully_async(P, HALF_S, lin, contention=1.5)
     assert busy.parts["trainer"] == pytest.approx(1.5) and busy.step_s == pytest.approx(2.0)
+    # contention only while the replica computes: work 1, push 0, replica busy 0.5 s per
+    # step, c = 2: T = 1 + 0.5/T  ->  T = (1 + sqrt(3)) / 2
+    assert contended_time(1.0, 0.0, 0.5, 2.0) == pytest.approx((1 + 3**0.5) / 2)
+    assert contended_time(1.0, 0.2, 0.5, 1.0) == pytest.approx(1.2)
     assert fully_async_staleness(0.3, 1.0, 2) == pytest.approx(0.3)
     assert fully_async_staleness(5.0, 1.0, 2) == 2.0
 
