@@ -658,8 +658,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             # this machine's thread speed-up and contention now (postrl bench modes reads them)
             from postrl.bench.modes import measure_contention, measure_speedup
 
-            speedups.append(measure_speedup(args.threads, _model_of(overrides)))
-            contention.append(measure_contention(fa[0], fa[1], _model_of(overrides)))
+            if args.probes:
+                speedups.append(measure_speedup(args.threads, _model_of(overrides)))
+                contention.append(measure_contention(fa[0], fa[1], _model_of(overrides)))
             for mode in ("sync", *[m for m in args.modes if m != "sync"]):
                 t0 = time.perf_counter()
                 rows = run_once(base, overrides, mode, args.steps, args.fa_threads)
@@ -733,6 +734,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="TRAINER,ROLLOUT",
         help="fully_async torch threads of the trainer and of the replica (default: half each)",
+    )
+    ap.add_argument(
+        "--no-probes",
+        dest="probes",
+        action="store_false",
+        help="skip the s(threads) and contention probes before each repeat (tests)",
     )
     ap.add_argument("--prompts", type=int, default=0, help="override prompts per step (tests)")
     ap.add_argument("--n", type=int, default=0, help="override samples per prompt (tests)")
