@@ -39,6 +39,17 @@ What it measures
       generating the next batch meanwhile, and a tool wait keeps running while the actor
       trains.
 
+    * ``tail`` — the ``tools`` task with the latency async exists for: log-normal per call
+      (median 200 ms, sigma 1), clipped to [50 ms, 2 s] (``--tail-latency``), as a sandbox or
+      a remote API answers. Calls within a ``sync`` step wait side by side (asyncio), so
+      ``sync`` pays the batch's slowest call, not the sum. ``--workload all`` runs all three.
+
+    Before each repeat the benchmark measures ``s(threads)``, the speed-up of ``--threads``
+    torch threads over one on the workload's model (``postrl.bench.modes.measure_speedup``),
+    so that ``postrl bench modes --from-bench OUT`` can predict each mode from the ``sync``
+    runs and set the prediction next to the measurement. ``sync`` logs
+    ``timing_s/gen_engine`` (the engine's compute inside ``timing_s/gen``).
+
     Per run, the first step (warm-up: allocation, first-call costs) is skipped, and so is the
     last one when the run has at least 3 steps: one_step_off generates one batch ahead, so at
     step 1 it generates two batches and at the last step none (the run's budget stops
@@ -135,7 +146,7 @@ ARM_OVERRIDES = {
     "fully_async_ray_os": ("fully_async", [*_RAY, "trainer.async.data_plane=object_store"]),
 }
 """Arms that are a registered mode plus overrides: name → (trainer.mode, overrides)."""
-WORKLOADS = ("w1", "tools")
+WORKLOADS = ("w1", "tools", "tail")
 TOOL_NAME = "latency_calculator"  # registry name; the model still calls the function `calculator`
 _EVICTED = ("replay/evicted/stale", "replay/evicted/filtered", "replay/evicted/failed")
 _KEEP = (
@@ -153,6 +164,9 @@ _KEEP = (
     "async/trainer_idle_fraction",
     "async/switch/switched",
     "rollout/replica_idle_fraction",
+    "timing_s/gen_engine",
+    "timing_s/reward",
+    "timing_s/sync_weights",
     "weights/pause_s",
     "async/in_flight_groups",
     "dynamic_sampling/num_kept_groups",
@@ -178,10 +192,12 @@ _TA_SFT = {
 @register_tool(TOOL_NAME, override=True)
 class LatencyCalculatorTool(ProblemCalculatorTool):
     """The tool-arith calculator (:class:`~postrl.data.tool_arith.ProblemCalculatorTool`, exact,
-    evaluates the episode's problem) behind a latency drawn uniformly from
-    ``[min_latency_ms, max_latency_ms]`` per call (an ``asyncio.sleep``: the event loop, and so
-    the other trajectories, keep running). Config: those two keys, ``seed`` and the
-    calculator's own bounds. Adds ``tool/latency_s`` to the call's metrics."""
+    evaluates the episode's problem) behind a latency per call (an ``asyncio.sleep``: the event
+    loop, and so the other trajectories, keep running). Config: ``distribution`` —
+    ``uniform`` (default: drawn from ``[min_latency_ms, max_latency_ms]``) or ``lognormal``
+    (median ``median_ms``, log-space standard deviation ``sigma``, clipped to
+    ``[min_latency_ms, max_latency_ms]``: the heavy tail of a sandbox or a remote API) —,
+    ``seed`` and the calculator's own bounds. Adds ``tool/latency_s`` to the call's metrics."""
 
     def __init__(
         self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None
@@ -191,11 +207,27 @@ class LatencyCalculatorTool(ProblemCalculatorTool):
         self.hi = float(self.config.get("max_latency_ms", 300)) / 1000
         if not 0 <= self.lo <= self.hi:
             raise ValueError(f"need 0 <= min_latency_ms <= max_latency_ms, got {self.config}")
+        self.dist = str(self.config.get("distribution", "uniform"))
+        if self.dist not in ("uniform", "lognormal"):
+            raise ValueError(
+                f"distribution={self.dist!r}: choose 'uniform' or 'lognormal' (tool config)"
+            )
+        self.median = float(self.config.get("median_ms", 200)) / 1000
+        self.sigma = float(self.config.get("sigma", 1.0))
+        if self.dist == "lognormal" and not (self.median > 0 and self.sigma >= 0):
+            raise ValueError(f"lognormal needs median_ms > 0 and sigma >= 0, got {self.config}")
         self.rng = random.Random(int(self.config.get("seed", 0)))
+
+    def draw(self) -> float:
+        """One call's latency in seconds."""
+        if self.dist == "uniform":
+            return self.rng.uniform(self.lo, self.hi)
+        x = self.median * math.exp(self.sigma * self.rng.gauss(0.0, 1.0))
+        return min(self.hi, max(self.lo, x))
 
     async def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolResponse:
         """Wait the drawn latency, then evaluate like the calculator."""
-        delay = self.rng.uniform(self.lo, self.hi)
+        delay = self.draw()
         await asyncio.sleep(delay)
         resp = await super().execute(instance_id, parameters)
         resp.metrics = {**resp.metrics, "tool/latency_s": delay}
@@ -206,7 +238,8 @@ class LatencyCalculatorTool(ProblemCalculatorTool):
 def _find_w1_model() -> Path | None:
     env = os.environ.get("POSTRL_W1_MODEL")
     cands = [Path(env)] if env else []
-    cands += [ROOT / "shared/w1/tiny-qwen2-sft", ROOT.parent / "shared/w1/tiny-qwen2-sft"]
+    # the checkout, or a folder above it (a worktree under /work/wt/<name> finds /work/shared)
+    cands += [d / "shared/w1/tiny-qwen2-sft" for d in (ROOT, *ROOT.parents)]
     return next((p for p in cands if (p / "config.json").exists()), None)
 
 
@@ -270,13 +303,24 @@ def prepare_tools(work: Path, model: str | None, threads: int) -> tuple[Path, Pa
     return sft_dir, train
 
 
-def _tool_config(work: Path, latency_ms: tuple[float, float]) -> Path:
+def _tool_config(
+    work: Path, latency_ms: tuple[float, float], lognormal: tuple[float, float] | None = None
+) -> Path:
+    """The tool config file: uniform latency in ``latency_ms``, or with ``lognormal=(median_ms,
+    sigma)`` log-normal clipped to ``latency_ms``."""
     import yaml
 
-    path = work / f"latency_calculator_{latency_ms[0]:g}_{latency_ms[1]:g}.yaml"
+    tag = f"_ln{lognormal[0]:g}_{lognormal[1]:g}" if lognormal else ""
+    path = work / f"latency_calculator_{latency_ms[0]:g}_{latency_ms[1]:g}{tag}.yaml"
+    dist = (
+        {"distribution": "lognormal", "median_ms": lognormal[0], "sigma": lognormal[1]}
+        if lognormal
+        else {}
+    )
     entry = {
         "class_name": TOOL_NAME,
         "config": {
+            **dist,
             "min_latency_ms": latency_ms[0],
             "max_latency_ms": latency_ms[1],
             "seed": 0,
@@ -315,18 +359,24 @@ def workload_config(
             f"tokens, T={w.temperature}, GRPO, fp32, {t} threads"
         )
         base = None
-    elif name == "tools":
+    elif name in ("tools", "tail"):
         model, train = prepare_tools(work / "tools", args.tools_model, t)
-        lat = args.latency_ms
+        if name == "tools":
+            lat, ln = args.latency_ms, None
+            law = f"U({lat[0]:g}, {lat[1]:g}) ms"
+        else:
+            med, sigma, lo, hi = args.tail_latency
+            lat, ln = (lo, hi), (med, sigma)
+            law = f"lognormal(median {med:g} ms, sigma {sigma:g}) clipped to [{lo:g}, {hi:g}] ms"
         over = [
             f"model.path={model}",
             f"data.train_files=[{train}]",
-            f"rollout.agent.tool_config_path={_tool_config(work, lat)}",
+            f"rollout.agent.tool_config_path={_tool_config(work, lat, ln)}",
         ]
         desc = (
-            f"tools: tool-arith (examples/grpo_tool_arith.yaml), {model.name}, 8 prompts x 8 "
-            f"samples, <= 2 assistant turns of <= 48 tokens, calculator latency U({lat[0]:g}, "
-            f"{lat[1]:g}) ms per call, {t} threads"
+            f"{name}: tool-arith (examples/grpo_tool_arith.yaml), {model.name}, 8 prompts x 8 "
+            f"samples, <= 2 assistant turns of <= 48 tokens, calculator latency {law} per "
+            f"call, {t} threads"
         )
         base = str(ROOT / "examples" / "grpo_tool_arith.yaml")
     else:
@@ -367,6 +417,11 @@ def mode_overrides(
         f"trainer.num_threads={trainer}",
         "trainer.async.parameter_sync_step=1",
     ]
+
+
+def _model_of(overrides: list[str]) -> str | None:
+    """The ``model.path=`` among a workload's overrides (None: the base config's)."""
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith("model.path=")), None)
 
 
 def run_once(
@@ -584,7 +639,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (workload, repeat, mode) in order and return the raw and summarized numbers."""
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    names = WORKLOADS if args.workload == "both" else (args.workload,)
+    names = {"both": WORKLOADS[:2], "all": WORKLOADS}.get(args.workload, (args.workload,))
     out: dict[str, Any] = {
         "settings": {
             k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(vars(args).items())
@@ -594,8 +649,18 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     }
     for name in names:
         base, overrides, desc = workload_config(name, args, work)
-        runs = []
+        runs, speedups, contention = [], [], []
+        fa = args.fa_threads or (
+            max(1, args.threads - args.threads // 2),
+            max(1, args.threads // 2),
+        )
         for rep in range(args.repeats):
+            # this machine's thread speed-up and contention now (postrl bench modes reads them)
+            from postrl.bench.modes import measure_contention, measure_speedup
+
+            if args.probes:
+                speedups.append(measure_speedup(args.threads, _model_of(overrides)))
+                contention.append(measure_contention(fa[0], fa[1], _model_of(overrides)))
             for mode in ("sync", *[m for m in args.modes if m != "sync"]):
                 t0 = time.perf_counter()
                 rows = run_once(base, overrides, mode, args.steps, args.fa_threads)
@@ -614,6 +679,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "base_config": base,
             "overrides": overrides,
             "runs": runs,
+            "speedup": speedups,
+            "contention": contention,
+            "loadavg": list(os.getloadavg()),
             **summarize_workload(runs),
         }
     out["machine"]["loadavg_end"] = list(os.getloadavg())
@@ -631,7 +699,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both")
+    ap.add_argument("--workload", choices=[*WORKLOADS, "both", "all"], default="both")
     ap.add_argument(
         "--modes",
         type=lambda v: tuple(m for m in v.split(",") if m),
@@ -654,11 +722,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--latency-ms", type=_latency, default=(20.0, 300.0), help="tool latency range LO,HI"
     )
     ap.add_argument(
+        "--tail-latency",
+        type=lambda v: tuple(float(x) for x in v.split(",")),
+        default=(200.0, 1.0, 50.0, 2000.0),
+        metavar="MEDIAN_MS,SIGMA,LO_MS,HI_MS",
+        help="the tail workload's log-normal tool latency (default 200,1,50,2000)",
+    )
+    ap.add_argument(
         "--fa-threads",
         type=lambda v: tuple(int(x) for x in v.split(",")),
         default=None,
         metavar="TRAINER,ROLLOUT",
         help="fully_async torch threads of the trainer and of the replica (default: half each)",
+    )
+    ap.add_argument(
+        "--no-probes",
+        dest="probes",
+        action="store_false",
+        help="skip the s(threads) and contention probes before each repeat (tests)",
     )
     ap.add_argument("--prompts", type=int, default=0, help="override prompts per step (tests)")
     ap.add_argument("--n", type=int, default=0, help="override samples per prompt (tests)")
@@ -670,6 +751,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--steps={args.steps}: need >= 2 (the first step is a warm-up, not measured)")
     if args.repeats < 1:
         ap.error(f"--repeats={args.repeats}: need >= 1")
+    if len(args.tail_latency) != 4 or not 0 < args.tail_latency[2] <= args.tail_latency[3]:
+        ap.error(f"--tail-latency={args.tail_latency}: need MEDIAN_MS,SIGMA,LO_MS,HI_MS, LO <= HI")
     return args
 
 

@@ -197,6 +197,7 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     targets = {
         "rollout": "postrl.bench.rollout:main",
         "step": "postrl.bench.step:main",
+        "modes": "postrl.bench.modes:main",
     }
     if args.what not in targets:
         raise SystemExit(f"unknown benchmark {args.what!r}; choose from {sorted(targets)}")
@@ -346,7 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     v.set_defaults(fn=_cmd_verl, passthrough=True)
-    b = sub.add_parser("bench", help="benchmarks: rollout | step", add_help=False)
+    b = sub.add_parser(
+        "bench",
+        help="benchmarks: rollout | step | modes (which trainer.mode to pick)",
+        add_help=False,
+    )
     b.add_argument("what", nargs="?", default="step")
     b.set_defaults(fn=_cmd_bench, passthrough=True)
 

@@ -93,6 +93,17 @@ class TrainerMode(Protocol):
         ...
 
 
+def engine_busy_s(replicas: Any) -> float | None:
+    """Seconds the replicas' engines spent in engine steps so far, summed over the in-process
+    replicas whose backend counts them (``busy_s``: the native engine); None when none does."""
+    vals = [
+        float(r.backend.busy_s)
+        for r in replicas
+        if hasattr(getattr(r, "backend", None), "busy_s") and not getattr(r, "dead", False)
+    ]
+    return sum(vals) if vals else None
+
+
 def sync_config_errors(cfg: Any) -> list[str]:
     """What ``sync`` asks of the config (the mode's registered ``config_errors``)."""
     ms = cfg.trainer.async_.max_staleness
@@ -145,6 +156,7 @@ class SyncMode:
         ``algorithm.filter_groups.enable``: scored, filtered and refilled to a full batch)."""
         ctx = self.ctx
         ctx.fleet.wake_up()
+        busy0 = engine_busy_s(ctx.fleet.replicas)
         try:
             self.stream.admit(ctx.loader.next_batch(), step)
             t0 = time.perf_counter()
@@ -154,12 +166,16 @@ class SyncMode:
         finally:
             if ctx.cfg.rollout.free_cache_engine:
                 ctx.fleet.sleep()
+        busy = engine_busy_s(ctx.fleet.replicas)
+        # the engines' seconds in steps during this generation: the compute part of
+        # timing_s/gen (the rest is waiting: tools, stragglers); `postrl bench modes` reads it
+        engine = {"timing_s/gen_engine": busy - busy0} if busy is not None else {}
         if not ctx.cfg.algorithm.filter_groups.enable:
             # nothing filtered, nothing stale: no replay metrics to report; the reward metrics
             # of groups scored as they completed (a plane whose replicas score them), if any
-            return batch, dict(self.stream.reward_metrics)
+            return batch, {**self.stream.reward_metrics, **engine}
         metrics["timing_s/dynamic_sampling"] = time.perf_counter() - t0
-        return batch, metrics
+        return batch, {**metrics, **engine}
 
     def sync_weights(self) -> dict[str, float]:
         """Push the updated weights to every replica."""

@@ -1,0 +1,186 @@
+"""The mode planner's arithmetic (``postrl bench modes``): pure functions, hand-computed cases."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from postrl.bench.modes import (
+    Latency,
+    Profile,
+    contended_time,
+    expected_max,
+    extrapolate,
+    fully_async_staleness,
+    main,
+    parse_latency,
+    power_speedup,
+    predict_fully_async,
+    predict_one_step_off,
+    predict_sync,
+    profile_from_rows,
+    validate_bench,
+)
+
+# G = 1 s of engine compute, U = 0.5 s after generation, 64 trajectories in groups of 8,
+# each calls the tool once, measured on 2 threads
+P = Profile(
+    trajectories=64,
+    group_size=8,
+    gen_compute_s=1.0,
+    gen_s=1.5,
+    after_gen_s=0.5,
+    calls_per_traj=1.0,
+    threads=2,
+)
+HALF_S = Latency("const", 0.5)
+
+
+def test_expected_max_hand_cases():
+    assert expected_max(HALF_S, 5) == pytest.approx(0.5)
+    assert expected_max(HALF_S, 2, p=0.5) == pytest.approx(0.5 * 0.75)  # P(any of 2 calls)
+    assert expected_max(HALF_S, 0) == 0.0
+    u = Latency("uniform", lo=0.0, hi=1.0)
+    assert expected_max(u, 1) == pytest.approx(0.5, abs=1e-4)  # E[U]
+    assert expected_max(u, 2) == pytest.approx(2 / 3, abs=1e-4)  # E[max of 2] = n/(n+1)
+    assert expected_max(u, 3) == pytest.approx(3 / 4, abs=1e-4)
+    # a log-normal without spread is its median; clipping bounds it
+    assert expected_max(Latency("lognormal", 0.2, 0.0, 0.05, 2.0), 3) == pytest.approx(
+        0.2, abs=1e-3
+    )
+    assert expected_max(Latency("lognormal", 0.2, 5.0, 0.05, 2.0), 10_000) == pytest.approx(
+        2.0, abs=1e-3
+    )
+
+
+def test_parse_latency():
+    assert parse_latency("none") == Latency("const", 0.0)
+    assert parse_latency("const:100") == Latency("const", 0.1)
+    assert parse_latency("uniform:20,300") == Latency("uniform", lo=0.02, hi=0.3)
+    assert parse_latency("lognormal:200,1,50,2000") == Latency("lognormal", 0.2, 1.0, 0.05, 2.0)
+    for bad in ("gamma:1", "uniform:300", "uniform:300,20", "const:x", "lognormal:0,1,5,6"):
+        with pytest.raises(ValueError, match="--latency"):
+            parse_latency(bad)
+
+
+def test_sync_and_one_step_off():
+    s = predict_sync(P, HALF_S)  # 1 + 0.5 + 0.5
+    assert (s.step_s, s.samples_per_s, s.staleness) == (pytest.approx(2.0), pytest.approx(32), 0)
+    o = predict_one_step_off(P, HALF_S)  # max(1.5, 0.5): the wait hides behind compute
+    assert o.step_s == pytest.approx(1.5) and o.samples_per_s == pytest.approx(64 / 1.5)
+    assert o.bound.startswith("compute") and o.staleness == 1
+    o = predict_one_step_off(P, Latency("const", 3.0))  # a 3 s wait does not hide
+    assert o.step_s == pytest.approx(3.0) and o.bound == "slowest wait"
+
+
+def test_fully_async_pipelines():
+    lin = power_speedup(2.0)  # linear: s(n) = n
+    assert lin(4) == pytest.approx(4)
+    f = predict_fully_async(P, HALF_S, lin, trainer_threads=1, rollout_threads=1)
+    # trainer 0.5 s x 2 = 1; rollout 1 s x 2 = 2; latency (2 + 0.5) / 2 = 1.25
+    assert f.parts["trainer"] == pytest.approx(1.0)
+    assert f.parts["rollout"] == pytest.approx(2.0)
+    assert f.parts["latency"] == pytest.approx(1.25)
+    assert f.step_s == pytest.approx(2.0) and f.bound == "rollout compute"
+    assert f.staleness == pytest.approx(1.0)  # lifetime 2.5 s / 2 s step, capped at 1
+    # no thread gain (s(2) = 1): the trainer's 0.5 s and the rollout's 1 s run side by side;
+    # latency (1 + 0.5) / 2 = 0.75
+    flat = predict_fully_async(P, HALF_S, power_speedup(1.0))
+    assert flat.step_s == pytest.approx(1.0) and flat.bound == "rollout compute"
+    assert flat.parts["latency"] == pytest.approx(0.75)
+    slow = predict_fully_async(P, Latency("const", 3.5), power_speedup(1.0))
+    assert slow.step_s == pytest.approx(2.25) and slow.bound == "latency (in-flight cap)"
+    # the trainer 1.5x slower beside its replica (measured contention): 0.5 x 2 x 1.5 = 1.5
+    busy = predict_fully_async(P, HALF_S, lin, contention=1.5)
+    assert busy.parts["trainer"] == pytest.approx(1.5) and busy.step_s == pytest.approx(2.0)
+    # contention only while the replica computes: work 1, push 0, replica busy 0.5 s per
+    # step, c = 2: T = 1 + 0.5/T  ->  T = (1 + sqrt(3)) / 2
+    assert contended_time(1.0, 0.0, 0.5, 2.0) == pytest.approx((1 + 3**0.5) / 2)
+    assert contended_time(1.0, 0.2, 0.5, 1.0) == pytest.approx(1.2)
+    assert fully_async_staleness(0.3, 1.0, 2) == pytest.approx(0.3)
+    assert fully_async_staleness(5.0, 1.0, 2) == 2.0
+
+
+def test_extrapolate_splits_workers():
+    e = extrapolate(P, HALF_S, rollout_workers=3, trainer_workers=1)
+    assert e["sync"].step_s == pytest.approx(1 / 4 + 0.5 + 0.5 / 4)  # G, U over 4 workers
+    # fully_async: trainer 0.5, rollout 1/3, latency (1/3 + 0.5) / 2 (a group on one replica)
+    assert e["fully_async"].step_s == pytest.approx(0.5) and e["fully_async"].bound == "trainer"
+
+
+def test_profile_and_cli_from_metrics(tmp_path, capsys):
+    rows = [
+        {"timing_s/step": 9.0, "timing_s/gen": 9.0, "timing_s/gen_engine": 9.0},  # warm-up
+        {
+            "timing_s/step": 2.0,
+            "timing_s/gen": 1.5,
+            "timing_s/gen_engine": 1.0,
+            "agent/num_tool_calls": 1.0,
+        },
+        {
+            "timing_s/step": 2.0,
+            "timing_s/gen": 1.5,
+            "timing_s/gen_engine": 1.0,
+            "agent/num_tool_calls": 1.0,
+        },
+    ]
+    prof = profile_from_rows(rows[1:], 64, 8, 2)
+    assert (prof.gen_compute_s, prof.after_gen_s, prof.calls_per_traj) == (1.0, 0.5, 1.0)
+    with pytest.raises(ValueError, match="timing_s/gen_engine"):
+        profile_from_rows([{"timing_s/step": 1.0, "timing_s/gen": 0.5}], 64, 8, 2)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "plan.json"
+    argv = ["--metrics", str(path), "--latency", "const:500", "--trajectories", "64"]
+    main(
+        [
+            *argv,
+            "--group-size",
+            "8",
+            "--speedup",
+            "2",
+            "--contention",
+            "1",
+            "--workers",
+            "3,1",
+            "--out",
+            str(out),
+        ]
+    )
+    plan = json.loads(out.read_text())
+    assert plan["predicted"]["sync"]["samples_per_s"] == pytest.approx(32)
+    assert plan["extrapolated"]["3,1"]["fully_async"]["step_s"] == pytest.approx(0.5)
+    assert "one_step_off" in capsys.readouterr().out
+
+
+def test_validate_against_a_benchmark_output():
+    """The sync runs of an async_modes.py output give the profile; each mode's measured median
+    sits next to its prediction (the tail workload's log-normal latency from its settings)."""
+    row = {
+        "timing_s/step": 2.0,
+        "timing_s/gen": 1.5,
+        "timing_s/gen_engine": 1.0,
+        "agent/num_tool_calls": 1.0,
+        "trajectories": 64.0,
+        "groups": 8.0,
+    }
+    results = {
+        "settings": {"threads": 2, "fa_threads": None, "tail_latency": [500, 0.0, 50, 2000]},
+        "workloads": {
+            "tail": {
+                "runs": [{"mode": "sync", "steps": [row] * 4}],
+                "speedup": [2.0, 2.0],
+                "median": {
+                    "sync": {"samples_per_s": 32.0, "staleness_mean": None},
+                    "fully_async": {"samples_per_s": 40.0, "staleness_mean": 1.0},
+                },
+            }
+        },
+    }
+    v = validate_bench(results, "tail", None)
+    assert v["latency"]["a"] == pytest.approx(0.5)  # sigma 0: every call waits the median
+    assert v["predicted"]["sync"]["samples_per_s"] == pytest.approx(32, rel=1e-3)
+    assert v["error"]["sync"] == pytest.approx(0.0, abs=1e-3)
+    # trainer 1 s, rollout 2 s (linear speed-up, 1 + 1 threads): 32/s against 40 measured
+    assert v["error"]["fully_async"] == pytest.approx(32 / 40 - 1, abs=1e-3)
