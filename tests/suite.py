@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         ("parallel", [*base, *par, "-m", "not serial", *pytest_args]),
         ("serial", [*base, "-m", "serial", *pytest_args]),
     ]
+    # sleeping, not spinning, OpenMP waits for every process the tests start (tests/conftest.py)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     rcs = []
     for name, cmd in phases:
         t0 = time.monotonic()
