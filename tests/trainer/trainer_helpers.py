@@ -120,5 +120,7 @@ def await_replacement(trainer: Any, dead: Any, timeout_s: float = 300.0) -> None
     assert dead.wait_dead(timeout_s), f"the killed replica was not declared dead in {timeout_s}s"
     restarter = trainer.mode.restarter
     restarter.begin()  # (a no-op when a step already began the restart)
+    if not any(r is dead for r in restarter.fleet.replicas):
+        return  # a step began the restart and a push already installed the replacement
     assert restarter.pending, "no restart was begun for the dead replica"
     restarter.wait_started(timeout_s)
