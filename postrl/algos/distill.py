@@ -109,8 +109,19 @@ def reverse_kl_advantages(
     *,
     coef: float = 1.0,
     task_weight: float = 1.0,
+    baseline: str = "none",
 ) -> torch.Tensor:
-    """``A_t = w · A^task_t − c · (s_t − q_t)`` on valid tokens, 0 elsewhere (B, T).
+    """``A_t = w · A^task_t − c · (k_t − b)``, ``k_t = s_t − q_t``, on valid tokens, 0 elsewhere
+    (B, T).
+
+    ``b`` is the baseline: ``none`` → 0 (the plain estimator); ``mean`` → ``k̄``, the mean of
+    ``k`` over the batch's valid tokens. The expected gradient of ``−k_t`` is the same with or
+    without it (``E_{y_t∼π_s}[b ∇ log π_s(y_t)] = 0`` for a ``b`` that does not depend on
+    ``y_t``; the batch mean includes the token itself and the later tokens of its response,
+    a bias of order 1/N for N valid tokens), but its variance is not: without it
+    ``E[−k_t] = −KL ≤ 0``, so nearly every sampled token is pushed down and the mass moves to
+    whatever was not sampled; centred, the tokens the teacher likes more than the student
+    does are pushed up and the rest down (the baseline of REINFORCE, Williams 1992).
 
     Args:
         student_log_prob: (B, T) ``s_t``, the sampling policy's log-probs (π_old).
@@ -119,8 +130,13 @@ def reverse_kl_advantages(
         task_advantages: (B, T) the configured estimator's advantages of the task reward.
         coef: ``c``, weight of the distillation term (``distill.coef``).
         task_weight: ``w``, weight of the task advantages (0: pure distillation).
+        baseline: ``none`` or ``mean`` (``distill.baseline``; above).
     """
     k = reverse_kl_per_token(student_log_prob, teacher_log_prob, response_mask)  # (B, T)
+    if baseline == "mean":
+        k = k - masked_mean(k, response_mask)  # (B, T) - () (masked tokens are zeroed below)
+    elif baseline != "none":
+        raise ValueError(f"baseline={baseline!r} must be 'none' or 'mean'")
     adv = task_weight * task_advantages.float() - coef * k  # (B, T)
     return torch.where(response_mask.bool(), adv, torch.zeros_like(adv))
 

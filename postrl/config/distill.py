@@ -44,6 +44,11 @@ class DistillConfig:
     task_reward_weight: float = 1.0
     """Weight ``w`` of the task reward's advantages (0 = pure distillation: the reward is still
     computed and logged, but does not train)."""
+    baseline: str = "none"
+    """``reverse_kl``: what is subtracted from each token's ``k_t = log π_s − log π_t`` before
+    it becomes an advantage: ``none``, or ``mean`` — the batch's mean ``k`` over valid tokens
+    (a REINFORCE baseline: the same expected gradient, far less variance; without it nearly
+    every sampled token is pushed down, since ``E[k] = KL ≥ 0``)."""
     topk: int = 32
     """``gkd``: the teacher's most likely tokens kept per position (K); the rest of both
     distributions is one tail bucket. Exact at K = vocabulary size, a lower bound of the dense

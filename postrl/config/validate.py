@@ -303,6 +303,11 @@ def distill_errors(cfg: PostRLConfig, check_files: bool = True) -> list[str]:
             f"distill.teacher_path={d.teacher_path!r} does not exist: point it at the teacher's "
             "Hugging Face directory (or serve the teacher and set distill.teacher_url)"
         )
+    if d.baseline not in ("none", "mean"):
+        e.append(
+            f"distill.baseline={d.baseline!r} must be 'none' (k_t as it is) or 'mean' (the "
+            "batch's mean reverse KL subtracted)"
+        )
     if d.teacher_url and not d.teacher_url.startswith(("http://", "https://")):
         e.append(f"distill.teacher_url={d.teacher_url!r} must start with http:// or https://")
     for key, value, ok, why in (

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -26,14 +28,36 @@ def _stage(msg: str) -> None:
     sys.stderr.flush()
 
 
+def _pair(row: dict) -> tuple[int, int]:
+    a, b = re.findall(r"\d+", row["prompt"][-1]["content"])[:2]
+    return int(a), int(b)
+
+
+def _shown_pairs(rows: list[dict], share: float) -> set[tuple[int, int]]:
+    """A fixed random ``share`` of the distinct (A, B) pairs in ``rows`` (seeded: the same
+    pairs on every machine)."""
+    pairs = sorted({_pair(r) for r in rows})
+    random.Random(0).shuffle(pairs)
+    return set(pairs[: round(share * len(pairs))])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--run-dir", default="runs/quickstart")
     p.add_argument("--sft-steps", type=int, default=250, help="SFT warm-up optimizer steps")
+    p.add_argument("--sft-lr", type=float, default=3e-3, help="SFT warm-up learning rate")
+    p.add_argument(
+        "--sft-share",
+        type=float,
+        default=1.0,
+        help="share of the training pairs whose answers the SFT warm-up shows (the rest GRPO "
+        "learns from rewards alone)",
+    )
     p.add_argument("--grpo-steps", type=int, default=150, help="GRPO steps")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="seed of the SFT warm-up and of GRPO")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for the GRPO run")
     args = p.parse_args(argv)
     logging.basicConfig(
@@ -61,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     write_parquet(
         generate_addition(200, seed=1, split="train", max_digits=1), data / "addition_val.parquet"
     )
-    write_parquet(sft_rows_from_rl_rows(train_rows), data / "addition_sft.parquet")
+    shown = _shown_pairs(train_rows, args.sft_share)
+    sft_rows = [r for r in train_rows if _pair(r) in shown]
+    write_parquet(sft_rows_from_rl_rows(sft_rows), data / "addition_sft.parquet")
     _stage("2/4 addition data written to " + str(data))
 
     sft_dir = run / "sft-model"
@@ -75,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
             str(sft_dir),
             max_steps=args.sft_steps,
             epochs=50,
-            lr=3e-3,
+            lr=args.sft_lr,
             batch_tokens=1024,
             warmup_steps=5,
             num_threads=args.threads,
+            seed=args.seed,
         )
         logger.info(
             "SFT loss %.3f -> %.3f in %.0fs",
@@ -102,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         f"trainer.run_dir={run / 'grpo'}",
         f"trainer.total_steps={args.grpo_steps}",
         f"trainer.num_threads={args.threads}",
+        f"trainer.seed={args.seed}",
         *args.overrides,
     ]
     cfg = load_config(example if example.exists() else None, overrides)

@@ -377,10 +377,9 @@ class HTTPRolloutReplica(Liveness):
         bucket_bytes: int = 64 << 20,
     ) -> None:
         """Stream a per-tensor weight stream as bucket frames (one update, one swap)."""
-        from postrl.weights import encode_frame, pack_buckets
+        from postrl.weights import send_frames
 
-        for bucket in pack_buckets(weights, bucket_bytes, version=version):
-            self.receive_bucket(encode_frame(bucket))
+        send_frames(weights, self.receive_bucket, version, bucket_bytes)
 
     async def health(self, timeout_s: float) -> dict[str, Any]:
         """``/health`` within ``timeout_s`` (raises on failure)."""

@@ -361,10 +361,9 @@ class RayRolloutReplica(Liveness):
         bucket_bytes: int = 64 << 20,
     ) -> None:
         """Stream weights as bucket frames (raw bytes), one bucket in flight at a time."""
-        from postrl.weights import encode_frame, pack_buckets
+        from postrl.weights import send_frames
 
-        for bucket in pack_buckets(weights, bucket_bytes, version=version):
-            self.receive_bucket(encode_frame(bucket))
+        send_frames(weights, self.receive_bucket, version, bucket_bytes)
 
     def receive_bucket(self, frame: bytes) -> None:
         """Forward one bucket frame to the actor; at an update's last frame the actor swaps the

@@ -8,14 +8,20 @@ rate with :func:`warmup_cosine_scheduler`, the engine's one schedule.
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from postrl.config.loader import load_options
+from postrl.config.loader import ConfigError, load_options
 from postrl.engine.optim import OptimSpec, build_scheduler
 
-__all__ = ["parse_options", "warmup_cosine_scheduler"]
+__all__ = ["parse_options", "run_command", "warmup_cosine_scheduler"]
+
+logger = logging.getLogger(__name__)
 
 
 def warmup_cosine_scheduler(
@@ -42,3 +48,19 @@ def parse_options(argv: list[str], cls: type, cmd: str) -> Any:
         section=cmd,
         required=("model_path", "train_file", "out_dir"),
     )
+
+
+def run_command(
+    argv: list[str], cls: type, cmd: str, run: Callable[..., dict[str, float]]
+) -> dict[str, float] | None:
+    """``postrl CMD [CONFIG.yaml] [key=value ...]``: parse the options into ``cls``, call
+    ``run(model_path, train_file, out_dir, **the rest)`` and log its metrics. Returns them, or
+    ``None`` after logging the error when the options are invalid (the command exits 2)."""
+    try:
+        opts = asdict(parse_options(argv, cls, cmd))
+    except ConfigError as e:
+        logger.error("postrl %s: %s", cmd, e)
+        return None
+    m = run(opts.pop("model_path"), opts.pop("train_file"), opts.pop("out_dir"), **opts)
+    logger.info("%s done: %s", cmd, json.dumps(m))
+    return m

@@ -36,11 +36,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from postrl.config.loader import ConfigError
 from postrl.config.supervised import RMConfig
 from postrl.data.tasks import read_rows
 from postrl.engine.reward_model import render_conversations, sequence_scores
-from postrl.supervised.common import parse_options, warmup_cosine_scheduler
+from postrl.supervised.common import run_command, warmup_cosine_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -193,13 +192,9 @@ def _save(model, tok, out_dir: str) -> None:
 
 def rm_main(argv: list[str]) -> int:
     """``postrl rm [CONFIG.yaml] [key=value ...]`` with the keys of :class:`RMConfig`."""
-    try:
-        opts = asdict(parse_options(argv, RMConfig, "rm"))
-    except ConfigError as e:
-        logger.error("postrl rm: %s", e)
+    m = run_command(argv, RMConfig, "rm", run_rm)
+    if m is None:
         return 2
-    m = run_rm(opts.pop("model_path"), opts.pop("train_file"), opts.pop("out_dir"), **opts)
-    logger.info("rm done: %s", json.dumps(m))
     sys.stdout.write(
         f"reward model: eval preference accuracy {m['rm/eval_acc_before']:.3f} -> "
         f"{m['rm/eval_acc']:.3f} ({int(m['rm/eval_pairs'])} held-out pairs), "

@@ -27,14 +27,13 @@ from typing import Any
 
 import torch
 
-from postrl.config.loader import ConfigError
 from postrl.config.supervised import SFTConfig, TrainFileOptions
 from postrl.data.tasks import read_rows
 from postrl.engine.checkpoint import save_hf
 from postrl.engine.logprob import policy_logprobs
 from postrl.engine.model import ModelSpec, load_policy
 from postrl.engine.optim import OptimSpec, build_optimizer
-from postrl.supervised.common import parse_options, warmup_cosine_scheduler
+from postrl.supervised.common import run_command, warmup_cosine_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -186,11 +185,4 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
 
 def sft_main(argv: list[str]) -> int:
     """``postrl sft [CONFIG.yaml] [key=value ...]`` with the keys of :class:`SFTConfig`."""
-    try:
-        opts = asdict(parse_options(argv, SFTConfig, "sft"))
-    except ConfigError as e:
-        logger.error("postrl sft: %s", e)
-        return 2
-    m = run_sft(opts.pop("model_path"), opts.pop("train_file"), opts.pop("out_dir"), **opts)
-    logger.info("sft done: %s", json.dumps(m))
-    return 0
+    return 2 if run_command(argv, SFTConfig, "sft", run_sft) is None else 0

@@ -112,6 +112,7 @@ def distill_stage(batch: DataProto, cfg: Any) -> tuple[DataProto, dict[str, floa
             task,
             coef=d.coef,
             task_weight=d.task_reward_weight,
+            baseline=d.baseline,
         ).to(task.dtype)
     elif d.task_reward_weight != 1.0:  # a loss-kind term: the task's share of the update
         b["advantages"] = (task.float() * d.task_reward_weight).to(task.dtype)

@@ -9,6 +9,7 @@ from postrl.weights.buckets import (
     decode_frame,
     encode_frame,
     pack_buckets,
+    send_frames,
     unpack_bucket,
     unpack_stream,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "decode_frame",
     "encode_frame",
     "pack_buckets",
+    "send_frames",
     "unpack_bucket",
     "unpack_stream",
     "WEIGHT_SYNC_BACKENDS",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -168,6 +168,19 @@ def encode_frame(bucket: Bucket) -> bytes:
     """Serialise a bucket as ``[u64 header length][JSON header][payload]``."""
     head = json.dumps(bucket.header, separators=(",", ":")).encode()
     return struct.pack("<Q", len(head)) + head + bucket.payload.numpy().tobytes()
+
+
+def send_frames(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    receive: Callable[[bytes], object],
+    version: int | None = None,
+    bucket_bytes: int = 64 << 20,
+) -> None:
+    """Pack a per-tensor weight stream into buckets of ``bucket_bytes`` and hand each, encoded
+    as a frame (:func:`encode_frame`), to ``receive`` — one bucket in flight at a time (what a
+    replica handle in another process does with ``update_weights``)."""
+    for bucket in pack_buckets(weights, bucket_bytes, version=version):
+        receive(encode_frame(bucket))
 
 
 def decode_frame(frame: bytes | bytearray | memoryview, max_header: int = 16 << 20) -> Bucket:

@@ -40,6 +40,24 @@ def test_reverse_kl_advantages_by_hand():
     assert float(m["distill/teacher_logprob"]) == pytest.approx(-1.0)
 
 
+def test_reverse_kl_mean_baseline_by_hand():
+    s = torch.tensor([[-1.0, -2.0, -0.3], [-0.2, -4.0, -1.0]])
+    q = torch.tensor([[-1.5, -0.5, -9.0], [-0.2, -1.0, -7.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    task = torch.zeros(2, 3)
+    # k on valid tokens: [0.5, -1.5, -], [0.0, -3.0, 6.0]; their mean k̄ = 2.0 / 5 = 0.4
+    # A = -(k - k̄): [-0.1, 1.9, 0 (masked)], [0.4, 3.4, -5.6]
+    adv = reverse_kl_advantages(s, q, mask, task, coef=1.0, task_weight=0.0, baseline="mean")
+    torch.testing.assert_close(adv, torch.tensor([[-0.1, 1.9, 0.0], [0.4, 3.4, -5.6]]))
+    assert float(adv[mask.bool()].sum()) == pytest.approx(0.0, abs=1e-6)  # centred
+    # the same as the plain estimator shifted by c·k̄ on every valid token
+    plain = reverse_kl_advantages(s, q, mask, task, coef=2.0, task_weight=0.0)
+    base = reverse_kl_advantages(s, q, mask, task, coef=2.0, task_weight=0.0, baseline="mean")
+    torch.testing.assert_close(base - plain, 2.0 * 0.4 * mask.float())
+    with pytest.raises(ValueError, match="baseline='median'"):
+        reverse_kl_advantages(s, q, mask, task, baseline="median")
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reverse_kl_advantages_match_a_loop(seed):
     g = torch.Generator().manual_seed(seed)

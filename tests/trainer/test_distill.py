@@ -182,6 +182,7 @@ def test_distill_config_errors_name_the_field(tiny_model_dir, addition_files, tm
         "distill.loss=reverse_kll": r"distill\.loss='reverse_kll'.*did you mean 'reverse_kl'",
         "distill.teacher_url=http://127.0.0.1:9": r"teacher_path=.* and distill\.teacher_url",
         "distill.coef=-1": r"distill\.coef=-1.0 must be >= 0",
+        "distill.baseline=median": r"distill\.baseline='median' must be 'none'.*or 'mean'",
         "actor.fuse_old_log_prob=true": r"fuse_old_log_prob=True but distill\.loss='reverse_kl'",
     }
     for override, pattern in cases.items():
