@@ -47,7 +47,13 @@ __all__ = ["WeightContract", "contract_for", "probe_tolerance"]
 
 logger = logging.getLogger(__name__)
 PROBE_PROMPT_LEN, PROBE_NEW_TOKENS = 8, 8
-_DEFAULT_ATOL = {"float32": 1e-3, "bfloat16": 0.15, "float16": 0.05}
+# float32: 1e-2, not tighter. The probe prompt is arbitrary, and a trained model can be
+# ill-conditioned on it: the W1 student after 654 steps of on-policy distillation gave probe
+# token 6 a log-prob of -1.099841 in float64, -1.098758 (HF eager) / -1.098850 (SDPA, the
+# trainer) / -1.101851 (the native engine) in float32 — three correct float32 forwards 3e-3
+# apart — and a 1e-3 bound stopped that healthy run. What the probe is for (a tensor in the
+# wrong place, a stale tied head, a corrupted tensor) moves log-probs by 0.1-10.
+_DEFAULT_ATOL = {"float32": 1e-2, "bfloat16": 0.15, "float16": 0.05}
 
 
 def probe_tolerance(backend: str, engine_dtype: str, trainer_dtype: str) -> float:
@@ -82,7 +88,7 @@ class WeightContract:
         *,
         engine: str,
         enabled: bool = True,
-        atol: float = 1e-3,
+        atol: float = _DEFAULT_ATOL["float32"],
         vocab_size: int = 256,
         timeout_s: float = 600.0,
     ) -> None:

@@ -125,3 +125,13 @@ def test_corrupted_sync_is_resent_once_and_fatal_when_it_persists(contract_setup
     assert f"rollout backend '{backend}'" in p.stderr
     assert "probe token" in p.stderr  # the functional check fails too
     assert not (run / "metrics.jsonl").exists() or metric_rows(run) == []
+
+
+def test_probe_tolerance_by_dtype():
+    """float32: 1e-2 (three correct float32 forwards of a trained student disagreed by 3e-3 on
+    one probe token, docs/rollout.md); the narrower dtype of trainer and engine decides."""
+    from postrl.trainer.weight_check import probe_tolerance
+
+    assert probe_tolerance("native", "float32", "float32") == pytest.approx(1e-2)
+    assert probe_tolerance("native", "bfloat16", "float32") == pytest.approx(0.15)
+    assert probe_tolerance("hf", "float32", "float16") == pytest.approx(0.05)
