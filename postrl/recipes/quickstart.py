@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -28,19 +26,6 @@ def _stage(msg: str) -> None:
     sys.stderr.flush()
 
 
-def _pair(row: dict) -> tuple[int, int]:
-    a, b = re.findall(r"\d+", row["prompt"][-1]["content"])[:2]
-    return int(a), int(b)
-
-
-def _shown_pairs(rows: list[dict], share: float) -> set[tuple[int, int]]:
-    """A fixed random ``share`` of the distinct (A, B) pairs in ``rows`` (seeded: the same
-    pairs on every machine)."""
-    pairs = sorted({_pair(r) for r in rows})
-    random.Random(0).shuffle(pairs)
-    return set(pairs[: round(share * len(pairs))])
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -48,13 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", default="runs/quickstart")
     p.add_argument("--sft-steps", type=int, default=250, help="SFT warm-up optimizer steps")
     p.add_argument("--sft-lr", type=float, default=3e-3, help="SFT warm-up learning rate")
-    p.add_argument(
-        "--sft-share",
-        type=float,
-        default=1.0,
-        help="share of the training pairs whose answers the SFT warm-up shows (the rest GRPO "
-        "learns from rewards alone)",
-    )
     p.add_argument("--grpo-steps", type=int, default=150, help="GRPO steps")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="seed of the SFT warm-up and of GRPO")
@@ -85,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     write_parquet(
         generate_addition(200, seed=1, split="train", max_digits=1), data / "addition_val.parquet"
     )
-    shown = _shown_pairs(train_rows, args.sft_share)
-    sft_rows = [r for r in train_rows if _pair(r) in shown]
-    write_parquet(sft_rows_from_rl_rows(sft_rows), data / "addition_sft.parquet")
+    write_parquet(sft_rows_from_rl_rows(train_rows), data / "addition_sft.parquet")
     _stage("2/4 addition data written to " + str(data))
 
     sft_dir = run / "sft-model"
