@@ -134,3 +134,47 @@ def test_padded_fallback_when_model_cannot_run_varlen(tiny_model_factory, make_b
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
     torch.testing.assert_close(v, ref_v, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 2)])
+def test_small_masked_attention_equals_sdpa(heads, monkeypatch):
+    """The responses' pass of a prefix-shared batch runs as batched matmuls below
+    ``SMALL_SCORES`` elements: output and input gradients equal SDPA's (fp32 rounding), with
+    grouped-query heads, and above the threshold SDPA itself runs."""
+    import torch.nn.functional as F
+
+    from postrl.engine import varlen
+
+    torch.manual_seed(0)
+    h, hk = heads
+    s, lq, lk, d = 5, 7, 11, 16
+    q, k, v = torch.randn(s, h, lq, d), torch.randn(s, hk, lk, d), torch.randn(s, hk, lk, d)
+    mask = torch.rand(s, 1, lq, lk) < 0.6
+    mask[..., 0] = True  # every query attends somewhere (a prompt's first token)
+
+    def grads(fn):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = fn(qq, kk, vv)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), qq.grad, kk.grad, vv.grad
+
+    def ref(qq, kk, vv):
+        out = F.scaled_dot_product_attention(
+            qq, kk, vv, attn_mask=mask, scale=0.3, enable_gqa=h != hk
+        )
+        return out.transpose(1, 2).reshape(-1, h, d)
+
+    want = grads(ref)
+    calls = []
+    real = varlen._matmul_attention
+    monkeypatch.setattr(varlen, "_matmul_attention", lambda *a: calls.append(1) or real(*a))
+    got = grads(lambda qq, kk, vv: varlen._sdpa(qq, kk, vv, scaling=0.3, mask=mask))
+    assert calls, "the small pass did not take the matmul path"
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(varlen, "SMALL_SCORES", 0)
+    calls.clear()
+    big = grads(lambda qq, kk, vv: varlen._sdpa(qq, kk, vv, scaling=0.3, mask=mask))
+    assert not calls
+    for a, b in zip(big, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
