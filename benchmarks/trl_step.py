@@ -1,14 +1,15 @@
 """The W1 step, postrl against TRL's ``GRPOTrainer``, side by side on one machine (issue 37 item 1).
 
 Both sides train W1's starting model (``shared/w1/tiny-qwen2-sft``, found as
-``benchmarks/async_modes.py`` finds it; ``--w1-model`` for another) on the same addition prompts
-with W1's shape: 16 prompts × 8 samples, up to 16 new tokens at temperature 1, GRPO advantages,
-one optimizer step per batch, no KL, fp32, ``--threads`` torch threads. Each side runs in a
-process of its own (TRL in an environment that has it, ``--trl-python``; it is not a dependency
-of postrl) for ``--steps`` steps, and the processes alternate: round 1 runs postrl then TRL,
-round 2 TRL then postrl, and so on, so minute-scale drift of a shared machine hits both. A
-side's time for a round is the median of its steps 3..N (the first two warm up); the ratio is
-TRL / postrl per round, and the report gives the median over rounds.
+``benchmarks/async_modes.py`` finds it; ``--w1-model`` for another) on the same 3-digit addition
+prompts (the task that model was warmed on) with W1's shape: 16 prompts × 8 samples, up to 16 new
+tokens at temperature 1, GRPO advantages, one optimizer step per batch, no KL, fp32,
+``--threads`` torch threads. Each side runs in a process of its own (TRL in an environment that
+has it, ``--trl-python``; it is not a dependency of postrl) for ``--steps`` steps, and the
+processes alternate: round 1 runs postrl then TRL, round 2 TRL then postrl, and so on, so
+minute-scale drift of a shared machine hits both. A side's time for a round is the median of
+its steps 3..N (the first two warm up); the ratio is TRL / postrl per round, and the report
+gives the median over rounds.
 
 The postrl side also writes down where its step goes (``timing_s/*``: generation, reward, old
 log-probs, advantages, update, weight sync, and the rest — Python between the stages), and how
@@ -265,8 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from async_modes import prepare_w1  # W1's model (shared/w1/tiny-qwen2-sft) and prompts
 
+    from postrl.data import generate_addition, write_parquet
+
     Path(a.work_dir).mkdir(parents=True, exist_ok=True)
-    a.model, a.train = prepare_w1(Path(a.work_dir), a.w1_model, a.threads)
+    a.model = prepare_w1(Path(a.work_dir), a.w1_model, a.threads)[0]
+    # 3-digit sums, the task W1's model was warmed on (it answers every sum with three digits,
+    # so the 2-digit prompts of prepare_w1 score 0 and every advantage would be 0)
+    a.train = Path(a.work_dir) / "data" / "addition3_train_512_0.parquet"
+    if not a.train.exists():
+        write_parquet(generate_addition(512, seed=0, split="train", max_digits=3), a.train)
     rounds = []
     for rnd in range(1, a.rounds + 1):
         order = [("postrl", sys.executable), ("trl", a.trl_python)]
