@@ -245,22 +245,30 @@ def _find_w1_model() -> Path | None:
 
 def prepare_w1(work: Path, model: str | None, threads: int) -> tuple[Path, Path]:
     """W1's starting model (``--w1-model``, else ``shared/w1/tiny-qwen2-sft``, else the one
-    ``postrl bench step`` SFT-warms and caches) and its 512 addition prompts."""
+    ``postrl bench step`` SFT-warms and caches) and its 512 addition prompts: 3-digit sums for
+    the shared model (or ``--w1-model``), 2-digit for bench step's."""
     from postrl.bench.step import W1
     from postrl.bench.step import prepare_w1 as bench_prepare_w1
     from postrl.data import generate_addition, write_parquet
 
     w = W1(threads=threads)
-    train = work / "data" / f"addition_train_{w.train_rows}_{w.seed}.parquet"
-    if not train.exists():
-        write_parquet(generate_addition(w.train_rows, seed=w.seed, split="train"), train)
+
+    def prompts(digits: int) -> Path:
+        # the shared model was warmed on 3-digit sums and answers every sum with three digits
+        # (2-digit prompts would score 0 and train nothing); bench step's own model on 2-digit
+        train = work / "data" / f"addition{digits}_train_{w.train_rows}_{w.seed}.parquet"
+        if not train.exists():
+            rows = generate_addition(w.train_rows, seed=w.seed, split="train", max_digits=digits)
+            write_parquet(rows, train)
+        return train
+
     if model:
-        return Path(model), train
+        return Path(model), prompts(3)
     found = _find_w1_model()
     if found is not None:
-        return found, train
+        return found, prompts(3)
     logger.warning("shared/w1/tiny-qwen2-sft not found: SFT-warming W1's model as bench step does")
-    return bench_prepare_w1(work / "w1", w)[0], train
+    return bench_prepare_w1(work / "w1", w)[0], prompts(2)
 
 
 def prepare_tools(work: Path, model: str | None, threads: int) -> tuple[Path, Path]:

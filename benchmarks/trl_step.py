@@ -266,15 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from async_modes import prepare_w1  # W1's model (shared/w1/tiny-qwen2-sft) and prompts
 
-    from postrl.data import generate_addition, write_parquet
-
     Path(a.work_dir).mkdir(parents=True, exist_ok=True)
-    a.model = prepare_w1(Path(a.work_dir), a.w1_model, a.threads)[0]
-    # 3-digit sums, the task W1's model was warmed on (it answers every sum with three digits,
-    # so the 2-digit prompts of prepare_w1 score 0 and every advantage would be 0)
-    a.train = Path(a.work_dir) / "data" / "addition3_train_512_0.parquet"
-    if not a.train.exists():
-        write_parquet(generate_addition(512, seed=0, split="train", max_digits=3), a.train)
+    a.model, a.train = prepare_w1(Path(a.work_dir), a.w1_model, a.threads)  # 3-digit prompts
     rounds = []
     for rnd in range(1, a.rounds + 1):
         order = [("postrl", sys.executable), ("trl", a.trl_python)]
