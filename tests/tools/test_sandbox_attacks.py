@@ -13,9 +13,11 @@ import socket
 import textwrap
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
+import postrl.tools.sandbox as sandbox_mod
 from postrl.tools.sandbox import Sandbox, SandboxConfig, processes_of_uid
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -83,9 +85,20 @@ def run(sandbox: Sandbox, code: str, **kw):
         await hb
         return res, ticks, elapsed
 
-    res, ticks, elapsed = asyncio.run(go())
-    survivors = processes_of_uid(sandbox.config.uid_base, sandbox.config.uid_count)
-    assert survivors == [], f"sandbox processes survived the call: {survivors}"
+    # the uids this call ran as: the suite's other worker may run sandboxed code in the same
+    # uid range at the same moment (another call's uid, held by its flock), so only ours count
+    claimed: list[int] = []
+    real_claim = sandbox_mod._claim_uid
+
+    def claim(base: int, count: int) -> int:
+        claimed.append(real_claim(base, count))
+        return claimed[-1]
+
+    with mock.patch.object(sandbox_mod, "_claim_uid", claim):
+        res, ticks, elapsed = asyncio.run(go())
+    assert claimed, "the call claimed no sandbox uid"
+    survivors = [pid for uid in claimed for pid in processes_of_uid(uid)]
+    assert survivors == [], f"sandbox processes of uid(s) {claimed} survived the call: {survivors}"
     assert elapsed < sandbox.config.wall_time_s + 3.0, elapsed
     # the loop ticked at least every ~100 ms on average while the sandbox ran (a blocked loop
     # ticks once; a busy 2-core box gave one tick per ~58 ms)
