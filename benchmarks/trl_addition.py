@@ -52,6 +52,59 @@ def _rows(path: str) -> list[dict]:
     ]
 
 
+def addition_reward(score):
+    """A TRL reward function over the ``addition`` rule ``score`` (``_reward_rule()``)."""
+
+    def reward(completions, ground_truth, **_):
+        return [
+            float(score("addition", c[-1]["content"], gt)["score"])
+            for c, gt in zip(completions, ground_truth)
+        ]
+
+    return reward
+
+
+def grpo_config(
+    output_dir: str, *, seed: int, lr: float, batch: int, n: int, response_length: int,
+    max_steps: int,
+):  # fmt: skip
+    """TRL's ``GRPOConfig`` with postrl's GRPO defaults (module docstring): fp32 on the CPU,
+    group-normalised advantages, token-mean loss, clip 0.2, no KL, constant lr, one optimizer
+    step per batch of ``batch`` samples (``n`` per prompt)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir,
+        seed=seed,
+        data_seed=seed,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=n,
+        max_completion_length=response_length,
+        temperature=1.0,
+        top_p=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        num_iterations=1,
+        loss_type="dapo",
+        scale_rewards="group",
+        max_steps=max_steps,
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train with TRL for ``--budget-s`` seconds of training time; write the curve as JSON."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -72,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     torch.set_num_threads(a.threads)
     score = _reward_rule()
@@ -80,12 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     train = Dataset.from_list(_rows(a.train))
     test = _rows(a.test)
-
-    def reward(completions, ground_truth, **_):
-        return [
-            float(score("addition", c[-1]["content"], gt)["score"])
-            for c, gt in zip(completions, ground_truth)
-        ]
 
     def greedy_accuracy() -> float:
         was_training = model.training
@@ -136,40 +183,18 @@ def main(argv: list[str] | None = None) -> int:
             if t >= a.budget_s:
                 control.should_training_stop = True
 
-    batch = a.prompts * a.n
-    cfg = GRPOConfig(
-        output_dir=str(Path(a.out).with_suffix("")) + "-trl-out",
+    cfg = grpo_config(
+        str(Path(a.out).with_suffix("")) + "-trl-out",
         seed=a.seed,
-        data_seed=a.seed,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        learning_rate=a.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
-        num_generations=a.n,
-        max_completion_length=a.response_length,
-        temperature=1.0,
-        top_p=1.0,
-        beta=0.0,
-        epsilon=0.2,
-        num_iterations=1,
-        loss_type="dapo",
-        scale_rewards="group",
+        lr=a.lr,
+        batch=a.prompts * a.n,
+        n=a.n,
+        response_length=a.response_length,
         max_steps=1_000_000,
-        logging_steps=10_000,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        dataloader_num_workers=0,
     )
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=reward,
+        reward_funcs=addition_reward(score),
         args=cfg,
         train_dataset=train,
         processing_class=tok,

@@ -132,10 +132,10 @@ def side_trl(a: argparse.Namespace) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from trl_addition import _reward_rule, _rows
+    from trl_addition import _reward_rule, _rows, addition_reward, grpo_config
 
     torch.set_num_threads(a.threads)
     score = _reward_rule()
@@ -143,12 +143,6 @@ def side_trl(a: argparse.Namespace) -> dict:
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     times: list[float] = []
     t0 = [0.0]
-
-    def reward(completions, ground_truth, **_):
-        return [
-            float(score("addition", c[-1]["content"], gt)["score"])
-            for c, gt in zip(completions, ground_truth)
-        ]
 
     class Clock(TrainerCallback):
         """Wall time of each training step."""
@@ -159,39 +153,18 @@ def side_trl(a: argparse.Namespace) -> dict:
         def on_step_end(self, args, st, control, **kw):
             times.append(time.perf_counter() - t0[0])
 
-    cfg = GRPOConfig(
-        output_dir=str(Path(a.work_dir) / f"trl-out-{a.round}"),
+    cfg = grpo_config(
+        str(Path(a.work_dir) / f"trl-out-{a.round}"),
         seed=0,
-        data_seed=0,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        learning_rate=a.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        per_device_train_batch_size=16 * 8,
-        gradient_accumulation_steps=1,
-        num_generations=8,
-        max_completion_length=16,
-        temperature=1.0,
-        top_p=1.0,
-        beta=0.0,
-        epsilon=0.2,
-        num_iterations=1,
-        loss_type="dapo",
-        scale_rewards="group",
+        lr=a.lr,
+        batch=16 * 8,
+        n=8,
+        response_length=16,
         max_steps=a.steps,
-        logging_steps=10_000,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        dataloader_num_workers=0,
     )
     GRPOTrainer(
         model=model,
-        reward_funcs=reward,
+        reward_funcs=addition_reward(score),
         args=cfg,
         train_dataset=Dataset.from_list(_rows(a.train)),
         processing_class=tok,
