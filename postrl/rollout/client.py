@@ -467,6 +467,7 @@ class RolloutClient:
                     sampling,
                     max_new_tokens=sampling.max_new_tokens - len(tokens),
                     seed=_segment_seed(sampling.seed, seg),
+                    continued=sampling.continued + len(tokens),
                 )
                 seg_id = request_id if seg == 0 else f"{request_id}#resume{seg}"
                 self._current[request_id] = (replica, seg_id, key)

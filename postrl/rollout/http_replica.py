@@ -438,4 +438,5 @@ def _sampling_json(sp: SamplingParams) -> dict[str, Any]:
         "logprobs": sp.logprobs,
         "ignore_eos": sp.ignore_eos,
         "priority": sp.priority,
+        "continued": sp.continued,
     }

@@ -97,6 +97,7 @@ class _Sampling(BaseModel):
     logprobs: bool = True
     ignore_eos: bool = False
     priority: int = 0
+    continued: int = 0
 
 
 class _GenerateBody(BaseModel):

@@ -102,9 +102,18 @@ class SamplingParams:
     priority (the ``native`` engine; the convention of vLLM's priority scheduling). Async modes
     pass a trajectory's dispatch step, so an interrupted older trajectory resumes before the
     next batch's fresh requests."""
+    continued: int = 0
+    """The last ``continued`` ids of the prompt are this request's own earlier output: a partial
+    rollout continuing after an abort (the rollout client sets it). The ``native`` engine then
+    keys its prompt sharing on the ids before them — the n samples of a group continue on one
+    shared prompt prefill — and replays the continued ids through its batched decode instead
+    of prefilling each sample's ``prompt + partial`` on its own; its output holds only the new
+    tokens. Other backends treat the whole as the prompt (vLLM's prefix cache shares it)."""
 
     def __post_init__(self) -> None:
         errors = []
+        if self.continued < 0:
+            errors.append(f"continued={self.continued} must be >= 0")
         if not self.temperature >= 0:
             errors.append(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:

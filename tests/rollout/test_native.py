@@ -343,3 +343,53 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival(tiny_model_dir):
 
     asyncio.run(run())
     assert order == ["busy", "old-a", "old-b", "new-a", "new-b", "newest"]
+
+
+def test_continuation_shares_the_prompt_and_equals_the_uninterrupted_run(tiny_model_dir):
+    """A continued request (``SamplingParams.continued``) returns exactly the tokens and
+    log-probs the uninterrupted greedy run sampled after its partial, the continuations of one
+    prompt share one prefill, and a continuation replayed into a running batch leaves the other
+    requests' outputs unchanged."""
+    be = create_rollout_backend("native", tiny_model_dir, max_num_seqs=16, max_model_len=128)
+    prompt, other = _prompts(2, seed=11, lo=8, hi=16)
+    full = _gen(be, [prompt], [SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)])[
+        0
+    ]
+    cuts = [1, 1, 3, 7]
+    sps = [
+        SamplingParams(temperature=0, max_new_tokens=20 - k, ignore_eos=True, continued=k)
+        for k in cuts
+    ]
+    long_sp = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    alone = _gen(be, [other], [long_sp])[0]
+    prefilled: list[tuple[int, ...]] = []  # the prompts the engine prefills
+    orig = be._prefill
+    be._prefill = lambda rows: (prefilled.extend(be.kv.keys[r] for r in rows), orig(rows))[1]
+
+    async def run():
+        first = asyncio.create_task(be.generate(other, long_sp, "running"))
+        for _ in range(2000):  # the continuations join a batch that is mid-way
+            await asyncio.sleep(0.002)
+            if be.num_running and int(be.s_ngen[0]) >= 4:
+                break
+        conts = [
+            be.generate(prompt + full.token_ids[:k], s, f"c{i}")
+            for i, (k, s) in enumerate(zip(cuts, sps))
+        ]
+        return await first, await asyncio.gather(*conts)
+
+    try:
+        running, conts = asyncio.run(run())
+    finally:
+        be._prefill = orig
+    assert prefilled == [tuple(other), tuple(prompt)]  # one prefill for the four continuations
+    assert running.token_ids == alone.token_ids
+    torch.testing.assert_close(
+        torch.tensor(running.log_probs), torch.tensor(alone.log_probs), atol=1e-5, rtol=0
+    )
+    for k, out in zip(cuts, conts):
+        assert out.token_ids == full.token_ids[k:] and out.finish_reason == "length"
+        assert out.versions == [(20 - k, 0)]
+        torch.testing.assert_close(
+            torch.tensor(out.log_probs), torch.tensor(full.log_probs[k:]), atol=1e-4, rtol=0
+        )

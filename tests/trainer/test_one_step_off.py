@@ -304,7 +304,7 @@ def test_decoupled_one_step_off_fuses_the_proximal_pass(
     tiny_model_dir, epoch_files, digits_reward, tmp_path
 ):
     """One mini-batch, one epoch: π_prox is the update's own first forward (no separate
-    old-log-prob pass), μ the rollout's; the batch is one version old, so π_prox/μ ≠ 1."""
+    old-log-prob pass), μ the rollout's; a batch one version old has π_prox/μ ≠ 1."""
     ov = [
         *_base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run"),
         "actor.ppo_mini_batch_size=4",
@@ -323,5 +323,8 @@ def test_decoupled_one_step_off_fuses_the_proximal_pass(
     assert calls == []
     rows = metric_rows(tmp_path / "run")
     assert all(r["actor/pg_clipfrac"] == 0.0 for r in rows)  # r = π/π_prox ≡ 1: one pass
-    assert rows[-1]["replay/staleness/mean"] == 1.0
-    assert rows[-1]["actor/decoupled_kl_behav"] > 0 and rows[-1]["health/ess_ratio"] < 1.0
+    # step 2 trains groups generated before step 1's update (the second of the two batches
+    # step 1 admitted), one version old: π_prox/μ ≠ 1 there
+    off = [r for r in rows if r["replay/staleness/mean"] == 1.0]
+    assert [int(r["step"]) for r in off][:1] == [2]
+    assert all(r["actor/decoupled_kl_behav"] > 0 and r["health/ess_ratio"] < 1.0 for r in off)

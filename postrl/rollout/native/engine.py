@@ -72,6 +72,9 @@ class _Request:
     stop_ids: list[int] = field(default_factory=list)
     bounds: list[tuple[int, int]] = field(default_factory=list)
     """Version boundaries ``(tokens generated at the swap, version that sampled them)``."""
+    cont: list[int] = field(default_factory=list)
+    """A continuation's earlier output (``SamplingParams.continued``): ``prompt`` is the shared
+    part, these ids are replayed into the slot and left out of the output."""
 
 
 @register_rollout_backend("native", device="cpu|cuda")
@@ -250,8 +253,16 @@ class NativeBackend:
             )
         loop = asyncio.get_running_loop()
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
+        c = min(sampling.continued, len(prompt) - 1)  # at least one shared prompt id
         req = _Request(
-            request_id, prompt, sampling, loop.create_future(), loop, int(seed), stop_ids
+            request_id,
+            prompt[: len(prompt) - c],
+            sampling,
+            loop.create_future(),
+            loop,
+            int(seed),
+            stop_ids,
+            cont=prompt[len(prompt) - c :],
         )
         with self._qlock:
             self._enqueue(req)
@@ -351,7 +362,7 @@ class NativeBackend:
                 B = len(self._slots)
                 if B and new != old:
                     for req, n in zip(self._slots, self.s_ngen[:B].tolist(), strict=True):
-                        req.bounds.append((n, old))
+                        req.bounds.append((n - len(req.cont), old))
                 t0 = time.perf_counter()
                 if self.swap_kv == "recompute" and self.kv is not None:
                     self._recompute_kv()
@@ -590,18 +601,19 @@ class NativeBackend:
         once; sample every new slot's first token. Returns the new slot indices."""
         B, n, dev, kv = len(self._slots), len(new), self.device, self.kv
         pids, fresh = kv.lookup([tuple(r.prompt) for r in new])
-        order_new = sorted(
-            range(n), key=lambda i: pids[i]
-        )  # group samples of a prompt contiguously
+        # fresh requests first, then continuations; the samples of a prompt contiguous
+        order_new = sorted(range(n), key=lambda i: (bool(new[i].cont), pids[i]))
         new, pids = [new[i] for i in order_new], [pids[i] for i in order_new]
+        nf = sum(1 for r in new if not r.cont)
         self._prefill(fresh)
         sp = [r.sampling for r in new]
         plen = torch.tensor([len(r.prompt) for r in new], device=dev)
-        self.s_pos[B : B + n] = plen
+        ncont = torch.tensor([len(r.cont) for r in new], device=dev)
+        self.s_pos[B : B + n] = plen + (ncont - 1).clamp_(min=0)
         self.s_plen[B : B + n] = plen
         self.s_pid[B : B + n] = torch.tensor(pids, device=dev)
-        self.s_ngen[B : B + n] = 0
-        self.s_maxnew[B : B + n] = torch.tensor([s.max_new_tokens for s in sp], device=dev)
+        self.s_ngen[B : B + n] = ncont
+        self.s_maxnew[B : B + n] = torch.tensor([s.max_new_tokens for s in sp], device=dev) + ncont
         self.s_seed[B : B + n] = torch.tensor([r.seed for r in new], device=dev)
         self.s_topk[B : B + n] = torch.tensor([s.top_k for s in sp], device=dev)
         self.s_temp[B : B + n] = torch.tensor([s.temperature for s in sp], device=dev)
@@ -612,9 +624,39 @@ class NativeBackend:
         self.s_stop[B : B + n] = stop.to(dev)
         self._slots.extend(new)
         self._membership_changed()
-        rows = slice(B, B + n)
-        self._sample(rows, kv.logits[torch.tensor(pids, device=dev)], advance_pos=False)
+        if nf < n:
+            self._admit_continued(B + nf, new[nf:])
+        rows = slice(B, B + nf)
+        if nf:
+            self._sample(rows, kv.logits[torch.tensor(pids[:nf], device=dev)], advance_pos=False)
         return rows
+
+    def _admit_continued(self, start: int, reqs: list[_Request]) -> None:
+        """Slots ``start ..`` continue ``reqs`` (``cont`` = their earlier output): the ids go
+        into ``s_out`` (their log-probs are not returned), the last one becomes the next decode
+        input at ``s_pos``, and the K/V of the others is written by replaying them through the
+        batched decode — one step per position, over all running slots: the other slots re-feed
+        their next input at ``s_pos``, which their next decode overwrites with the same values
+        (as ``_recompute_kv``). A continuation of one id needs no replay at all."""
+        dev, n = self.device, len(reqs)
+        cmax = max(len(r.cont) for r in reqs)
+        out = torch.zeros(n, cmax, dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            out[i, : len(r.cont)] = torch.tensor(r.cont, dtype=torch.int64)
+        rows = slice(start, start + n)
+        self.s_out[rows, :cmax] = out.to(dev)
+        self.s_logp[rows, :cmax] = 0.0
+        self.s_last[rows] = self.s_out[rows].gather(1, (self.s_ngen[rows] - 1)[:, None])[:, 0]
+        if cmax < 2:
+            return
+        B = len(self._slots)
+        last = (self.s_ngen[:B] - 2).clamp(min=0)  # last continued id to replay, per slot
+        for j in range(cmax - 1):
+            c = last[rows].clamp(max=j)
+            tok, pos = self.s_last[:B].clone(), self.s_pos[:B].clone()
+            tok[rows] = self.s_out[rows].gather(1, c[:, None])[:, 0]
+            pos[rows] = self.s_plen[rows] + c
+            self._forward_decode(tok.contiguous(), pos.contiguous())
 
     def _prefill(self, rows: list[int]) -> None:
         """Prefill prefix rows ``rows`` of the KV store (their prompts ``kv.keys[r]``): K/V into
@@ -817,9 +859,10 @@ class NativeBackend:
             return results
         ngen = self.s_ngen.tolist()
         for i, why in done_slots:
-            req, n = self._slots[i], ngen[i]
-            toks = self.s_out[i, :n].tolist()
-            lps = self.s_logp[i, :n].tolist() if req.sampling.logprobs else []
+            req, c = self._slots[i], len(self._slots[i].cont)
+            n = ngen[i] - c
+            toks = self.s_out[i, c : c + n].tolist()
+            lps = self.s_logp[i, c : c + n].tolist() if req.sampling.logprobs else []
             if why == "stop":
                 reason, stop_reason = "stop", toks[-1]
             elif why == "stop_str":

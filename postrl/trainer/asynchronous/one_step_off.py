@@ -7,9 +7,15 @@ training through the replay buffer: at a step's start the mode tops the buffer u
 ``(2 + trainer.async.num_warmup_batches) × train_batch_size`` untrained groups (within the
 buffer's pacing cap ``(max_staleness + 1) × train_batch_size`` and the run's remaining budget),
 runs the rollout until ``train_batch_size`` groups are complete and scored, and takes them
-(oldest first). The groups still generating are **interrupted**: the fleet pauses (their
-requests are aborted), the actor trains, the weights are pushed, the fleet resumes — and the
-rollout client continues each interrupted request on the new weights (partial rollout). Every
+(oldest first). A step whose batch is already complete (the last step's rollout finished it)
+takes it without topping up: groups admitted then would be interrupted before they generate
+anything (nothing generates during a local update), so the next step admits them. When there is
+nothing to overlap (pure compute, uniform lengths) every other batch is then trained at
+staleness 0 and the mode costs what ``sync`` costs. The groups still generating are
+**interrupted**: the fleet pauses (their requests are aborted), the actor trains, the weights are
+pushed, the fleet resumes — and the rollout client continues each interrupted request on the new
+weights (partial rollout; the native engine shares the prompt's prefill among a group's
+continuations, ``SamplingParams.continued``). Every
 token keeps the version that sampled it (``rollout_policy_version``), so staleness — the
 current version minus a group's oldest token version — and the off-policy correction see the
 truth.
@@ -38,7 +44,7 @@ from typing import Any
 
 from postrl.protocol import DataProto
 from postrl.trainer.asynchronous.feed import AsyncFeed
-from postrl.trainer.modes import register_trainer
+from postrl.trainer.modes import engine_busy_s, register_trainer
 
 __all__ = ["OneStepOffMode"]
 
@@ -95,7 +101,13 @@ class OneStepOffMode:
         """Top up the buffer, generate until a batch is complete, take it, pause the rest."""
         ctx, feed = self.ctx, self.feed
         ctx.fleet.wake_up()
-        admitted = feed.admit(self._draw, step, ahead=self.ahead)
+        busy0 = engine_busy_s(ctx.fleet.replicas)
+        # a batch already complete is taken without a top-up: groups admitted now would only
+        # run until the take returns and then be interrupted by the pause below (nothing
+        # generates during a local update), and their agent loops would start beside the
+        # update; the next step admits them (the top-up is to ``ahead`` untrained groups)
+        ready = not self.deterministic and len(feed.buffer.ready()) >= self.k
+        admitted = 0 if ready else feed.admit(self._draw, step, ahead=self.ahead)
         self._taking = True
         try:
             batch, metrics = feed.stream.take(self.k, step, ctx.loader.next_prompts)
@@ -104,6 +116,9 @@ class OneStepOffMode:
         ctx.fleet.pause()  # in-flight requests stop here and resume on the new weights
         if ctx.cfg.rollout.free_cache_engine:
             ctx.fleet.sleep()
+        busy = engine_busy_s(ctx.fleet.replicas)
+        if busy is not None:  # the engines' compute seconds this step (the rest: waiting)
+            metrics["timing_s/gen_engine"] = busy - busy0
         metrics.update(feed.occupancy(admitted))
         metrics["async/interrupted_trajectories"] = float(feed.stream.in_flight)
         return batch, feed.taken(metrics)
