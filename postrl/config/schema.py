@@ -336,6 +336,15 @@ class RolloutConfig:
     sequence vs the trainer's (tolerance per backend and dtype); a mismatch is resent once, a
     second one stops the run naming the tensor or probe token and the engine
     (``weight_sync/*`` metrics; docs/rollout.md, "Weight sync")."""
+    verify_probe_every: int = 10
+    """With ``verify_weights``: the functional probe (a replica's log-probs of a fixed sequence
+    against the trainer's) runs at the first sync, at every ``verify_probe_every``-th sync after
+    it, at the first sync a replica takes part in (a restarted or added one) and on every
+    resend; the transport checksums are checked at every sync. What the probe catches beyond
+    the checksums — a tensor loaded into the wrong place, a stale tied head — is wrong from the
+    first sync on; probing each sync costs a short generation and a trainer forward
+    (≈ 20 ms of a 0.3 s W1 step). 1 probes every sync, as ``trainer.deterministic=true`` does
+    (the probe turns the event loop at a fixed point of the reproduced schedule)."""
     weight_sync_timeout_s: float = 600.0
     """Deadline of one weight push and of its verification: past it the run stops with a
     ``WeightSyncTimeoutError`` naming the engine, never hangs."""

@@ -172,6 +172,7 @@ def validate_config(
         ("rollout.response_length", r.response_length),
         ("data.max_prompt_length", d.max_prompt_length),
         ("trainer.num_workers", t.num_workers),
+        ("rollout.verify_probe_every", r.verify_probe_every),
     ):
         if value < 1:
             e.append(f"{key}={value} must be >= 1")

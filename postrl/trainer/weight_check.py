@@ -6,12 +6,13 @@ backend), :class:`WeightContract` checks every live replica two ways:
 1. **Transport**: the CRC-32 of every tensor as sent (``weights/verify.checksummed``) against
    the CRC-32 the replica recorded as it loaded it (``last_received``): a flipped byte, a dropped
    tensor or a half-finished update is named tensor by tensor.
-2. **Function**: the replica generates a fixed probe (8 greedy tokens after 8 fixed prompt
-   tokens, ``ignore_eos``) and its log-probs are compared with the trainer's teacher-forced
-   log-probs of the same tokens (``actor.compute_log_prob``, T = 1): a stale tied head or an
-   engine that loaded the bytes into the wrong place shows up here. The tolerance is a fact of
-   the backend's registry entry (``probe_atol`` per dtype; float32 unless the trainer or the
-   engine computes in a narrower dtype).
+2. **Function** (at the first sync, every ``rollout.verify_probe_every``-th after it, a replica's
+   first sync and every resend): the replica generates a fixed probe (8 greedy tokens after 8
+   fixed prompt tokens, ``ignore_eos``) and its log-probs are compared with the trainer's
+   teacher-forced log-probs of the same tokens (``actor.compute_log_prob``, T = 1): a stale
+   tied head or an engine that loaded the bytes into the wrong place shows up here. The
+   tolerance is a fact of the backend's registry entry (``probe_atol`` per dtype; float32
+   unless the trainer or the engine computes in a narrower dtype).
 
 A failed check is pushed once more (same version); if it fails again the run stops with
 :class:`~postrl.weights.verify.WeightSyncError` naming the engine and the tensors or probe tokens.
@@ -20,7 +21,8 @@ in ``fully_async`` a replica generates while it is checked, and a failure stops 
 the next update trains. A sync (push and check) past ``rollout.weight_sync_timeout_s`` is a
 :class:`~postrl.weights.verify.WeightSyncTimeoutError`. Metrics: ``weight_sync/verified`` (1
 when the version in service passed), ``weight_sync/mismatch`` (failed checks this sync, 0 or
-1), ``timing_s/weight_sync_verify`` (seconds spent checking).
+1), ``weight_sync/probed`` (replicas probed this sync), ``timing_s/weight_sync_verify`` (seconds
+spent checking).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class WeightContract:
         atol: probe tolerance (:func:`probe_tolerance`).
         vocab_size: probe token ids stay below it.
         timeout_s: deadline of one push (and of its check).
+        probe_every: probe at sync 1, 1 + probe_every, ... (and a replica's first sync, and a
+            resend); the checksums at every sync.
     """
 
     def __init__(
@@ -91,8 +95,13 @@ class WeightContract:
         atol: float = _DEFAULT_ATOL["float32"],
         vocab_size: int = 256,
         timeout_s: float = 600.0,
+        probe_every: int = 1,
     ) -> None:
         self.fleet, self.actor, self.run_async = fleet, actor, run_async
+        self.probe_every = max(1, int(probe_every))
+        self.syncs = 0  # syncs verified so far
+        self._probed: dict[int, Any] = {}  # id -> replica probed at least once (kept: no id reuse)
+        self.probed_last = 0  # replicas probed by the last check
         self.engine, self.enabled, self.atol, self.timeout_s = engine, enabled, atol, timeout_s
         top = max(4, min(int(vocab_size), 4096))
         self.prompt = [3 + (7 * i + 5) % (top - 3) for i in range(PROBE_PROMPT_LEN)]
@@ -101,6 +110,8 @@ class WeightContract:
         """Push the next version, verify it, resend once on a mismatch; the ``weights/*`` and
         ``weight_sync/*`` metrics."""
         verify_s, problems = 0.0, []
+        due = self.syncs % self.probe_every == 0
+        self.syncs += 1
         for attempt in range(2):
             expected: dict[str, int] = {}
 
@@ -112,7 +123,8 @@ class WeightContract:
             if not self.enabled:
                 return metrics
             t0 = time.perf_counter()
-            problems = self.check(expected)  # on this thread, the loop's (deadline inside)
+            # on this thread, the loop's (deadline inside); a resend is always probed
+            problems = self.check(expected, probe_all=due or attempt > 0)
             verify_s += time.perf_counter() - t0
             if not problems:
                 return dict(
@@ -120,6 +132,7 @@ class WeightContract:
                     **{
                         "weight_sync/verified": 1.0,
                         "weight_sync/mismatch": float(attempt),
+                        "weight_sync/probed": float(self.probed_last),
                         "timing_s/weight_sync_verify": verify_s,
                     },
                 )
@@ -131,8 +144,9 @@ class WeightContract:
             )
         raise WeightSyncError(f"rollout backend {self.engine!r}", problems)
 
-    def check(self, expected: dict[str, int]) -> list[str]:
-        """Every problem of every live replica: transport checksums, then the probe."""
+    def check(self, expected: dict[str, int], probe_all: bool = True) -> list[str]:
+        """Every problem of every live replica: transport checksums, then the probe (of every
+        serving replica with ``probe_all``, else of those never probed before)."""
         live = self.fleet.live
         problems: list[str] = []
         for r in live:
@@ -141,7 +155,13 @@ class WeightContract:
                 who = f"replica {getattr(r, 'replica_id', '?')}"
                 problems += [f"{who}: {p}" for p in transport_mismatches(expected, received)]
         serving = [r for r in live if not getattr(r, "standby", False)]  # standby: no answers
-        return problems + self.probe(serving)
+        if not probe_all:
+            serving = [r for r in serving if id(r) not in self._probed]
+        self.probed_last = len(serving)
+        problems += self.probe(serving)
+        if not problems:
+            self._probed.update((id(r), r) for r in serving)
+        return problems
 
     def probe(self, replicas: list[Any]) -> list[str]:
         """Probe tokens whose engine log-prob differs from the trainer's by more than atol."""
@@ -252,5 +272,9 @@ def contract_for(ctx: Any) -> WeightContract:
             atol=probe_tolerance(r.backend, engine_dtype, trainer_dtype),
             vocab_size=len(ctx.tokenizer),
             timeout_s=r.weight_sync_timeout_s,
+            # deterministic runs probe every sync: the probe turns the event loop (delivering
+            # the paused requests' partial outputs) at a fixed point of the reproduced schedule,
+            # so a resumed run must probe where the uninterrupted one did
+            probe_every=1 if cfg.trainer.deterministic else r.verify_probe_every,
         )
     return wc

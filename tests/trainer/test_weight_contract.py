@@ -135,3 +135,32 @@ def test_probe_tolerance_by_dtype():
     assert probe_tolerance("native", "float32", "float32") == pytest.approx(1e-2)
     assert probe_tolerance("native", "bfloat16", "float32") == pytest.approx(0.15)
     assert probe_tolerance("hf", "float32", "float16") == pytest.approx(0.05)
+
+
+def test_probe_runs_at_the_first_sync_then_every_nth(contract_setup):
+    """``rollout.verify_probe_every=2``: the probe at the run's first sync (the initial weights,
+    before step 1) and every second after it — after steps 2, 4, ... (the checksums at every
+    sync); with 1 at every sync."""
+    from postrl.config import load_config
+    from postrl.trainer import RLTrainer
+
+    base, d = contract_setup
+    for every, expected in ((2, [0.0, 1.0, 0.0]), (1, [1.0, 1.0, 1.0])):
+        run = d / f"probe-every-{every}"
+        cfg = load_config(
+            None,
+            [
+                *base,
+                "trainer.total_steps=3",
+                f"rollout.verify_probe_every={every}",
+                f"trainer.run_dir={run}",
+            ],
+        )
+        trainer = RLTrainer(cfg)
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+        rows = metric_rows(run)
+        assert [r["weight_sync/probed"] for r in rows] == expected
+        assert all(r["weight_sync/verified"] == 1.0 for r in rows)

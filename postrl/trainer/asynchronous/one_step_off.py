@@ -40,6 +40,7 @@ their prompts (in this run too), so a resumed run reproduces the uninterrupted o
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from postrl.protocol import DataProto
@@ -113,6 +114,8 @@ class OneStepOffMode:
             batch, metrics = feed.stream.take(self.k, step, ctx.loader.next_prompts)
         finally:
             self._taking = False
+        if not self.deterministic:
+            ctx.run_async(self._settle(busy0))
         ctx.fleet.pause()  # in-flight requests stop here and resume on the new weights
         if ctx.cfg.rollout.free_cache_engine:
             ctx.fleet.sleep()
@@ -122,6 +125,25 @@ class OneStepOffMode:
         metrics.update(feed.occupancy(admitted))
         metrics["async/interrupted_trajectories"] = float(feed.stream.in_flight)
         return batch, feed.taken(metrics)
+
+    async def _settle(self, busy0: float | None, turns: int = 64) -> None:
+        """Let the loop deliver what the engines already finished: trajectories whose last
+        token was sampled in the take's last engine steps are scored now, so the next step sees
+        their groups complete (and takes them without a top-up). Stops at the first engine step
+        (whatever is still generating is left to the pause), when nothing is in flight or
+        awaits its score, or after ``turns`` loop turns. Only with an in-process engine that
+        counts its steps."""
+        if busy0 is None:
+            return
+        busy = engine_busy_s(self.ctx.fleet.replicas)
+        for _ in range(turns):
+            if not self.feed.stream.unsettled:
+                return
+            await asyncio.sleep(0)
+            now = engine_busy_s(self.ctx.fleet.replicas)
+            if now != busy:
+                return
+            busy = now
 
     def _draw(self, room: int) -> DataProto | None:
         """Whole batches from the loader while ``room`` holds one."""

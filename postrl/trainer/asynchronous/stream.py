@@ -126,6 +126,11 @@ class GroupStream:
         """Trajectories generating or waiting to generate."""
         return len(self._tasks)
 
+    @property
+    def unsettled(self) -> bool:
+        """Trajectories are in flight, or a generated group awaits its score."""
+        return bool(self._tasks) or self._scoring()
+
     def admit(self, prompts: DataProto, step: int) -> list[str]:
         """Admit one group per prompt row (``dispatch_step = step``) and start its ``n``
         trajectories; returns the group uids."""
