@@ -74,6 +74,10 @@ class ReplicaRestarter:
                 if slot in self._last_failure:
                     raise ReplicaRestartError(slot, self._last_failure[slot])
                 continue
+            # pending before the budget drops: requests waiting on another thread read
+            # expected() (budget left or a replacement pending) and must never see neither
+            fut = self._pool.submit(self._replace, slot, rep)
+            self._pending[slot] = fut
             self.left -= 1
             logger.warning(
                 "restarting rollout replica %d (%s); %d restart(s) left",
@@ -81,9 +85,7 @@ class ReplicaRestarter:
                 rep.dead_reason,
                 self.left,
             )
-            fut = self._pool.submit(self._replace, slot, rep)
             fut.add_done_callback(self._started)
-            self._pending[slot] = fut
 
     def _started(self, _fut: Future[Any]) -> None:
         self.fleet.changed.notify()  # a replacement is up (or failed): the trainer may rescue

@@ -132,6 +132,34 @@ def test_a_failed_restart_is_retried_then_a_named_error():
     rs.close()
 
 
+def test_a_restart_is_expected_at_every_moment_of_its_begin(monkeypatch):
+    """While the trainer's thread begins the last restart, a request on another thread asks
+    ``expected()`` (budget left, or a replacement pending) to decide whether to wait or fail:
+    it must never read False in between (it did when the budget dropped before the
+    replacement was recorded: a CI failure of the only-replica-dies test)."""
+    import postrl.rollout.restart as restart_mod
+
+    dead = _Silent(0, None)
+    dead.mark_dead("killed")
+    fleet = RolloutFleet([dead], weight_sync=None)
+    rs = ReplicaRestarter(fleet, lambda slot: _Silent(slot, None), budget=1)
+    seen: list[bool] = []
+    submit = rs._pool.submit
+
+    def spy_submit(*a, **k):
+        seen.append(rs.expected())
+        return submit(*a, **k)
+
+    monkeypatch.setattr(rs._pool, "submit", spy_submit)
+    monkeypatch.setattr(restart_mod.logger, "warning", lambda *a, **k: seen.append(rs.expected()))
+    rs.begin()
+    seen.append(rs.expected())
+    assert seen == [True, True, True] and rs.left == 0
+    rs.wait_started(120)
+    assert rs.install(lambda v: None) == 1 and not rs.expected()
+    rs.close()
+
+
 def test_every_replica_kind_implements_the_protocol(tiny_model_dir):
     """The in-process, subprocess and Ray replica classes all satisfy ``Replica`` (the remote
     ones ``RemoteReplica``): the fleet and the balancer probe none of them."""
