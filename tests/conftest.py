@@ -80,6 +80,26 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def load_benchmark():
+    """Return ``load(name) -> module``: ``benchmarks/<name>.py`` (a script folder, not a
+    package) imported as module ``bench_<name>``."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(
+            f"bench_{name}", root / "benchmarks" / f"{name}.py"
+        )
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load
+
+
+@pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """Return ``make(arch="qwen2", preset="tiny", seed=0) -> Path``, cached per session."""
     from postrl.testing import make_model

@@ -9,24 +9,15 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_async_modes", ROOT / "benchmarks" / "async_modes.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_benchmark):
+    return load_benchmark("async_modes")
 
 
 def test_latency_tool_is_registered_waits_and_answers_exactly(bench):

@@ -3,25 +3,16 @@ writes the table's inputs (curves by training time) and the plot. Correctness, n
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from postrl.config import load_config, validate_config
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_learning", ROOT / "benchmarks" / "learning.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_benchmark):
+    return load_benchmark("learning")
 
 
 def _arm_configs(recipe, arms, digits, tmp_path, model_dir):

@@ -4,24 +4,15 @@ The TRL side needs ``trl``, which is not a dependency: it is not run here. Never
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_trl_step", ROOT / "benchmarks" / "trl_step.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_benchmark):
+    return load_benchmark("trl_step")
 
 
 def test_gemm_work_counts_every_linear_layer(bench, tiny_model_dir):

@@ -101,7 +101,6 @@ class WeightContract:
         self.probe_every = max(1, int(probe_every))
         self.syncs = 0  # syncs verified so far
         self._probed: dict[int, Any] = {}  # id -> replica probed at least once (kept: no id reuse)
-        self.probed_last = 0  # replicas probed by the last check
         self.engine, self.enabled, self.atol, self.timeout_s = engine, enabled, atol, timeout_s
         top = max(4, min(int(vocab_size), 4096))
         self.prompt = [3 + (7 * i + 5) % (top - 3) for i in range(PROBE_PROMPT_LEN)]
@@ -124,7 +123,7 @@ class WeightContract:
                 return metrics
             t0 = time.perf_counter()
             # on this thread, the loop's (deadline inside); a resend is always probed
-            problems = self.check(expected, probe_all=due or attempt > 0)
+            problems, probed = self.check(expected, probe_all=due or attempt > 0)
             verify_s += time.perf_counter() - t0
             if not problems:
                 return dict(
@@ -132,7 +131,7 @@ class WeightContract:
                     **{
                         "weight_sync/verified": 1.0,
                         "weight_sync/mismatch": float(attempt),
-                        "weight_sync/probed": float(self.probed_last),
+                        "weight_sync/probed": float(probed),
                         "timing_s/weight_sync_verify": verify_s,
                     },
                 )
@@ -144,9 +143,10 @@ class WeightContract:
             )
         raise WeightSyncError(f"rollout backend {self.engine!r}", problems)
 
-    def check(self, expected: dict[str, int], probe_all: bool = True) -> list[str]:
-        """Every problem of every live replica: transport checksums, then the probe (of every
-        serving replica with ``probe_all``, else of those never probed before)."""
+    def check(self, expected: dict[str, int], probe_all: bool = True) -> tuple[list[str], int]:
+        """Every problem of every live replica — transport checksums, then the probe (of every
+        serving replica with ``probe_all``, else of those never probed before) — and how many
+        replicas were probed."""
         live = self.fleet.live
         problems: list[str] = []
         for r in live:
@@ -157,11 +157,10 @@ class WeightContract:
         serving = [r for r in live if not getattr(r, "standby", False)]  # standby: no answers
         if not probe_all:
             serving = [r for r in serving if id(r) not in self._probed]
-        self.probed_last = len(serving)
         problems += self.probe(serving)
         if not problems:
             self._probed.update((id(r), r) for r in serving)
-        return problems
+        return problems, len(serving)
 
     def probe(self, replicas: list[Any]) -> list[str]:
         """Probe tokens whose engine log-prob differs from the trainer's by more than atol."""

@@ -141,26 +141,13 @@ def test_probe_runs_at_the_first_sync_then_every_nth(contract_setup):
     """``rollout.verify_probe_every=2``: the probe at the run's first sync (the initial weights,
     before step 1) and every second after it — after steps 2, 4, ... (the checksums at every
     sync); with 1 at every sync."""
-    from postrl.config import load_config
-    from postrl.trainer import RLTrainer
+    from postrl.trainer.run import train_main
 
     base, d = contract_setup
     for every, expected in ((2, [0.0, 1.0, 0.0]), (1, [1.0, 1.0, 1.0])):
         run = d / f"probe-every-{every}"
-        cfg = load_config(
-            None,
-            [
-                *base,
-                "trainer.total_steps=3",
-                f"rollout.verify_probe_every={every}",
-                f"trainer.run_dir={run}",
-            ],
-        )
-        trainer = RLTrainer(cfg)
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
+        over = ["trainer.total_steps=3", f"rollout.verify_probe_every={every}"]
+        assert train_main(None, [*base, *over, f"trainer.run_dir={run}"]) == 0
         rows = metric_rows(run)
         assert [r["weight_sync/probed"] for r in rows] == expected
         assert all(r["weight_sync/verified"] == 1.0 for r in rows)

@@ -115,7 +115,7 @@ class OneStepOffMode:
         finally:
             self._taking = False
         if not self.deterministic:
-            ctx.run_async(self._settle(busy0))
+            ctx.run_async(self._settle())
         ctx.fleet.pause()  # in-flight requests stop here and resume on the new weights
         if ctx.cfg.rollout.free_cache_engine:
             ctx.fleet.sleep()
@@ -126,24 +126,22 @@ class OneStepOffMode:
         metrics["async/interrupted_trajectories"] = float(feed.stream.in_flight)
         return batch, feed.taken(metrics)
 
-    async def _settle(self, busy0: float | None, turns: int = 64) -> None:
+    async def _settle(self, turns: int = 64) -> None:
         """Let the loop deliver what the engines already finished: trajectories whose last
         token was sampled in the take's last engine steps are scored now, so the next step sees
         their groups complete (and takes them without a top-up). Stops at the first engine step
         (whatever is still generating is left to the pause), when nothing is in flight or
         awaits its score, or after ``turns`` loop turns. Only with an in-process engine that
         counts its steps."""
-        if busy0 is None:
-            return
         busy = engine_busy_s(self.ctx.fleet.replicas)
+        if busy is None:
+            return
         for _ in range(turns):
             if not self.feed.stream.unsettled:
                 return
             await asyncio.sleep(0)
-            now = engine_busy_s(self.ctx.fleet.replicas)
-            if now != busy:
+            if engine_busy_s(self.ctx.fleet.replicas) != busy:
                 return
-            busy = now
 
     def _draw(self, room: int) -> DataProto | None:
         """Whole batches from the loader while ``room`` holds one."""

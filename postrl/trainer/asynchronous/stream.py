@@ -331,14 +331,10 @@ class GroupStream:
                 if sample.done():
                     return sample.result()
                 ready = [s for s in self.buffer.groups() if s.complete]
-                starved = (
-                    not self._tasks
-                    and not self._scoring()
-                    and (
-                        self._owed == 0
-                        or self.max_refills is not None
-                        and self._refills >= self.max_refills
-                    )
+                starved = not self.unsettled and (
+                    self._owed == 0
+                    or self.max_refills is not None
+                    and self._refills >= self.max_refills
                 )
                 if starved and len(ready) < k:
                     self._check_stalled()
