@@ -400,6 +400,14 @@ class FilterGroupsConfig:
     max_num_gen_batches: int = 10
     """Generation rounds per step before giving up on a full batch (the step then trains on the
     groups it kept, with a warning and ``dynamic_sampling/refill_exhausted``); 0 = no limit."""
+    oversample: bool = False
+    """Keep enough groups generating to fill the batch at the measured keep rate: while a step
+    gathers its batch, ⌈missing groups / keep rate⌉ groups are in flight (the rate is the kept
+    share of the groups scored in the last steps), not one refill per filtered group — the
+    engine runs full batches instead of a thinning tail. Groups left over when the batch is
+    full are evicted as ``surplus`` (``replay/evicted/surplus``) and their prompts are generated
+    again first at the next step: nothing is lost, the leftover compute is. Modes that declare
+    ``oversample`` in their registry entry (``sync``); needs ``enable`` and ``refill``."""
 
 
 @dataclass

@@ -349,6 +349,19 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
             f"devices of their own (in {t.mode} the trainer's devices generate anyway); set "
             f"trainer.async.idle_switch=never"
         )
+    fg = cfg.algorithm.filter_groups
+    if fg.oversample and not (fg.enable and fg.refill):
+        e.append(
+            "algorithm.filter_groups.oversample=true needs algorithm.filter_groups.enable=true "
+            "and algorithm.filter_groups.refill=true (it sizes the refills of filtered groups); "
+            "enable both or set oversample=false"
+        )
+    if fg.oversample and not facts.get("oversample"):
+        e.append(
+            f"algorithm.filter_groups.oversample=true with trainer.mode={t.mode}: this mode "
+            f"keeps its own number of groups in flight (trainer.async.max_staleness + 1 "
+            f"batches); set algorithm.filter_groups.oversample=false"
+        )
     if facts.get("config_errors") is not None:  # what the mode asks of the config
         e.extend(facts["config_errors"](cfg))
     e.extend(data_plane_errors(cfg))  # every mode: a plane a mode cannot use is refused

@@ -53,3 +53,131 @@ def test_exhausted_refills_train_on_the_kept_groups(small_overrides, tmp_path, g
         assert groups <= 4 * gen_batches  # the budget: (max_num_gen_batches - 1) x 4 refills
         assert kept <= 4
         assert r["dynamic_sampling/skipped_update"] == float(kept == 0)  # nothing kept: no update
+
+
+# even rows: a constant score (the group is filtered); odd rows: a score that differs between
+# any two distinct responses, so their groups are kept (a tie of all n is ~97^-(n-1))
+_EVEN_FILTERED = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    if extra_info['index'] % 2 == 0:\n"
+    "        return 1.0\n"
+    "    return sum(map(ord, solution_str)) % 97 / 97\n"
+)
+
+
+@pytest.fixture(scope="module")
+def sixteen_prompts(tmp_path_factory):
+    """16 training prompts (8 odd rows: 2 batches of 4 kept groups per epoch), 4 held out."""
+    from postrl.data import generate_addition, write_parquet
+
+    d = tmp_path_factory.mktemp("oversample")
+    train = write_parquet(generate_addition(16, seed=5), d / "train.parquet")
+    test = write_parquet(generate_addition(4, seed=5, split="test"), d / "test.parquet")
+    return train, test
+
+
+def _oversample_args(tiny_model_dir, files, tmp_path, run) -> list[str]:
+    reward = tmp_path / "even_filtered.py"
+    reward.write_text(_EVEN_FILTERED)
+    train, test = files
+    return [
+        f"model.path={tiny_model_dir}",
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{test}]",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=48",
+        "actor.ppo_mini_batch_size=2",
+        "rollout.n=4",
+        "rollout.response_length=8",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.oversample=true",
+        "trainer.total_steps=6",  # three epochs of the 8 odd rows
+        "trainer.save_freq=1",
+        "trainer.test_freq=0",
+        "trainer.val_before_train=false",
+        "trainer.loggers=[jsonl]",
+        f"reward.custom_function.path={reward}",
+        f"trainer.run_dir={run}",
+    ]
+
+
+def _odd_rows_once_per_epoch(run, epochs: int) -> None:
+    """Epochs 0 .. epochs-1: every odd row trained exactly once, no even row ever (filtered),
+    whatever the oversampling left over and generated again."""
+    from collections import Counter
+
+    from postrl.trainer.ledger import read_ledger
+
+    rows = read_ledger(run)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    trained = [
+        (i, e) for r in rows for i, e in zip(r["index"], r.get("epochs") or [r["epoch"]] * 4)
+    ]
+    assert not [i for i, _ in trained if i % 2 == 0], "a filtered (constant-score) row trained"
+    for epoch in range(epochs):
+        got = Counter(i for i, e in trained if e == epoch)
+        assert got == Counter(range(1, 16, 2)), f"epoch {epoch}: odd rows trained {got}"
+
+
+@pytest.mark.timeout(180)
+def test_oversampling_keeps_more_groups_in_flight_and_loses_no_prompt(
+    tiny_model_dir, sixteen_prompts, tmp_path
+):
+    """``oversample``: a step keeps ⌈missing / keep rate⌉ groups in flight (here the keep rate
+    is ½: twice the missing groups), the groups left over when the batch is full are evicted as
+    ``surplus`` and generated again first — every odd row is still trained once per epoch."""
+    from trainer_helpers import train_subprocess
+
+    run = tmp_path / "run"
+    args = _oversample_args(tiny_model_dir, sixteen_prompts, tmp_path, run)
+    assert train_subprocess(args, threads=1) == 0
+    rows = [r for r in metric_rows(run) if "dynamic_sampling/num_groups" in r]
+    assert len(rows) == 6
+    assert sum(r["replay/evicted/surplus"] for r in rows) > 0, "nothing left over: not exercised"
+    # refills per step: without oversampling one per filtered group (= the dropped count); with
+    # it more, once the measured keep rate is below 1
+    assert any(r["replay/refills"] > r["dynamic_sampling/num_dropped_groups"] for r in rows)
+    assert all(r["dynamic_sampling/num_kept_groups"] == 4 for r in rows)
+    _odd_rows_once_per_epoch(run, epochs=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_oversampling_kill_and_resume_loses_no_prompt(tiny_model_dir, sixteen_prompts, tmp_path):
+    """SIGKILL right after a checkpoint taken with surplus prompts waiting to be generated
+    again (they live in the mode's checkpoint), resume: every odd row is still trained exactly
+    once per epoch. The kill point is the step after the first one that left a surplus."""
+    from trainer_helpers import train_subprocess
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert (
+        train_subprocess(_oversample_args(tiny_model_dir, sixteen_prompts, tmp_path, ref), 1) == 0
+    )
+    surplus = [r["step"] for r in metric_rows(ref) if r.get("replay/evicted/surplus")]
+    assert surplus and surplus[0] < 6, f"no surplus before the last step ({surplus})"
+    args = _oversample_args(tiny_model_dir, sixteen_prompts, tmp_path, run)
+    assert train_subprocess(args, threads=1, kill_at=f"step{surplus[0] + 1}:after_gen") == -9
+    assert train_subprocess(args, threads=1) == 0
+    _odd_rows_once_per_epoch(run, epochs=2)
+
+
+def test_oversample_config_errors_name_the_fix(small_overrides):
+    """``oversample`` needs filtering with refills, and a mode that declares it."""
+    from postrl.config.loader import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(load_config(None, [*small_overrides, "algorithm.filter_groups.oversample=true"]))
+    assert "needs algorithm.filter_groups.enable=true" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(
+            load_config(
+                None,
+                [
+                    *small_overrides,
+                    "trainer.mode=one_step_off",
+                    "algorithm.filter_groups.enable=true",
+                    "algorithm.filter_groups.oversample=true",
+                ],
+            )
+        )
+    assert "oversample=true with trainer.mode=one_step_off" in str(e.value)

@@ -81,6 +81,10 @@ class GroupStream:
             generation continues meanwhile.
         max_refills: most refill prompts per :meth:`take` (None: no limit); past it the batch
             is made of the groups kept.
+        oversample: keep ``⌈missing groups / keep rate⌉`` groups in flight during a take
+            instead of one refill per eviction, and evict the groups left over when the batch
+            is full as ``surplus`` (their prompts are admitted again first by the next take):
+            ``algorithm.filter_groups.oversample``, for on-policy modes.
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class GroupStream:
         score_on_completion: bool,
         inline_scoring: bool = True,
         max_refills: int | None = None,
+        oversample: bool = False,
     ) -> None:
         self.ctx = ctx
         self.buffer = buffer
@@ -100,6 +105,10 @@ class GroupStream:
         self.score_on_completion = bool(score_on_completion or self.runner.scores_groups)
         self.inline_scoring = inline_scoring
         self.max_refills = max_refills
+        self.oversample = bool(oversample)
+        self._keep = [0.0, 0.0]
+        """(kept, scored) groups, halved after every take: the keep rate oversampling sizes
+        the groups in flight by (part of the mode's checkpoint: a resumed run admits the same)."""
         self.on_ready: Callable[[int], None] | None = None  # called with the ready-group count
         self._rows: dict[str, list[dict[str, Any]]] = {}
         """The trajectory rows of each untrained group (its prompt, derived from the buffer's
@@ -114,7 +123,7 @@ class GroupStream:
         self._last_failure = ""
         self._parts: list[tuple[int, dict[str, float]]] = []  # reward metrics per scored group
         self._wake: asyncio.Future[None] | None = None
-        self._counts = dict.fromkeys(("groups", "filtered", "failed", "stale"), 0)
+        self._counts = dict.fromkeys(("groups", "filtered", "failed", "stale", "surplus"), 0)
         self._sampling = ctx.sampling_params()
         self.reward_metrics: dict[str, float] = {}
         """The reward metrics of the groups scored for the last take (empty when the taken
@@ -237,24 +246,68 @@ class GroupStream:
                 task.cancel()
         if e.reason == "filtered" and self._scoring_group and self._scoring_group[0] == e.uid:
             self._dropped = self._scoring_group  # (the all-masked fallback of an empty take)
-        if e.reason == "stale" and known:  # too old to train, not a bad prompt: its refill
-            self._retry.append((e.index, e.epoch))  # is itself, on the current weights
+        if e.reason in ("stale", "surplus") and known:  # not a bad prompt: its refill is
+            self._retry.append((e.index, e.epoch))  # itself, on the current weights
         self._counts[e.reason] += 1
-        self._owed += 1
+        if e.reason != "surplus":  # a surplus group was never part of the batch
+            self._owed += 1
         self._poke()
 
-    def refill(self, step: int, draw: Callable[[int], DataProto]) -> int:
+    def refill(self, step: int, draw: Callable[[int], DataProto], top_up: bool = True) -> int:
         """Admit one prompt per eviction not yet refilled, within ``max_refills``; returns how
         many were admitted. A group evicted as stale is refilled with its own prompt (same
         dataset row, same epoch: every prompt of an epoch is still trained once); a filtered or
-        failed one with the next prompt (``draw(1)``)."""
+        failed one with the next prompt (``draw(1)``). With ``oversample`` the evictions are not
+        refilled one by one: ``top_up`` admits what :meth:`_top_up_count` asks for."""
+        if self.oversample:
+            self._owed = 0
+            want = self._top_up_count() if top_up else 0
+        else:
+            want = self._owed
         n = 0
-        while self._owed and (self.max_refills is None or self._refills < self.max_refills):
-            self._owed -= 1
+        while want > n and (self.max_refills is None or self._refills < self.max_refills):
+            if not self.oversample:
+                self._owed -= 1
             self._refills += 1
             self.admit(self._retry_prompt() if self._retry else draw(1), step)
             n += 1
         return n
+
+    def _top_up_count(self) -> int:
+        """Groups to admit now so that the groups in flight, kept at the measured rate, fill
+        the batch: ``⌈missing / rate⌉ − in flight``, within the buffer's cap. The rate is
+        ``(kept + 1) / (scored + 1)`` over the recent takes and this one so far (1 before any
+        group is scored: a first step whose groups are all kept generates no more than
+        without oversampling)."""
+        groups = self.buffer.groups()
+        ready = sum(1 for g in groups if g.complete)
+        missing = self.buffer.batch_groups - ready
+        if missing <= 0:
+            return 0
+        c = self._counts
+        kept = self._keep[0] + c["groups"] - c["filtered"] - c["failed"]
+        rate = (kept + 1.0) / (self._keep[1] + c["groups"] + 1.0)
+        want = int(np.ceil(missing / rate)) - (len(groups) - ready)
+        return max(0, min(want, self.buffer.can_admit()))
+
+    def release_surplus(self) -> int:
+        """Evict every group left in the buffer as ``surplus`` (``oversample``: the batch is
+        full; on new weights they would be stale) and cancel their trajectories; their prompts
+        are admitted again first. Returns how many were evicted."""
+        uids = [g.uid for g in self.buffer.groups()]
+        for uid in uids:
+            self.buffer.evict(uid, "surplus")
+        return len(uids)
+
+    def carry_state(self) -> dict[str, Any]:
+        """What an on-policy mode's checkpoint must carry from one take to the next: the
+        prompts to admit again (``surplus``) and the keep rate (JSON-safe)."""
+        return {"retry": [[i, e] for i, e in self._retry], "keep": list(self._keep)}
+
+    def load_carry_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`carry_state` (an empty dict: nothing carried)."""
+        self._retry = [(int(i), int(e)) for i, e in state.get("retry", [])]
+        self._keep = [float(x) for x in state.get("keep", [0.0, 0.0])]
 
     def _retry_prompt(self) -> DataProto:
         index, epoch = self._retry.pop(0)
@@ -280,6 +333,14 @@ class GroupStream:
         t0 = time.perf_counter()
         uids = await self._take(k, step, draw)
         taken = [self.buffer.group(u) for u in uids]
+        if self.oversample:
+            c = self._counts
+            kept = c["groups"] - c["filtered"] - c["failed"]
+            self._keep = [self._keep[0] / 2 + kept, self._keep[1] / 2 + c["groups"]]
+            cancelled = list(self._tasks.values())  # every trajectory left is a surplus one
+            self.release_surplus()
+            if cancelled:  # their requests are aborted before the fleet sleeps
+                await asyncio.gather(*cancelled, return_exceptions=True)
         payloads: dict[str, list[Any]] = {u: [] for u in uids}
         for tag, payload in self.buffer.assemble(uids):  # the one read of the data plane
             payloads[tag.group_uid].append(payload)
@@ -327,7 +388,7 @@ class GroupStream:
                         f"{self._last_failure}. Fix the reward function or raise "
                         f"reward.max_failure_ratio"
                     )
-                self.refill(step, draw)
+                self.refill(step, draw, top_up=not sample.done())
                 if sample.done():
                     return sample.result()
                 ready = [s for s in self.buffer.groups() if s.complete]

@@ -77,7 +77,7 @@ __all__ = ["ReplayBuffer", "STRATEGIES", "EVICTION_REASONS"]
 
 STRATEGIES = ("drop", "wait")
 """``trainer.async.staleness_strategy`` values."""
-EVICTION_REASONS = ("stale", "filtered", "failed")
+EVICTION_REASONS = ("stale", "filtered", "failed", "surplus")
 """Why a group is evicted (each eviction asks for exactly one refill prompt)."""
 
 _NO_PAYLOAD: Any = object()
@@ -162,6 +162,9 @@ class ReplayBuffer:
         timeout_s: default deadline of :meth:`sample` and :meth:`wait_admit`.
         on_evict: called with each :class:`Eviction` as it happens (e.g. to admit the refill
             prompt at once; :meth:`pop_refills` still lists it).
+        capacity: the pacing cap on untrained groups (default ``(max_staleness + 1) ×
+            batch_groups``); larger lets a caller keep more groups in flight than it trains
+            (``algorithm.filter_groups.oversample``, which evicts the rest as ``surplus``).
     """
 
     def __init__(
@@ -177,6 +180,7 @@ class ReplayBuffer:
         max_failure_ratio: float = 0.0,
         timeout_s: float = 600.0,
         on_evict: Callable[[Eviction], None] | None = None,
+        capacity: int | None = None,
     ) -> None:
         errors = []
         if group_size < 1:
@@ -191,6 +195,11 @@ class ReplayBuffer:
             errors.append(
                 f"filter_groups=True with group_size={group_size}: every group of one sample has "
                 f"a single score and would be filtered; use rollout.n >= 2 or disable filtering"
+            )
+        if capacity is not None and capacity < (max_staleness + 1) * batch_groups:
+            errors.append(
+                f"capacity={capacity}: must be >= (max_staleness + 1) × batch_groups = "
+                f"{(max_staleness + 1) * batch_groups}"
             )
         if not 0.0 <= max_failure_ratio <= 1.0:
             errors.append(f"max_failure_ratio={max_failure_ratio}: must be in [0, 1]")
@@ -207,6 +216,7 @@ class ReplayBuffer:
         self.max_failure_ratio = float(max_failure_ratio)
         self.timeout_s = float(timeout_s)
         self.on_evict = on_evict
+        self._capacity = capacity
         self._groups: dict[str, _Group] = {}  # admitted, not yet taken (in flight or ready)
         self._taken: dict[str, _Group] = {}  # sampled, payloads not yet assembled
         self._evicted: set[str] = set()
@@ -225,7 +235,10 @@ class ReplayBuffer:
 
     @property
     def capacity(self) -> int:
-        """``(max_staleness + 1) × batch_groups``: the pacing cap on untrained groups."""
+        """The pacing cap on untrained groups: ``(max_staleness + 1) × batch_groups`` unless
+        the constructor set it."""
+        if self._capacity is not None:
+            return self._capacity
         return (self.max_staleness + 1) * self.batch_groups
 
     def set_version(self, version: int) -> None:

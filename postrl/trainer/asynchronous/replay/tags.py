@@ -196,7 +196,8 @@ class Eviction:
 
     Attributes:
         uid: the evicted group.
-        reason: ``stale`` | ``filtered`` | ``failed``.
+        reason: ``stale`` | ``filtered`` | ``failed`` | ``surplus`` (left over when an oversampled
+            batch was full).
         age: its staleness when evicted (policy versions).
         response_lens: response lengths of its finished trajectories.
         index: the dataset row of its prompt (-1: not given).
