@@ -25,14 +25,17 @@ the async modes' measurements):
   hide behind: ``max(G + U, W)``;
 * ``fully_async`` runs ``R`` replica processes of ``r`` threads beside a trainer of ``t``
   threads: three pipelines, the slowest sets the pace — the trainer (``U`` at ``t`` threads
-  plus the push), the replicas (``G`` at ``R × r`` threads) and the latency bound (at most
-  ``(max_staleness + 1) × B`` trajectories in flight, each group living ``G_r + W_group``:
-  Little's law). Thread counts convert through the measured speed-up ``s(n)`` of ``n`` threads
-  over one (:func:`thread_time`; ``--speedup``, or timed now on the model's forward and
-  backward), and the trainer's work is slowed by the measured contention ``c`` of a replica
-  computing beside it, for the share of the step the replicas compute
-  (:func:`contended_time`, :func:`measure_contention`; ``--contention``; ~1 on cores of its
-  own).
+  plus the push), the replicas (``G`` at ``R × r`` threads) and the latency bound of the
+  buffer's pacing cap: at most ``max_staleness + 1`` batches are untrained, a taken batch
+  holds its slots until its update ends, so the batch admitted when one is trained is itself
+  trained ``max_staleness + 1`` steps later, after its generation and slowest wait
+  (``G_r / R + W``) and the update that frees its slots: a step is at least
+  ``(G_r / R + W + trainer) / (max_staleness + 1)``. Thread counts convert through the
+  measured speed-up ``s(n)`` of ``n`` threads over one (:func:`thread_time`; ``--speedup``,
+  or timed now on the model's forward and backward), and the trainer's work is slowed by the
+  measured contention ``c`` of a replica computing beside it, for the share of the step the
+  replicas compute (:func:`contended_time`, :func:`measure_contention`; ``--contention``; ~1
+  on cores of its own).
 
 Staleness: ``sync`` 0; ``one_step_off`` 1 (each batch was generated one version back); in
 ``fully_async`` a group waits in the buffer while the trainer is the bottleneck, so its age is
@@ -260,7 +263,9 @@ def predict_fully_async(
 ) -> Prediction:
     """The slowest of three pipelines (module docstring): trainer ``U(t) + push`` slowed by
     ``c`` while the replicas compute (:func:`contended_time`), replicas ``G(R × r)``, latency
-    ``(G(r) + W_group) / (max_staleness + 1)`` per batch; ``c`` the measured slow-down of the
+    ``(G(r) / R + W + trainer) / (max_staleness + 1)`` per batch (``W`` the batch's slowest
+    wait: a batch is admitted as the slots of the one trained free, and trained once its
+    slowest group is done); ``c`` the measured slow-down of the
     trainer's work while a replica computes beside it on the same machine
     (:func:`measure_contention`; 1 on cores of its own)."""
     base = thread_time(p.after_gen_s, p.threads, trainer_threads, speedup)
@@ -269,10 +274,18 @@ def predict_fully_async(
     w_group = _wait(p, lat, p.group_size)
     w_batch = _wait(p, lat, p.trajectories)
     # a group is done when its slowest member is; its generation overlaps the other groups'
-    life = thread_time(p.gen_compute_s, p.threads, rollout_threads, speedup) / replicas + w_group
-    latency = life / (max_staleness + 1)
+    gen_r = thread_time(p.gen_compute_s, p.threads, rollout_threads, speedup) / replicas
+    life = gen_r + w_group
+    # the pacing cap's cycle: a batch admitted when the slots of the one before last free is
+    # trained after its slowest group, and frees its own slots when its update ends
+    latency = (gen_r + w_batch + train) / (max_staleness + 1)
     step = max(train, gen, latency)
-    bound = {train: "trainer", gen: "rollout compute", latency: "latency (in-flight cap)"}[step]
+    if train >= max(gen, latency):
+        bound = "trainer"
+    elif gen >= latency:
+        bound = "rollout compute"
+    else:
+        bound = "latency (in-flight cap)"
     # admitted when room opens, trained when the trainer reaches it: a full buffer when the
     # trainer is the bound, otherwise just its generation and slowest wait
     stale_life = life + (max_staleness * step if bound == "trainer" else 0.0)

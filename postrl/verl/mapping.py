@@ -162,8 +162,8 @@ RULES: list[Rule] = [
     M("data.max_response_length", 512, "rollout.response_length", _to("rollout.response_length")),
     M("data.train_batch_size", 1024, "data.train_batch_size"),
     N("data.gen_batch_size", None,
-        "postrl refills filtered groups exactly (algorithm.filter_groups), no oversized "
-        "generation batch"),
+        "postrl refills filtered groups exactly (algorithm.filter_groups); its oversized "
+        "generation is algorithm.filter_groups.oversample, sized by the measured keep rate"),
     M("data.val_batch_size", None, "data.val_batch_size", _int_or_zero("data.val_batch_size")),
     N("data.tool_config_path", Ref(f"{RO}.multi_turn.tool_config_path"),
         f"postrl reads {RO}.multi_turn.tool_config_path"),
@@ -635,7 +635,8 @@ RULES: list[Rule] = [
         "algorithm.filter_groups.max_num_gen_batches",
         why="0 = no limit; at the limit postrl trains on the kept groups (verl stops)"),
     N("algorithm.filter_groups.max_inflight_gen_batches", 1,
-        "postrl refills dropped groups exactly, one group at a time"),
+        "postrl refills dropped groups exactly, one group at a time, or keeps "
+        "missing / keep-rate groups in flight (algorithm.filter_groups.oversample)"),
     M("algorithm.rollout_correction.rollout_is", None, "algorithm.rollout_correction.rollout_is"),
     M("algorithm.rollout_correction.rollout_is_threshold", 2.0,
         "algorithm.rollout_correction.rollout_is_threshold"),
