@@ -21,8 +21,10 @@ the async modes' measurements):
   weight sync);
 * ``one_step_off`` shares the cores between generation and training (one process) but keeps
   the next batch generating while the current one's stragglers wait and while the actor trains:
-  a step costs its compute ``G + U`` unless the slowest wait is longer than the compute it can
-  hide behind: ``max(G + U, W)``;
+  a step costs its compute ``G + U`` unless the buffer's pacing cap binds (the same cycle as
+  ``fully_async``'s below: a batch is admitted when the batch ``max_staleness + 1`` ahead of
+  it has trained, and trained after its slowest wait): ``max(G + U, (G + W + U) /
+  (max_staleness + 1))``;
 * ``fully_async`` runs ``R`` replica processes of ``r`` threads beside a trainer of ``t``
   threads: three pipelines, the slowest sets the pace — the trainer (``U`` at ``t`` threads
   plus the push), the replicas (``G`` at ``R × r`` threads) and the latency bound of the
@@ -229,18 +231,19 @@ def predict_sync(p: Profile, lat: Latency) -> Prediction:
     )
 
 
-def predict_one_step_off(p: Profile, lat: Latency) -> Prediction:
-    """``max(G + U, W)`` (module docstring); staleness 1."""
+def predict_one_step_off(p: Profile, lat: Latency, max_staleness: int = 1) -> Prediction:
+    """``max(G + U, (G + W + U) / (max_staleness + 1))`` (module docstring); staleness 1."""
     w = _wait(p, lat, p.trajectories)
     compute = p.gen_compute_s + p.after_gen_s
-    step = max(compute, w)
+    cycle = (compute + w) / (max_staleness + 1)
+    step = max(compute, cycle)
     return Prediction(
         "one_step_off",
         step,
         p.trajectories / step,
         1.0,
-        "compute (G + U)" if compute >= w else "slowest wait",
-        {"G+U": compute, "W": w},
+        "compute (G + U)" if compute >= cycle else "latency (in-flight cap)",
+        {"G+U": compute, "W": w, "latency": cycle},
     )
 
 
@@ -323,7 +326,7 @@ def predict_all(
     """Every mode's :class:`Prediction` on the measured machine."""
     return {
         "sync": predict_sync(p, lat),
-        "one_step_off": predict_one_step_off(p, lat),
+        "one_step_off": predict_one_step_off(p, lat, max_staleness),
         "fully_async": predict_fully_async(
             p,
             lat,
@@ -356,7 +359,7 @@ def extrapolate(
     fa = Profile(**{**asdict(p), "after_gen_s": p.after_gen_s / m, "threads": 1})
     return {
         "sync": predict_sync(both, lat),
-        "one_step_off": predict_one_step_off(both, lat),
+        "one_step_off": predict_one_step_off(both, lat, max_staleness),
         "fully_async": predict_fully_async(
             fa,
             lat,

@@ -70,8 +70,12 @@ def test_sync_and_one_step_off():
     o = predict_one_step_off(P, HALF_S)  # max(1.5, 0.5): the wait hides behind compute
     assert o.step_s == pytest.approx(1.5) and o.samples_per_s == pytest.approx(64 / 1.5)
     assert o.bound.startswith("compute") and o.staleness == 1
-    o = predict_one_step_off(P, Latency("const", 3.0))  # a 3 s wait does not hide
-    assert o.step_s == pytest.approx(3.0) and o.bound == "slowest wait"
+    # a 3 s wait does not hide behind 1.5 s of compute, but two batches' waits overlap under
+    # the cap of two: (1 + 3 + 0.5) / 2
+    o = predict_one_step_off(P, Latency("const", 3.0))
+    assert o.step_s == pytest.approx(2.25) and o.bound == "latency (in-flight cap)"
+    o3 = predict_one_step_off(P, Latency("const", 3.0), max_staleness=2)  # (1 + 3 + 0.5) / 3
+    assert o3.step_s == pytest.approx(1.5) and o3.bound == "compute (G + U)"
 
 
 def test_fully_async_pipelines():

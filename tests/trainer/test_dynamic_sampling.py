@@ -161,6 +161,29 @@ def test_oversampling_kill_and_resume_loses_no_prompt(tiny_model_dir, sixteen_pr
     _odd_rows_once_per_epoch(run, epochs=2)
 
 
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_oversampling_on_the_object_store_plane_loses_no_prompt(
+    tiny_model_dir, sixteen_prompts, tmp_path
+):
+    """The same run with Ray workers and the replicas scoring groups into the object store:
+    surplus groups are cancelled on the replicas and generated again all the same."""
+    pytest.importorskip("ray")
+    from trainer_helpers import train_subprocess
+
+    run = tmp_path / "run"
+    args = [
+        *_oversample_args(tiny_model_dir, sixteen_prompts, tmp_path, run),
+        "trainer.backend=ray",
+        "trainer.num_workers=1",
+        "trainer.async.data_plane=object_store",
+    ]
+    assert train_subprocess(args, threads=1) == 0
+    rows = [r for r in metric_rows(run) if "dynamic_sampling/num_groups" in r]
+    assert sum(r["replay/evicted/surplus"] for r in rows) > 0, "nothing left over: not exercised"
+    _odd_rows_once_per_epoch(run, epochs=2)
+
+
 def test_oversample_config_errors_name_the_fix(small_overrides):
     """``oversample`` needs filtering with refills, and a mode that declares it."""
     from postrl.config.loader import ConfigError
