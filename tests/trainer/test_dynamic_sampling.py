@@ -180,7 +180,11 @@ def test_oversampling_on_the_object_store_plane_loses_no_prompt(
     ]
     assert train_subprocess(args, threads=1) == 0
     rows = [r for r in metric_rows(run) if "dynamic_sampling/num_groups" in r]
-    assert sum(r["replay/evicted/surplus"] for r in rows) > 0, "nothing left over: not exercised"
+    # completion order on the replicas is not fixed: whether a step leaves a surplus is timing;
+    # that oversampling admitted beyond the drops is not
+    assert sum(r["replay/refills"] for r in rows) > sum(
+        r["dynamic_sampling/num_dropped_groups"] for r in rows
+    )
     _odd_rows_once_per_epoch(run, epochs=2)
 
 
