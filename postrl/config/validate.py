@@ -350,13 +350,7 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
             f"trainer.async.idle_switch=never"
         )
     fg = cfg.algorithm.filter_groups
-    if fg.oversample and not (fg.enable and fg.refill):
-        e.append(
-            "algorithm.filter_groups.oversample=true needs algorithm.filter_groups.enable=true "
-            "and algorithm.filter_groups.refill=true (it sizes the refills of filtered groups); "
-            "enable both or set oversample=false"
-        )
-    if fg.oversample and not facts.get("oversample"):
+    if fg.enable and fg.refill and fg.oversample and not facts.get("oversample"):
         e.append(
             f"algorithm.filter_groups.oversample=true with trainer.mode={t.mode}: this mode "
             f"keeps its own number of groups in flight (trainer.async.max_staleness + 1 "

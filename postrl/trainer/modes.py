@@ -138,7 +138,7 @@ class SyncMode:
         cfg = ctx.cfg
         fg = cfg.algorithm.filter_groups
         k = cfg.data.train_batch_size
-        over = fg.enable and fg.oversample
+        over = fg.enable and fg.refill and fg.oversample
         buffer = ReplayBuffer(
             cfg.rollout.n,
             k,
