@@ -284,11 +284,15 @@ class GroupStream:
         missing = self.buffer.batch_groups - ready
         if missing <= 0:
             return 0
-        c = self._counts
-        kept = self._keep[0] + c["groups"] - c["filtered"] - c["failed"]
-        rate = (kept + 1.0) / (self._keep[1] + c["groups"] + 1.0)
+        kept = self._keep[0] + self._kept_this_take()
+        rate = (kept + 1.0) / (self._keep[1] + self._counts["groups"] + 1.0)
         want = int(np.ceil(missing / rate)) - (len(groups) - ready)
         return max(0, min(want, self.buffer.can_admit()))
+
+    def _kept_this_take(self) -> int:
+        """Groups scored since the take began and not evicted for their scores."""
+        c = self._counts
+        return c["groups"] - c["filtered"] - c["failed"]
 
     def release_surplus(self) -> int:
         """Evict every group left in the buffer as ``surplus`` (``oversample``: the batch is
@@ -334,9 +338,10 @@ class GroupStream:
         uids = await self._take(k, step, draw)
         taken = [self.buffer.group(u) for u in uids]
         if self.oversample:
-            c = self._counts
-            kept = c["groups"] - c["filtered"] - c["failed"]
-            self._keep = [self._keep[0] / 2 + kept, self._keep[1] / 2 + c["groups"]]
+            self._keep = [
+                self._keep[0] / 2 + self._kept_this_take(),
+                self._keep[1] / 2 + self._counts["groups"],
+            ]
             cancelled = list(self._tasks.values())  # every trajectory left is a surplus one
             self.release_surplus()
             if cancelled:  # their requests are aborted before the fleet sleeps
