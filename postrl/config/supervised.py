@@ -53,6 +53,14 @@ class SFTConfig(TrainFileOptions):
     """Rows longer than this are truncated (and the tail's loss dropped)."""
     lora_rank: int = ModelSpec.lora_rank
     """LoRA rank (0 = full fine-tuning)."""
+    target_loss: float = 0.0
+    """Train on past ``max_steps`` until the mean loss of the last 10 steps is at or below
+    this, at the schedule's final learning rate (0 = off): a warm-up that stops at a loss, not
+    at a step count, so a seed (or a CPU's rounding) that leaves a loss plateau late still ends
+    where the others do. A run that reaches it within ``max_steps`` is unchanged."""
+    target_extra_steps: int = 200
+    """Most steps past ``max_steps`` that ``target_loss`` may add (the metrics report
+    ``sft/extra_steps`` and whether the target was met)."""
 
 
 @dataclass

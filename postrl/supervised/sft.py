@@ -121,7 +121,8 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
 
     Returns:
         metrics: ``sft/first_loss``, ``sft/final_loss`` (mean of the last 10 steps),
-        ``sft/steps``, ``sft/tokens_per_s``, ``sft/wall_s``.
+        ``sft/steps``, ``sft/extra_steps`` (past ``max_steps``, for ``target_loss``),
+        ``sft/tokens_per_s``, ``sft/wall_s``.
     """
     from transformers import AutoTokenizer
 
@@ -152,8 +153,13 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
     losses: list[torch.Tensor] = []
     n_tokens, t0 = 0, time.perf_counter()
     policy.module.train()
+    target = float(cfg.target_loss)
     for batch in (b for e in epochs for b in e):
-        if len(losses) >= total:
+        if len(losses) >= total and not (
+            target > 0
+            and len(losses) < total + cfg.target_extra_steps
+            and float(torch.stack(losses[-10:]).mean()) > target
+        ):
             break
         ids, am, mask = _tensors([data[i] for i in batch], pad)
         lp, _ = policy_logprobs(policy.decoder, policy.lm_head, ids, am, ids.shape[1] - 1)
@@ -169,10 +175,19 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
             logger.info("sft step %d/%d loss %.4f", len(losses), total, float(losses[-1]))
     wall = time.perf_counter() - t0
     hist = torch.stack(losses)
+    if target > 0 and float(hist[-10:].mean()) > target:
+        logger.warning(
+            "sft: the loss (mean of the last 10 steps) is %.3f after %d steps, above "
+            "target_loss=%.3f; raise target_extra_steps or lr",
+            float(hist[-10:].mean()),
+            len(losses),
+            target,
+        )
     metrics = {
         "sft/first_loss": float(hist[0]),
         "sft/final_loss": float(hist[-10:].mean()),
         "sft/steps": float(len(losses)),
+        "sft/extra_steps": float(max(0, len(losses) - total)),
         "sft/tokens_per_s": n_tokens / max(wall, 1e-9),
         "sft/wall_s": wall,
     }

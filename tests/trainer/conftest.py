@@ -15,6 +15,16 @@ def addition_files(tmp_path_factory):
     return str(train), str(test)
 
 
+@pytest.fixture(scope="session")
+def epoch_files(tmp_path_factory):
+    """16 training prompts (4 batches of 4 per epoch at ``data.train_batch_size=4``) and 4
+    held-out ones: the small epochs of the tests that count each prompt's training by uid."""
+    d = tmp_path_factory.mktemp("epoch16")
+    train = write_parquet(generate_addition(16, seed=5), d / "train.parquet")
+    test = write_parquet(generate_addition(4, seed=5, split="test"), d / "test.parquet")
+    return train, test
+
+
 @pytest.fixture
 def small_overrides(tiny_model_dir, addition_files, tmp_path):
     """key=value overrides for a seconds-long GRPO run."""

@@ -65,17 +65,6 @@ _EVEN_FILTERED = (
 )
 
 
-@pytest.fixture(scope="module")
-def sixteen_prompts(tmp_path_factory):
-    """16 training prompts (8 odd rows: 2 batches of 4 kept groups per epoch), 4 held out."""
-    from postrl.data import generate_addition, write_parquet
-
-    d = tmp_path_factory.mktemp("oversample")
-    train = write_parquet(generate_addition(16, seed=5), d / "train.parquet")
-    test = write_parquet(generate_addition(4, seed=5, split="test"), d / "test.parquet")
-    return train, test
-
-
 def _oversample_args(tiny_model_dir, files, tmp_path, run) -> list[str]:
     reward = tmp_path / "even_filtered.py"
     reward.write_text(_EVEN_FILTERED)
@@ -121,7 +110,7 @@ def _odd_rows_once_per_epoch(run, epochs: int) -> None:
 
 @pytest.mark.timeout(180)
 def test_oversampling_keeps_more_groups_in_flight_and_loses_no_prompt(
-    tiny_model_dir, sixteen_prompts, tmp_path
+    tiny_model_dir, epoch_files, tmp_path
 ):
     """``oversample``: a step keeps ⌈missing / keep rate⌉ groups in flight (here the keep rate
     is ½: twice the missing groups), the groups left over when the batch is full are evicted as
@@ -129,7 +118,7 @@ def test_oversampling_keeps_more_groups_in_flight_and_loses_no_prompt(
     from trainer_helpers import train_subprocess
 
     run = tmp_path / "run"
-    args = _oversample_args(tiny_model_dir, sixteen_prompts, tmp_path, run)
+    args = _oversample_args(tiny_model_dir, epoch_files, tmp_path, run)
     assert train_subprocess(args, threads=1) == 0
     rows = [r for r in metric_rows(run) if "dynamic_sampling/num_groups" in r]
     assert len(rows) == 6
@@ -143,19 +132,17 @@ def test_oversampling_keeps_more_groups_in_flight_and_loses_no_prompt(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_oversampling_kill_and_resume_loses_no_prompt(tiny_model_dir, sixteen_prompts, tmp_path):
+def test_oversampling_kill_and_resume_loses_no_prompt(tiny_model_dir, epoch_files, tmp_path):
     """SIGKILL right after a checkpoint taken with surplus prompts waiting to be generated
     again (they live in the mode's checkpoint), resume: every odd row is still trained exactly
     once per epoch. The kill point is the step after the first one that left a surplus."""
     from trainer_helpers import train_subprocess
 
     ref, run = tmp_path / "ref", tmp_path / "run"
-    assert (
-        train_subprocess(_oversample_args(tiny_model_dir, sixteen_prompts, tmp_path, ref), 1) == 0
-    )
+    assert train_subprocess(_oversample_args(tiny_model_dir, epoch_files, tmp_path, ref), 1) == 0
     surplus = [r["step"] for r in metric_rows(ref) if r.get("replay/evicted/surplus")]
     assert surplus and surplus[0] < 6, f"no surplus before the last step ({surplus})"
-    args = _oversample_args(tiny_model_dir, sixteen_prompts, tmp_path, run)
+    args = _oversample_args(tiny_model_dir, epoch_files, tmp_path, run)
     assert train_subprocess(args, threads=1, kill_at=f"step{surplus[0] + 1}:after_gen") == -9
     assert train_subprocess(args, threads=1) == 0
     _odd_rows_once_per_epoch(run, epochs=2)

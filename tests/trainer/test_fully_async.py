@@ -21,20 +21,10 @@ from trainer_helpers import (
 )
 
 from postrl.config import ConfigError, load_config, validate_config
-from postrl.data import generate_addition, write_parquet
 from postrl.rollout import ReplicaDeadError
 from postrl.trainer import RLTrainer, hooks
 
 pytest.importorskip("uvicorn")
-
-
-@pytest.fixture(scope="module")
-def epoch_files(tmp_path_factory):
-    """16 training prompts (4 batches of 4 per epoch, 8 mini-batch steps) and 4 held-out."""
-    d = tmp_path_factory.mktemp("fasync")
-    train = write_parquet(generate_addition(16, seed=5), d / "train.parquet")
-    test = write_parquet(generate_addition(4, seed=5, split="test"), d / "test.parquet")
-    return train, test
 
 
 def _base(tiny_model_dir, epoch_files, digits_reward, run, steps: int = 16) -> list[str]:

@@ -15,17 +15,7 @@ from trainer_helpers import (
 )
 
 from postrl.config import ConfigError, load_config
-from postrl.data import generate_addition, write_parquet
 from postrl.trainer import RLTrainer
-
-
-@pytest.fixture(scope="module")
-def epoch_files(tmp_path_factory):
-    """16 training prompts (4 steps of 4 per epoch) and 4 held-out ones."""
-    d = tmp_path_factory.mktemp("osoff")
-    train = write_parquet(generate_addition(16, seed=5), d / "train.parquet")
-    test = write_parquet(generate_addition(4, seed=5, split="test"), d / "test.parquet")
-    return train, test
 
 
 def _base(tiny_model_dir, epoch_files, digits_reward, run) -> list[str]:
