@@ -407,7 +407,7 @@ class FilterGroupsConfig:
     engine runs full batches instead of a thinning tail. Groups left over when the batch is
     full are evicted as ``surplus`` (``replay/evicted/surplus``) and their prompts are generated
     again first at the next step: nothing is lost, the leftover compute is. Modes that declare
-    ``oversample`` in their registry entry (``sync``), on the ``driver`` data plane; no
+    ``oversample`` in their registry entry (``sync``), on either data plane; no
     effect without ``enable`` and ``refill``."""
 
 

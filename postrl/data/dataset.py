@@ -228,21 +228,33 @@ class PromptLoader:
         return self.next_prompts(self.batch_size)
 
     def next_prompts(self, k: int) -> DataProto:
-        """The next ``k`` prompts of the order, advancing; when fewer than ``k`` are left in the
-        epoch the rest of it is skipped (counted like the trailing partial batch) and the next
-        epoch starts. ``next_batch`` is ``next_prompts(batch_size)``; DAPO's refill draws the
-        exact number of groups it evicted."""
+        """The next ``k`` prompts of the order, advancing. ``next_batch`` is
+        ``next_prompts(batch_size)``; DAPO's refill draws the exact number of groups it evicted.
+
+        At an epoch's end: from a position on the batch grid, the trailing partial batch is
+        skipped (``dropped_per_epoch``) and the next epoch starts; from a position off it (refills
+        drew single prompts), the rest of the epoch is drawn and the draw goes on into the next
+        epoch — an epoch's prompts are never skipped mid-way. ``meta_info["epoch"]`` is the
+        epoch of the draw's last prompt; ``meta_info["epochs"]`` each row's own (replays: the
+        current epoch)."""
         if not 0 < k <= len(self.dataset):
             raise DatasetError(f"next_prompts({k}): k must be in [1, {len(self.dataset)}]")
         replays = self.sampler.replays(k) if self.sampler is not None else []
         fresh = k - len(replays)
-        if self.position + fresh > len(self.dataset):
-            self.epoch += 1
-            self.position = 0
-        idx = self._order(self.epoch)[self.position : self.position + fresh]
-        self.position += fresh
-        out = self.dataset.batch(np.concatenate([idx, np.asarray(replays, dtype=idx.dtype)]))
+        n = len(self.dataset)
+        if self.position + fresh > n and self.position % self.batch_size == 0:
+            self.epoch, self.position = self.epoch + 1, 0  # the trailing partial batch
+        head = self._order(self.epoch)[self.position : self.position + fresh]
+        epochs = [self.epoch] * len(head)
+        self.position += len(head)
+        if len(head) < fresh:  # off the grid: the epoch's rest, then the next epoch's first
+            self.epoch, self.position = self.epoch + 1, fresh - len(head)
+            tail = self._order(self.epoch)[: self.position]
+            head = np.concatenate([head, tail])
+            epochs += [self.epoch] * len(tail)
+        out = self.dataset.batch(np.concatenate([head, np.asarray(replays, dtype=head.dtype)]))
         out.meta_info["epoch"] = self.epoch
+        out.meta_info["epochs"] = epochs + [self.epoch] * len(replays)
         return out
 
     def observe(self, index: Any, uid: Any, scores: Any) -> None:

@@ -167,17 +167,6 @@ OBJECT_STORE_RULES: tuple[PlaneRule, ...] = (
         "set trainer.async.idle_switch=never",
     ),
     PlaneRule(
-        "`algorithm.filter_groups.oversample=true`",
-        _on(
-            "algorithm.filter_groups.oversample",
-            lambda c: c.algorithm.filter_groups.enable and c.algorithm.filter_groups.oversample,
-        ),
-        REFUSED,
-        "a group left over when the batch is full is not yet generated again reliably on this "
-        "plane (a run lost two prompts of an epoch)",
-        "set algorithm.filter_groups.oversample=false",
-    ),
-    PlaneRule(
         "an agent loop registered with `segments` (one run, several rows)",
         _segments,
         REFUSED,

@@ -97,3 +97,30 @@ def test_gsm8k_converter(tmp_path):
     bad.write_text(json.dumps({"answer": "x"}) + "\n")
     with pytest.raises(ValueError, match="row 0.*question"):
         convert_gsm8k(bad)
+
+
+def test_a_draw_off_the_batch_grid_goes_on_into_the_next_epoch(tmp_path, tok):
+    """Refills draw single prompts, so a batch can start off the grid of ``batch_size``: at the
+    epoch's end it takes the epoch's rest and then the next epoch's first prompts (each row with
+    its own epoch). From a position on the grid the trailing partial batch is skipped as before.
+    (Regression: the rest was skipped there too — prompts of an epoch never trained.)"""
+    p = write_parquet(generate_addition(16, seed=0), tmp_path / "a.parquet")
+    ds = RLDataset([str(p)], tok)
+    loader = PromptLoader(ds, 4, seed=7)
+    order0, order1 = loader._order(0).tolist(), loader._order(1).tolist()
+    drawn = [loader.next_batch() for _ in range(3)] + [loader.next_prompts(1)]  # 13 of 16
+    cross = loader.next_batch()
+    assert cross.non_tensor_batch["index"].tolist() == order0[13:] + order1[:1]
+    assert cross.meta_info["epochs"] == [0, 0, 0, 1] and cross.meta_info["epoch"] == 1
+    assert (loader.epoch, loader.position) == (1, 1)
+    epoch0 = [i for b in drawn + [cross] for i in b.non_tensor_batch["index"].tolist()][:16]
+    assert sorted(epoch0) == list(range(16))  # every prompt of epoch 0, once
+    # on the grid: 18 prompts, batches of 4, the last 2 of each epoch skipped (drop-last)
+    p18 = write_parquet(generate_addition(18, seed=0), tmp_path / "b.parquet")
+    grid = PromptLoader(RLDataset([str(p18)], tok), 4, seed=7)
+    for _ in range(4):
+        grid.next_batch()
+    nxt = grid.next_batch()
+    assert nxt.meta_info["epochs"] == [1] * 4
+    assert nxt.non_tensor_batch["index"].tolist() == grid._order(1).tolist()[:4]
+    assert grid.dropped_per_epoch == 2

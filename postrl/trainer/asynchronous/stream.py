@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from postrl.agent.manager import derive_seed
 from postrl.protocol import DataProto
 from postrl.reward import RewardFailureError
 from postrl.trainer.asynchronous.replay import ReplayBuffer
@@ -145,19 +146,34 @@ class GroupStream:
         trajectories; returns the group uids."""
         cfg = self.ctx.cfg
         epoch = int(prompts.meta_info.get("epoch", 0))
+        epochs = [int(e) for e in prompts.meta_info.get("epochs") or [epoch] * len(prompts)]
         rows = self.ctx.agents.rows(prompts, self.n, seed=cfg.trainer.seed, step=step)
         uids, indices = [], []
         for p in range(len(prompts)):
             grows = rows[p * self.n : (p + 1) * self.n]
             uid = str(grows[0]["uid"])
-            if self.buffer.known(uid):  # the same row drawn twice in one step (refills)
-                uid = f"{uid}-r{self.buffer.admissions + p}"
+            if self.buffer.known(uid):
+                # the same row twice in one step (a refill drew it again, or a surplus retry
+                # of epoch e met its fresh draw of epoch e+1): a group of its own, with its own
+                # request ids (an engine keys requests, aborts and resumes by them) and its own
+                # samples (the same seeds would generate a copy of the other group)
+                nth = self.buffer.admissions + p
+                uid = f"{uid}-r{nth}"
                 for r in grows:
                     r["uid"] = uid
+                    r["request_id"] = f"{r['request_id']}-r{nth}"
+                    r["seed"] = derive_seed(int(r["seed"]), nth)
             uids.append(uid)
             indices.append(int(grows[0].get("index", p)))
             self._rows[uid] = grows
-        self.buffer.admit(uids, dispatch_step=step, indices=indices, epoch=epoch)
+        for e in sorted(set(epochs)):  # a draw across an epoch's end: each group its own
+            sel = [p for p in range(len(uids)) if epochs[p] == e]
+            self.buffer.admit(
+                [uids[p] for p in sel],
+                dispatch_step=step,
+                indices=[indices[p] for p in sel],
+                epoch=e,
+            )
         for uid in uids:
             for k in range(self.n):
                 self._spawn(uid, k)
