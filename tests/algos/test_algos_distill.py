@@ -138,7 +138,9 @@ def test_generalized_jsd_topk_equals_dense_at_k_equal_vocab(beta):
     s_at = student.gather(-1, top_id)  # (B, T, K) the student's log-probs at those ids
     got = generalized_jsd_topk(s_at, top_lp, mask, beta=beta)
     dense = generalized_jsd(teacher, student, beta=beta) * mask
-    torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-6)
+    # fp32, two summation orders (sorted top-k vs the vocabulary's): 7.3e-6 apart (2e-5
+    # relative) at one position on an AVX-512 Xeon, below 1e-6 on an AVX2 EPYC
+    torch.testing.assert_close(got, dense, rtol=1e-4, atol=1e-5)
     assert got[0, -1] == 0.0
 
 
