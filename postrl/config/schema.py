@@ -657,6 +657,14 @@ class TrainerConfig:
     """Karmarkar-Karp reorder before dispatch so dp ranks get equal token loads."""
     num_threads: int = 0
     """torch threads per process (0 = leave torch's default)."""
+    flush_denormal: bool = True
+    """Flush fp32 denormals (magnitudes below 1.2e-38) to zero on the CPU in the trainer's
+    processes (x86 FTZ/DAZ, ``torch.set_flush_denormal``), set before their first torch op.
+    An RL update's gradients underflow into denormals, which x86 cores compute 10-100x slower:
+    on a W1-shaped batch the backward GEMMs of the K/V projections ran 10x slower than the
+    same shapes without them, the update took 1.6x as long, and W1's update 1.27x
+    (docs/benchmarks.md). Only values below 1e-38 change. False: IEEE gradual underflow
+    (torch's default)."""
     project_name: str = "postrl"
     """Run grouping for W&B/TensorBoard."""
     experiment_name: str = "default"

@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     import torch
 
+    # before the warm-up's first op, so every OpenMP thread of the process inherits it (the
+    # GRPO stage's trainer.flush_denormal, on by default, sets only the thread it runs on)
+    torch.set_flush_denormal(True)
     torch.set_num_threads(args.threads)
     from postrl.data import generate_addition, sft_rows_from_rl_rows, write_parquet
     from postrl.testing import make_model

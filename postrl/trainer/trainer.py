@@ -76,6 +76,7 @@ class RLTrainer:
     def __init__(self, cfg: PostRLConfig) -> None:
         validate_config(cfg)
         self.cfg = cfg
+        torch.set_flush_denormal(cfg.trainer.flush_denormal)  # (threads created later inherit)
         if cfg.trainer.num_threads > 0:
             torch.set_num_threads(cfg.trainer.num_threads)
         seed_everything(cfg.trainer.seed)

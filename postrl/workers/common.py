@@ -101,7 +101,9 @@ def shard_if(strategy: str, model, group, dev) -> None:
 
 
 def setup(cfg) -> tuple[torch.device, dist.ProcessGroup | None]:
-    """Thread count and seed from ``cfg.trainer``; the device and the dp group (None on dp=1)."""
+    """Denormal flushing, thread count and seed from ``cfg.trainer``; the device and the dp
+    group (None on dp=1)."""
+    torch.set_flush_denormal(cfg.trainer.flush_denormal)
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     torch.manual_seed(cfg.trainer.seed)
