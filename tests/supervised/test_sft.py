@@ -59,38 +59,18 @@ def test_target_loss_trains_on_past_max_steps_until_it_is_met(tiny_model_dir, tm
     """``target_loss``: a run above it at ``max_steps`` trains on (at most
     ``target_extra_steps``); a run at or below it stops at ``max_steps`` as before."""
     f = write_parquet(sft_rows_from_rl_rows(generate_addition(24, seed=0)), tmp_path / "s.parquet")
-    common = dict(epochs=20, lr=3e-3, batch_tokens=256, warmup_steps=1, log_every=0)
-    unreachable = run_sft(
-        str(tiny_model_dir),
-        str(f),
-        str(tmp_path / "a"),
-        max_steps=3,
-        target_loss=1e-6,
-        target_extra_steps=4,
-        **common,
-    )
+
+    def sft(out: str, **kw):
+        kw = dict(epochs=20, lr=3e-3, batch_tokens=256, warmup_steps=1, log_every=0, **kw)
+        return run_sft(str(tiny_model_dir), str(f), str(tmp_path / out), **kw)
+
+    unreachable = sft("a", max_steps=3, target_loss=1e-6, target_extra_steps=4)
     assert (unreachable["sft/steps"], unreachable["sft/extra_steps"]) == (7, 4)
-    met = run_sft(
-        str(tiny_model_dir),
-        str(f),
-        str(tmp_path / "b"),
-        max_steps=3,
-        target_loss=100.0,
-        **common,
-    )
+    met = sft("b", max_steps=3, target_loss=100.0)
     assert (met["sft/steps"], met["sft/extra_steps"]) == (3, 0)
     # a reachable target stops the extra steps as soon as the last 10 losses' mean is at it
-    first = run_sft(str(tiny_model_dir), str(f), str(tmp_path / "c"), max_steps=12, **common)
-    goal = first["sft/final_loss"]  # the mean of steps 3-12
-    reached = run_sft(
-        str(tiny_model_dir),
-        str(f),
-        str(tmp_path / "d"),
-        max_steps=3,
-        target_loss=goal,
-        target_extra_steps=50,
-        **common,
-    )
+    goal = sft("c", max_steps=12)["sft/final_loss"]  # the mean of steps 3-12
+    reached = sft("d", max_steps=3, target_loss=goal, target_extra_steps=50)
     assert 0 < reached["sft/extra_steps"] < 50 and reached["sft/final_loss"] <= goal, reached
 
 
