@@ -60,7 +60,7 @@ class SFTConfig(TrainFileOptions):
     where the others do. A run that reaches it within ``max_steps`` is unchanged."""
     target_extra_steps: int = 200
     """Most steps past ``max_steps`` that ``target_loss`` may add (the metrics report
-    ``sft/extra_steps`` and whether the target was met)."""
+    ``sft/extra_steps``; a warning names a target still not met)."""
 
 
 @dataclass

@@ -175,17 +175,18 @@ def run_sft(model_path: str, train_file: str, out_dir: str, **options: Any) -> d
             logger.info("sft step %d/%d loss %.4f", len(losses), total, float(losses[-1]))
     wall = time.perf_counter() - t0
     hist = torch.stack(losses)
-    if target > 0 and float(hist[-10:].mean()) > target:
+    final = float(hist[-10:].mean())
+    if target > 0 and final > target:
         logger.warning(
             "sft: the loss (mean of the last 10 steps) is %.3f after %d steps, above "
             "target_loss=%.3f; raise target_extra_steps or lr",
-            float(hist[-10:].mean()),
+            final,
             len(losses),
             target,
         )
     metrics = {
         "sft/first_loss": float(hist[0]),
-        "sft/final_loss": float(hist[-10:].mean()),
+        "sft/final_loss": final,
         "sft/steps": float(len(losses)),
         "sft/extra_steps": float(max(0, len(losses) - total)),
         "sft/tokens_per_s": n_tokens / max(wall, 1e-9),
