@@ -142,6 +142,7 @@ DEFAULT_MODES = MODES[:3]
 _RAY = ["trainer.backend=ray", "trainer.num_workers=1"]
 ARM_OVERRIDES = {
     "fully_async_switch": ("fully_async", ["trainer.async.idle_switch=auto"]),
+    "fully_async_own": ("fully_async", ["trainer.lend_cores=false"]),  # no core lending
     "fully_async_ray": ("fully_async", _RAY),
     "fully_async_ray_os": ("fully_async", [*_RAY, "trainer.async.data_plane=object_store"]),
 }

@@ -665,6 +665,14 @@ class TrainerConfig:
     same shapes without them, the update took 1.6x as long, and W1's update 1.27x
     (docs/benchmarks.md). Only values below 1e-38 change. False: IEEE gradual underflow
     (torch's default)."""
+    lend_cores: bool = True
+    """Rollout replica processes on this machine (``fully_async``'s, a ``vllm`` replica's;
+    ``trainer.backend=local``, ``trainer.device=cpu``) lend their cores to the trainer while
+    they have no request in flight: the actor's forward and backward run on
+    ``trainer.num_threads`` plus the idle replicas' ``trainer.async.rollout_threads``, switched
+    between decoder layers, and a replica that gets work has its cores back within one layer
+    (:mod:`postrl.protocol.cores`). On W1 the trainer is the bound and the replica idles ~80 %
+    of the time. ``async/cores_borrowed_s``, ``rollout/core_wait_s``. False: each keeps its own."""
     project_name: str = "postrl"
     """Run grouping for W&B/TensorBoard."""
     experiment_name: str = "default"

@@ -17,9 +17,10 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from postrl.rollout.checksum import PROBE_PREFIX, ReceivedWeights
 from postrl.rollout.signal import Signal
@@ -31,6 +32,9 @@ from postrl.rollout.types import (
     TokenOutput,
     WeightItem,
 )
+
+if TYPE_CHECKING:
+    from postrl.weights import Bucket
 
 __all__ = ["RolloutReplica", "LoadBalancer", "RolloutClient"]
 
@@ -51,10 +55,26 @@ class RolloutReplica:
         backend: any ``RolloutBackend``.
         replica_id: index used in logs and routing.
         pause_timeout_s: how long a request waits on a paused replica before failing.
+        cores: a :class:`~postrl.protocol.cores.CoreOwner` when this replica lends its cores
+            to the trainer while it has no request in flight (a replica process beside the
+            trainer, ``trainer.lend_cores``): the first request claims them back.
+        shared_dir: the directory whose :class:`~postrl.weights.buckets.SharedWeightBuffer`
+            files this replica may map (:meth:`receive_shared_bucket_report`: a replica process
+            beside the trainer); None: it accepts weights as frames only.
     """
 
-    def __init__(self, backend: Any, replica_id: int = 0, pause_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        replica_id: int = 0,
+        pause_timeout_s: float = 600.0,
+        cores: Any = None,
+        shared_dir: str | None = None,
+    ) -> None:
         self.backend = backend
+        self.cores = cores
+        self.shared_dir = shared_dir
+        self._shared_maps: dict[str, Any] = {}  # shared weight buffers mapped, kept mapped
         self.replica_id = replica_id
         self.policy_version = 0
         self.pause_timeout_s = pause_timeout_s
@@ -117,7 +137,11 @@ class RolloutReplica:
         self._inflight.add(request_id)
         version = self.policy_version  # without swaps an update only happens while paused,
         try:  # after ``pause`` aborted this call
-            out = await self.backend.generate(prompt_ids, sampling, request_id)
+            if self.cores is None:
+                out = await self.backend.generate(prompt_ids, sampling, request_id)
+            else:
+                async with self.cores.working():
+                    out = await self.backend.generate(prompt_ids, sampling, request_id)
         finally:
             self._inflight.discard(request_id)
             if not self._inflight:
@@ -178,8 +202,9 @@ class RolloutReplica:
         return int(n) if n else None
 
     def status(self) -> dict[str, Any]:
-        """The health answer remote callers get: policy version, running / waiting requests
-        and the engine's busy seconds (what the watchdog reads)."""
+        """The health answer remote callers get: policy version, running / waiting requests,
+        the engine's busy seconds and the seconds spent waiting for lent cores (what the watchdog
+        reads)."""
         be = self.backend
         return {
             "status": "ok",
@@ -187,9 +212,10 @@ class RolloutReplica:
             "running": int(getattr(be, "num_running", 0)),
             "waiting": int(getattr(be, "num_waiting", 0)),
             "busy_s": float(getattr(be, "busy_s", 0.0)),
+            "core_wait_s": float(self.cores.waited_s) if self.cores is not None else 0.0,
         }
 
-    def receive_bucket_report(self, frame: bytes) -> dict[str, Any]:
+    def receive_bucket_report(self, frame: bytes | Bucket) -> dict[str, Any]:
         """:meth:`receive_bucket`, then the answer a remote sender gets: the policy version and,
         at an update's last frame, the swap's metrics (``swap``)."""
         last = self.receive_bucket(frame)
@@ -200,18 +226,38 @@ class RolloutReplica:
             out["received"] = self.received.last
         return out
 
-    def receive_bucket(self, frame: bytes) -> bool:
-        """Load one ``postrl.weights`` bucket frame (raw bytes + JSON header, never unpickled);
-        returns whether it was an update's last frame.
+    def receive_shared_bucket_report(self, shm: dict[str, Any], header: dict) -> dict[str, Any]:
+        """:meth:`receive_bucket_report` of a bucket the trainer packed into a
+        :class:`~postrl.weights.buckets.SharedWeightBuffer` (``shm``: its file's ``name`` in
+        :attr:`shared_dir`, ``offset``, ``nbytes``); ``ValueError`` for a file outside that
+        directory or a range outside the file."""
+        from postrl.weights.buckets import map_shared_bucket
+
+        name = str(shm.get("name", ""))
+        if not self.shared_dir or not name or os.path.basename(name) != name:
+            raise ValueError(
+                f"shared weight buffer {name!r} refused: this replica maps only files directly "
+                f"in its shared directory ({self.shared_dir!r})"
+            )
+        path = os.path.join(self.shared_dir, name)
+        bucket = map_shared_bucket(
+            header, path, int(shm["offset"]), int(shm["nbytes"]), self._shared_maps
+        )
+        return self.receive_bucket_report(bucket)
+
+    def receive_bucket(self, frame: bytes | Bucket) -> bool:
+        """Load one ``postrl.weights`` bucket frame (raw bytes + JSON header, never unpickled;
+        or a decoded :class:`~postrl.weights.buckets.Bucket`); returns whether it was an
+        update's last frame.
 
         On a swap-capable backend the first bucket of an update opens a swap and the ``last``
         one closes it with the header's ``version`` (default: previous + 1), so the engine never
         steps on half-updated weights; a bucket that fails to load closes the swap without
         changing the version, then raises.
         """
-        from postrl.weights import decode_frame, unpack_bucket
+        from postrl.weights import Bucket, decode_frame, unpack_bucket
 
-        bucket = decode_frame(frame)
+        bucket = frame if isinstance(frame, Bucket) else decode_frame(frame)
         items = unpack_bucket(bucket)  # validates the header before the engine is held
         if int(bucket.header.get("index", 0)) == 0:
             self.received.begin()

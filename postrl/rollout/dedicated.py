@@ -18,6 +18,9 @@ releases it.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +51,9 @@ class DedicatedSpec:
         use_gpu: one GPU per Ray replica.
         requested_by: what asked for dedicated replicas, named in errors (e.g.
             ``"trainer.mode=fully_async"``).
+        lend_cores: replica processes (not Ray actors) lend their cores while they have no
+            request in flight (``trainer.lend_cores``; :mod:`postrl.protocol.cores`): their
+            leases are in :attr:`DedicatedReplicas.shared_dir`.
     """
 
     backend: str
@@ -62,6 +68,7 @@ class DedicatedSpec:
     python: str = ""
     use_gpu: bool = False
     requested_by: str = "dedicated rollout replicas"
+    lend_cores: bool = False
 
 
 @dataclass
@@ -117,6 +124,14 @@ class DedicatedReplicas:
         self.actor_body = actor_body
         self.prepare = prepare
         self._on_close = on_close
+        self.shared_dir: str | None = None
+        """A directory the trainer shares with its replica processes (None with Ray actors):
+        weight buffers they map (:class:`~postrl.weights.buckets.SharedWeightBuffer`) and, with
+        ``lend_cores``, their core leases (owner ``replica-<slot>``, :meth:`core_owners`).
+        On a tmpfs (``/dev/shm``) where there is one; removed by :meth:`close`."""
+        if placement is None:
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            self.shared_dir = tempfile.mkdtemp(prefix="postrl-shared-", dir=shm)
 
     def start(self) -> list[Any]:
         """Start every replica (all or none: a failure closes those already started, and
@@ -138,6 +153,13 @@ class DedicatedReplicas:
         if self.placement is not None:
             return self._spawn_actor(slot)
         return self._spawn_process(slot)
+
+    def core_owners(self) -> dict[str, int]:
+        """``{owner name: threads}`` of every slot's core lease ({} when none lends), what a
+        :class:`~postrl.protocol.cores.CoreBorrower` is built from."""
+        if self.shared_dir is None or not self.spec.lend_cores:
+            return {}
+        return {f"replica-{i}": self.spec.threads for i in range(self.spec.num_replicas)}
 
     def _log(self, slot: int) -> Path:
         log = Path(self.spec.run_dir) / f"rollout_replica_{slot}.log"
@@ -209,6 +231,8 @@ class DedicatedReplicas:
             control_timeout_s=control_s,
             startup_timeout_s=startup_s if own else 120.0,
             python=replica_python(spec.backend, spec.python),
+            shared_dir=self.shared_dir,
+            core_lease=f"replica-{slot}" if self.spec.lend_cores else "",
         )
 
     def close(self) -> None:
@@ -220,3 +244,6 @@ class DedicatedReplicas:
         placement, self.placement = self.placement, None
         if placement is not None:
             placement.release()
+        shared, self.shared_dir = self.shared_dir, None
+        if shared is not None:
+            shutil.rmtree(shared, ignore_errors=True)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import subprocess
 import time
 from collections.abc import Iterable
@@ -39,6 +41,8 @@ from postrl.rollout.types import (
     TokenOutput,
     WeightItem,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["HTTPRolloutReplica", "ReplicaDeadError"]
 
@@ -60,6 +64,9 @@ class HTTPRolloutReplica(Liveness):
             ``/v1/generate``). One TCP connection carries every in-flight request, so hundreds
             of concurrent requests cost the trainer's event loop a line each way, not an HTTP
             exchange (httpx's connection pool spends most of a busy loop's time on itself).
+        shared_dir: the directory the process was started with (``--shared-dir``): weight
+            buckets packed into a :class:`~postrl.weights.buckets.SharedWeightBuffer` there
+            travel as headers only (:meth:`receive_shared_bucket`).
     """
 
     def __init__(
@@ -72,6 +79,7 @@ class HTTPRolloutReplica(Liveness):
         process: subprocess.Popen | None = None,
         log_path: str | None = None,
         stream_port: int = 0,
+        shared_dir: str | None = None,
     ) -> None:
         import httpx
 
@@ -89,11 +97,18 @@ class HTTPRolloutReplica(Liveness):
         """``{name: crc32}`` of the last complete update, as the replica loaded it."""
         self.busy_s = 0.0
         """The replica engine's seconds in steps, as of the last health ping."""
+        self.core_wait_s = 0.0
+        """Seconds the replica waited for its lent cores to come back (``trainer.lend_cores``),
+        as of the last health ping."""
         Liveness.__init__(self)
         self._inflight = 0
         self._http = httpx.Client(base_url=self.base_url, timeout=control_timeout_s)
         self._aclient: Any = None
         self.stream_port = stream_port
+        self.shared_dir = shared_dir
+        """The directory of files this replica's process shares with the trainer (weight
+        buffers, core leases; None: none)."""
+        self._shared: Any = None  # the SharedWeightBuffer pushes are packed into
         self._channel: ReplicaChannel | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._wsock: Any = None  # the blocking connection weight frames travel on
@@ -291,19 +306,35 @@ class HTTPRolloutReplica(Liveness):
         W1's 9.7 MB push took 75 ms over HTTP); otherwise as the body of
         ``POST /v1/weights/bucket``."""
         if self.stream_port:
-            d = self._send_frame_raw(frame)
+            d = self._send_frame_raw({"nbytes": len(frame)}, frame)
         else:
             d = self._post(
                 "/v1/weights/bucket",
                 content=frame,
                 headers={"content-type": "application/octet-stream"},
             )
+        return self._loaded(d)
+
+    def _loaded(self, d: dict[str, Any]) -> dict[str, Any]:
         self.policy_version = int(d.get("policy_version", self.policy_version))
         if d.get("swap"):
             self.last_swap = {k: float(v) for k, v in d["swap"].items()}
         if "received" in d:
             self.last_received = {k: int(v) for k, v in d["received"].items()}
         return d
+
+    @property
+    def shares_weight_buffers(self) -> bool:
+        """Whether this replica maps :class:`~postrl.weights.buckets.SharedWeightBuffer` files
+        of :attr:`shared_dir` (a replica process started with one, on this machine)."""
+        return bool(self.shared_dir and self.stream_port)
+
+    def receive_shared_bucket(self, name: str, bucket: Any, offset: int) -> dict[str, Any]:
+        """Load a bucket the trainer packed into the shared buffer ``name`` (a file of
+        :attr:`shared_dir`) at ``offset``: only its header travels (the replica reads the same
+        pages); answered as :meth:`receive_bucket`."""
+        shm = {"name": name, "offset": int(offset), "nbytes": bucket.nbytes}
+        return self._loaded(self._send_frame_raw({"shm": shm, "header": bucket.header}))
 
     def receive_bucket_report(self, frame: bytes) -> dict[str, Any]:
         """:meth:`receive_bucket`, answered as ``RolloutReplica.receive_bucket_report`` is
@@ -327,13 +358,14 @@ class HTTPRolloutReplica(Liveness):
             self._max_model_len = int(n) if n else None
         return self._max_model_len
 
-    def _send_frame_raw(self, frame: bytes) -> dict[str, Any]:
-        """One frame over a blocking connection to the stream port (opened once, kept; a
-        lost one is opened again once, then the replica is declared dead)."""
+    def _send_frame_raw(self, line: dict[str, Any], frame: bytes | None = None) -> dict[str, Any]:
+        """One ``weights`` line (plus ``frame``'s bytes) over a blocking connection to the
+        stream port (opened once, kept; a lost one is opened again once, then the replica is
+        declared dead)."""
         import socket
 
         self.check_alive()
-        head = json.dumps({"op": "weights", "id": 1, "nbytes": len(frame)}).encode() + b"\n"
+        head = json.dumps({"op": "weights", "id": 1, **line}).encode() + b"\n"
         for attempt in range(_RETRIES + 1):
             try:
                 if self._wsock is None:
@@ -342,7 +374,8 @@ class HTTPRolloutReplica(Liveness):
                     )
                     self._wfile = self._wsock.makefile("rb")
                 self._wsock.sendall(head)
-                self._wsock.sendall(frame)
+                if frame is not None:
+                    self._wsock.sendall(frame)
                 line = self._wfile.readline(LINE_LIMIT)
                 if not line:
                     raise ConnectionError("replica closed the weights connection")
@@ -376,10 +409,46 @@ class HTTPRolloutReplica(Liveness):
         version: int | None = None,
         bucket_bytes: int = 64 << 20,
     ) -> None:
-        """Stream a per-tensor weight stream as bucket frames (one update, one swap)."""
-        from postrl.weights import send_frames
+        """Stream a per-tensor weight stream as buckets (one update, one swap): packed into
+        this replica's :class:`~postrl.weights.buckets.SharedWeightBuffer` when its process
+        shares a directory with this one (only the headers travel), else sent as frames."""
+        from postrl.weights import encode_frame, pack_buckets, send_frames
 
-        send_frames(weights, self.receive_bucket, version, bucket_bytes)
+        shared = self._shared_buffer(bucket_bytes)
+        if shared is None:
+            send_frames(weights, self.receive_bucket, version, bucket_bytes)
+            return
+        name = os.path.basename(shared.path)
+        for bucket in pack_buckets(weights, bucket_bytes, version, buffer=shared.tensor):
+            offset = shared.offset_of(bucket.payload)
+            if offset is None:  # an oversized tensor's own bucket
+                self.receive_bucket(encode_frame(bucket))
+            else:
+                self.receive_shared_bucket(name, bucket, offset)
+
+    def _shared_buffer(self, nbytes: int) -> Any:
+        """This replica's shared weight buffer of ``nbytes`` (made at the first push; None
+        without a shared directory, or when its file system has no room: frames then)."""
+        if not self.shares_weight_buffers:
+            return None
+        if self._shared is None or self._shared.nbytes < nbytes:
+            from postrl.weights import SharedWeightBuffer
+
+            path = os.path.join(str(self.shared_dir), f"weights-{self.replica_id}.buf")
+            try:
+                self._shared = SharedWeightBuffer(path, nbytes)
+            except OSError as e:
+                logger.warning(
+                    "replica %d: no shared weight buffer of %d MB in %s (%s); weights travel "
+                    "as frames",
+                    self.replica_id,
+                    nbytes >> 20,
+                    self.shared_dir,
+                    e,
+                )
+                self.shared_dir = None
+                return None
+        return self._shared
 
     async def health(self, timeout_s: float) -> dict[str, Any]:
         """``/health`` within ``timeout_s`` (raises on failure)."""

@@ -8,7 +8,9 @@ trainer's event loop a line each way, not an HTTP exchange.
 Ops: ``{"op": "generate", "id": i, "prompt_ids": ..., "sampling": ..., "request_id": ...}``
 (answered with a :class:`~postrl.rollout.types.TokenOutput` as JSON, or ``{"error": ...}``),
 ``{"op": "abort", "request_id": ...}`` (no answer), and ``{"op": "weights", "id": i,
-"nbytes": n}`` followed by ``n`` raw bytes, one ``postrl.weights`` frame (answered with the
+"nbytes": n}`` followed by ``n`` raw bytes, one ``postrl.weights`` frame, or ``{"op": "weights",
+"id": i, "shm": {"name", "offset", "nbytes"}, "header": {...}}`` with no bytes, a bucket in a
+``SharedWeightBuffer`` file of the replica's shared directory (either answered with the
 policy version and, at an update's last frame, the swap's metrics). Nothing is unpickled.
 
 :class:`ReplicaChannel` is the client end (in the trainer, each
@@ -155,11 +157,15 @@ async def serve_replica_stream(
             if d.get("op") == "abort":
                 client.abort(str(d.get("request_id")))
             elif d.get("op") == "weights" and replica is not None:
-                frame = await reader.readexactly(int(d["nbytes"]))
+                shm = d.get("shm")  # a bucket in a shared buffer: no bytes follow
+                frame = None if shm else await reader.readexactly(int(d["nbytes"]))
                 ans: dict[str, Any] = {"id": d["id"]}
                 try:
-                    ans.update(replica.receive_bucket_report(frame))
-                except ValueError as e:  # a malformed frame: named to the sender
+                    if shm:
+                        ans.update(replica.receive_shared_bucket_report(shm, d.get("header")))
+                    else:
+                        ans.update(replica.receive_bucket_report(frame))
+                except (ValueError, OSError, KeyError) as e:  # named to the sender
                     ans["error"] = f"{type(e).__name__}: {e}"
                 writer.write(json.dumps(ans).encode() + b"\n")
             elif d.get("op") == "generate":

@@ -46,13 +46,19 @@ def spawn_replica(
     request_timeout_s: float = 600.0,
     control_timeout_s: float = 60.0,
     python: str | None = None,
+    shared_dir: str | None = None,
+    core_lease: str = "",
 ) -> HTTPRolloutReplica:
     """Start one replica process serving ``backend`` for ``model_path`` with ``threads`` torch
     threads; returns its handle once ``/health`` answers (``RolloutError`` naming the log
     otherwise). ``options`` are the backend's constructor options (JSON values); ``nice``
     lowers the process's CPU priority (``os.nice``: the OS then gives it the cores the trainer
     leaves idle); ``python`` is the interpreter to run (default: this one; a backend with
-    packages of its own, e.g. ``vllm``, runs its venv's: ``base.replica_python``)."""
+    packages of its own, e.g. ``vllm``, runs its venv's: ``base.replica_python``);
+    ``shared_dir`` is a directory this process shares with the caller: weight buckets in a
+    :class:`~postrl.weights.buckets.SharedWeightBuffer` file there travel as headers only, and
+    ``core_lease`` (a name) is its :class:`~postrl.protocol.cores.CoreOwner` lease there: the
+    process lends its cores while it has no request in flight."""
     log = Path(log_path) if log_path else None
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -77,6 +83,10 @@ def spawn_replica(
         "--parent-pid",
         str(os.getpid()),
     ]
+    if shared_dir:
+        cmd += ["--shared-dir", shared_dir]
+        if core_lease:
+            cmd += ["--core-lease", core_lease]
     errf = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (the child owns it)
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, env=env, text=True)
@@ -92,6 +102,7 @@ def spawn_replica(
         control_timeout_s=control_timeout_s,
         process=proc,
         log_path=str(log) if log else None,
+        shared_dir=shared_dir,
     )
     deadline = time.monotonic() + startup_timeout_s
     while True:
@@ -160,6 +171,16 @@ def replica_main(argv: list[str] | None = None) -> int:
     p.add_argument("--nice", type=int, default=0, help="added to the process's niceness")
     p.add_argument("--options", default="{}", help="backend options as a JSON object")
     p.add_argument("--parent-pid", type=int, default=0)
+    p.add_argument(
+        "--shared-dir",
+        default="",
+        help="a directory shared with the trainer: weight buffers it may map, core leases",
+    )
+    p.add_argument(
+        "--core-lease",
+        default="",
+        help="NAME in --shared-dir: lend this process's cores (postrl.protocol.cores) when idle",
+    )
     a = p.parse_args(argv)
     if a.parent_pid:
         _die_with_parent(a.parent_pid)
@@ -177,7 +198,12 @@ def replica_main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(max(1, a.threads))
     backend = create_rollout_backend(a.backend, a.model, **json.loads(a.options))
-    replica = RolloutReplica(backend)
+    cores = None
+    if a.core_lease and a.shared_dir:
+        from postrl.protocol.cores import CoreOwner
+
+        cores = CoreOwner(a.shared_dir, a.core_lease)
+    replica = RolloutReplica(backend, cores=cores, shared_dir=a.shared_dir or None)
     app = create_app(replica)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

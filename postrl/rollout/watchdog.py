@@ -38,7 +38,8 @@ class ReplicaWatchdog:
     Args:
         replicas: out-of-process replica handles (:class:`HTTPRolloutReplica`,
             :class:`~postrl.rollout.ray_replica.RayRolloutReplica`: ``dead``, async ``health``,
-            ``process_gone``, ``mark_dead``, ``busy_s``, ``local_pid``), read afresh each round
+            ``process_gone``, ``mark_dead``, ``busy_s``, ``local_pid``; ``core_wait_s`` is
+            set from the answer too), read afresh each round
             (a restarted replica joins).
         interval_s: time between two rounds of pings.
         timeout_s: silence (with no CPU progress) after which a replica is hung.
@@ -77,6 +78,7 @@ class ReplicaWatchdog:
             progress = self._cpu_progress(r, now)
             if isinstance(res, dict):
                 r.busy_s = float(res.get("busy_s", r.busy_s))
+                r.core_wait_s = float(res.get("core_wait_s", getattr(r, "core_wait_s", 0.0)))
                 self._last_ok[id(r)] = now
                 continue
             if isinstance(res, asyncio.CancelledError):

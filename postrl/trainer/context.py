@@ -99,6 +99,9 @@ class TrainerContext:
     """The options every rollout backend of the run was created with (slots, KV length,
     device, ``rollout.engine_kwargs``): an in-process replica made later (the idle switch)
     gets the same."""
+    core_lease: tuple[str, dict[str, int]] | None = None
+    """``(directory, {owner: threads})`` when the rollout replica processes lend their cores
+    while idle (``trainer.lend_cores``): the trainer hands it to its training workers."""
     loop_thread: LoopThread = field(default_factory=_new_loop_thread, repr=False)
     """The context's event loop (:class:`~postrl.rollout.loop_thread.LoopThread`): agent loops,
     tool calls, reward scoring and HTTP traffic to the rollout replicas run on it."""
@@ -318,6 +321,9 @@ def build_context(
         replica_spawner=pool.spawn if pool is not None else None,
         runner=runner,
         rollout_options=options,
+        core_lease=(pool.shared_dir, pool.core_owners())
+        if pool is not None and pool.shared_dir and pool.core_owners()
+        else None,
     )
 
 
@@ -354,6 +360,7 @@ def _dedicated_replicas(
         python=r.python,
         use_gpu=tc.device == "cuda",
         requested_by=f"trainer.mode={tc.mode}",
+        lend_cores=tc.lend_cores and tc.device == "cpu" and tc.backend != "ray",
     )
     if tc.backend != "ray":
         return DedicatedReplicas(spec), None

@@ -170,6 +170,10 @@ class RLTrainer:
             multi_turn=loops != {"single_turn"},
         )
         self.ctx.total_steps = self.total_steps
+        if self.ctx.core_lease is not None:  # replica processes lend their idle cores
+            for wg in (self.roles.actor, self.roles.critic):
+                if wg is not None:
+                    wg.lend_cores(*self.ctx.core_lease)
         self.mode = TRAINER_MODES.get(cfg.trainer.mode)(self.ctx)
         self.health = HealthMonitor(cfg)  # trainer.health.* alerts on the step's metrics
         self.tracker: Any = None

@@ -6,6 +6,7 @@ buckets, raw bytes + JSON header, never pickled), ``nccl`` (GPU, imported lazily
 
 from postrl.weights.buckets import (
     Bucket,
+    SharedWeightBuffer,
     decode_frame,
     encode_frame,
     pack_buckets,
@@ -28,6 +29,7 @@ from postrl.weights.sync import (
 
 __all__ = [
     "Bucket",
+    "SharedWeightBuffer",
     "decode_frame",
     "encode_frame",
     "pack_buckets",

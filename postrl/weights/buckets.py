@@ -18,9 +18,11 @@ bucket). ``unpack_bucket`` returns zero-copy views into the frame.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,6 +33,8 @@ __all__ = [
     "unpack_stream",
     "encode_frame",
     "decode_frame",
+    "SharedWeightBuffer",
+    "map_shared_bucket",
 ]
 
 FORMAT = "postrl-bucket/1"
@@ -76,15 +80,20 @@ def pack_buckets(
     weights: Iterable[tuple[str, torch.Tensor]],
     bucket_bytes: int = 64 << 20,
     version: int | None = None,
+    buffer: torch.Tensor | None = None,
 ) -> Iterator[Bucket]:
     """Yield buckets of at most ``bucket_bytes`` payload bytes (one oversized tensor excepted).
 
     The yielded bucket's payload is a view of a reused buffer: consume it (send or unpack and
-    copy) before asking for the next one.
+    copy) before asking for the next one. ``buffer``: a uint8 tensor of at least
+    ``bucket_bytes`` to pack into (e.g. a :class:`SharedWeightBuffer`'s, which replica
+    processes map), instead of a fresh one.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
-    buf = torch.empty(bucket_bytes, dtype=torch.uint8)
+    if buffer is not None and buffer.numel() < bucket_bytes:
+        raise ValueError(f"buffer of {buffer.numel()} bytes < bucket_bytes={bucket_bytes}")
+    buf = buffer if buffer is not None else torch.empty(bucket_bytes, dtype=torch.uint8)
     entries: list[dict] = []
     used, index = 0, 0
     pending: tuple[str, torch.Tensor] | None = None
@@ -165,9 +174,61 @@ def unpack_stream(buckets: Iterable[Bucket]) -> Iterator[tuple[str, torch.Tensor
 
 
 def encode_frame(bucket: Bucket) -> bytes:
-    """Serialise a bucket as ``[u64 header length][JSON header][payload]``."""
+    """Serialise a bucket as ``[u64 header length][JSON header][payload]`` (one copy of the
+    payload)."""
     head = json.dumps(bucket.header, separators=(",", ":")).encode()
-    return struct.pack("<Q", len(head)) + head + bucket.payload.numpy().tobytes()
+    return b"".join((struct.pack("<Q", len(head)), head, memoryview(bucket.payload.numpy())))
+
+
+class SharedWeightBuffer:
+    """A byte buffer in a file that processes on this machine map (``torch.from_file``,
+    ``MAP_SHARED``): the trainer packs a bucket into it and a replica process reads the same
+    pages, so a push sends only the bucket's header over the replica's socket (W1's 9.7 MB
+    push: no payload copies through sockets and stream buffers).
+
+    Args:
+        path: the file (created, sized ``nbytes``; best on a tmpfs such as ``/dev/shm``).
+        nbytes: its size (the sync's ``bucket_bytes``), reserved at once (``OSError`` when
+            the file system has no room for it).
+    """
+
+    def __init__(self, path: str | Path, nbytes: int) -> None:
+        self.path = str(path)
+        self.nbytes = int(nbytes)
+        with open(self.path, "wb") as f:  # reserved now: a full tmpfs fails here, not with
+            os.posix_fallocate(f.fileno(), 0, self.nbytes)  # SIGBUS at the first write
+        self.tensor = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
+
+    def offset_of(self, payload: torch.Tensor) -> int | None:
+        """Byte offset of ``payload`` in this buffer (None: it lies elsewhere, e.g. an oversized
+        tensor's own bucket)."""
+        base, ptr = self.tensor.data_ptr(), payload.data_ptr()
+        if payload.dtype != torch.uint8 or not base <= ptr <= base + self.nbytes - payload.numel():
+            return None
+        return ptr - base
+
+
+def map_shared_bucket(
+    header: dict, path: str | Path, offset: int, nbytes: int, maps: dict | None = None
+) -> Bucket:
+    """The :class:`Bucket` a :class:`SharedWeightBuffer` holds at ``[offset, offset + nbytes)``
+    (the receiving side; ``ValueError`` if that range is outside the file). ``maps``: a dict the
+    caller keeps to reuse the file's mapping from one push to the next (its pages stay mapped:
+    no page faults per push), remapped when the file changed."""
+    st = Path(path).stat()
+    size = st.st_size
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise ValueError(f"shared bucket [{offset}, {offset + nbytes}) outside {path} ({size} B)")
+    if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
+        raise ValueError("bucket header must be an object with a 'tensors' list")
+    key, known = (st.st_ino, size), (maps or {}).get(str(path))
+    if known is not None and known[0] == key:
+        mapped = known[1]
+    else:
+        mapped = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        if maps is not None:
+            maps[str(path)] = (key, mapped)
+    return Bucket(header, mapped[offset : offset + nbytes])
 
 
 def send_frames(

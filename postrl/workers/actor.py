@@ -44,6 +44,7 @@ from postrl.engine.model import load_policy
 from postrl.protocol import DataProto
 from postrl.workers.common import (
     ALL_RANKS_RANK0_OUT,
+    LendsCores,
     barrier,
     batch_spec,
     metrics_proto,
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ActorWorker", "RefWorker"]
 
 
-class ActorWorker(Worker):
+class ActorWorker(LendsCores, Worker):
     """The policy: log-probs, PPO update, weight stream, checkpoints (and LoRA reference)."""
 
     def __init__(self, cfg, total_steps: int = 0) -> None:
@@ -82,6 +83,9 @@ class ActorWorker(Worker):
         )
         self.register_dp_info("actor", dp_rank=self.rank, dp_size=self.world_size)
 
+    def _lending_model(self) -> torch.nn.Module:
+        return self.policy.module
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` (B, R) with the current policy (temperature from meta_info).
@@ -89,7 +93,8 @@ class ActorWorker(Worker):
         Rows by reference (``meta_info["by_ref"]``, ``protocol/refs.py``): the answer stays on
         this side, so the entropy's mean over this shard's policy tokens is reported in
         ``meta_info["local"]`` (``actor/entropy_old``) instead of the ``entropys`` column."""
-        out = self.actor.compute_log_prob(data)
+        with self._compute():
+            out = self.actor.compute_log_prob(data)
         if data.meta_info.get("by_ref") and "entropys" in out.batch:
             ent, mask = out.batch.pop("entropys"), data.batch["response_mask"].float()
             entropy = float((ent * mask).sum() / mask.sum().clamp(min=1))
@@ -99,7 +104,8 @@ class ActorWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` from this model with LoRA adapters disabled (LoRA runs only)."""
-        return self.actor.compute_log_prob(data, reference=True)
+        with self._compute():
+            return self.actor.compute_log_prob(data, reference=True)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
@@ -119,7 +125,10 @@ class ActorWorker(Worker):
         if rc is not None and "old_log_probs" in data.batch:
             data = _corrected(data, rc, local)
         t0 = time.perf_counter()
-        out = self.actor.update_policy(data)
+        lent: dict[str, float] = {}
+        with self._compute(lent, "actor/cores_borrowed_s"):
+            out = self.actor.update_policy(data)
+        out.metrics.update(lent)
         if rc is not None and out.old_log_probs is not None:  # fused: measured on its own pass
             data.batch["old_log_probs"] = out.old_log_probs[: len(data)]
             _corrected(data, rc, local)

@@ -9,18 +9,22 @@ fields' defaults from the specs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from postrl.controller import Dispatch, register
 from postrl.controller.dispatch import DispatchMode
 from postrl.engine.specs import BatchSpec, ModelSpec, OptimSpec, PolicyLossSpec
 from postrl.protocol import DataProto
 
 __all__ = [
     "ALL_RANKS_RANK0_OUT",
+    "LendsCores",
     "barrier",
     "batch_spec",
     "metrics_proto",
@@ -120,3 +124,41 @@ def barrier(group) -> None:
     """``dist.barrier`` on ``group`` when dp > 1."""
     if group is not None:
         dist.barrier(group)
+
+
+class LendsCores:
+    """Mixin of a training worker whose compute may borrow the cores of idle rollout replica
+    processes on its machine (``trainer.lend_cores``; :mod:`postrl.engine.lending`). The worker
+    sets ``self.cfg`` and calls :meth:`_compute` around each compute call; the model it hooks is
+    :meth:`_lending_model`."""
+
+    _lender: Any = None
+
+    def _lending_model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def lend_cores(self, directory: str, owners: dict[str, int]) -> int:
+        """Borrow the cores of ``owners`` (``{name: threads}`` leases in ``directory``, see
+        :mod:`postrl.protocol.cores`) while they are idle; returns the hooked layer count."""
+        from postrl.engine.lending import ThreadLender
+        from postrl.protocol.cores import CoreBorrower
+
+        if self._lender is not None:
+            self._lender.close()
+        self._lender = ThreadLender(CoreBorrower(directory, owners), self.cfg.trainer.num_threads)
+        return self._lender.install(self._lending_model())
+
+    @contextlib.contextmanager
+    def _compute(self, metrics: dict[str, float] | None = None, key: str = "") -> Iterator[None]:
+        """One compute call on borrowed cores where lent; ``metrics[key]``: its seconds on
+        borrowed cores."""
+        lender = self._lender
+        if lender is None:
+            yield
+            return
+        before = lender.borrower.borrowed_s
+        with lender.section():
+            yield
+        if metrics is not None:
+            metrics[key] = lender.borrower.borrowed_s - before

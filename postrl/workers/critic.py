@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from postrl.controller import Dispatch, Worker, register
 from postrl.engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from postrl.engine.critic import Critic
@@ -12,6 +14,7 @@ from postrl.engine.fsdp import param_numel
 from postrl.engine.model import load_critic
 from postrl.protocol import DataProto
 from postrl.workers.common import (
+    LendsCores,
     barrier,
     batch_spec,
     metrics_proto,
@@ -24,7 +27,7 @@ from postrl.workers.common import (
 __all__ = ["CriticWorker"]
 
 
-class CriticWorker(Worker):
+class CriticWorker(LendsCores, Worker):
     """The value function: values and the clipped value-loss update."""
 
     def __init__(self, cfg, total_steps: int = 0) -> None:
@@ -46,15 +49,22 @@ class CriticWorker(Worker):
         )
         self.register_dp_info("critic", dp_rank=self.rank, dp_size=self.world_size)
 
+    def _lending_model(self) -> torch.nn.Module:
+        return self.model
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` (B, R)."""
-        return self.critic.compute_values(data)
+        with self._compute():
+            return self.critic.compute_values(data)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         """One critic update; metrics in ``meta_info['metrics']``."""
-        return metrics_proto(self.critic.update_critic(data))
+        lent: dict[str, float] = {}
+        with self._compute(lent, "critic/cores_borrowed_s"):
+            metrics = self.critic.update_critic(data)
+        return metrics_proto({**metrics, **lent})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def shard_stats(self) -> dict[str, int]:

@@ -183,3 +183,58 @@ def _abort_races(rep) -> None:
     first, second = asyncio.run(go())  # a new loop: a new stream connection
     assert first.finish_reason == "abort" and len(first.token_ids) < 110
     assert second.finish_reason == "abort" and second.token_ids == []
+
+
+def test_shared_buffer_pushes_load_exact_bytes_and_lent_cores_come_back(tiny_model_dir, tmp_path):
+    """A replica process sharing a directory with the trainer: pushes travel as headers into a
+    shared weight buffer (an oversized tensor's bucket still as a frame) and the replica loads
+    exactly the pushed bytes; a buffer name outside the directory is refused by name; the
+    process lends its core while idle and claims it back for a request."""
+    from postrl.protocol.cores import CoreBorrower
+    from postrl.rollout import RolloutError
+    from postrl.rollout.checksum import tensor_crc
+    from postrl.rollout.replica_process import spawn_replica
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    rep = spawn_replica(
+        tiny_model_dir,
+        options={"max_num_seqs": 4, "max_model_len": 64},
+        log_path=tmp_path / "r.log",
+        shared_dir=str(shared),
+        core_lease="replica-0",
+    )
+    borrower = CoreBorrower(shared, {"replica-0": 1})
+    try:
+        assert rep.shares_weight_buffers
+        weights = _versions(_hf(tiny_model_dir), 2)[1]
+        sizes = sorted(t.numel() * t.element_size() for t in weights.values())
+        bucket = sizes[-1] - 1  # the largest tensors travel as frames of their own
+        assert sizes[0] < bucket
+        rep.update_weights(iter(weights.items()), version=5, bucket_bytes=bucket)
+        assert rep.policy_version == 5 and rep._shared is not None
+        assert rep.last_received == {k: tensor_crc(v) for k, v in weights.items()}
+        with pytest.raises(RolloutError, match="refused"):
+            rep._send_frame_raw(
+                {"shm": {"name": "../x.buf", "offset": 0, "nbytes": 1}, "header": {"tensors": []}}
+            )
+        assert not rep.dead
+
+        assert borrower.poll() == 1  # idle: its core is lent
+
+        async def one():
+            client = RolloutClient(LoadBalancer([rep]))
+            sp = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+            task = asyncio.ensure_future(client.generate(PROMPTS[0], sp, "lent"))
+            await asyncio.sleep(0.5)
+            assert not task.done()  # the replica waits for its core
+            assert borrower.poll() == 0  # it wants it: given back
+            return await asyncio.wait_for(task, 30)
+
+        out = asyncio.run(one())
+        assert len(out.token_ids) == 4
+        assert rep.status()["core_wait_s"] >= 0.4
+        assert borrower.poll() == 1  # idle again
+    finally:
+        borrower.close()
+        rep.close()

@@ -135,3 +135,28 @@ def test_registry():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             create_weight_sync("nccl")
+
+
+def test_a_shared_buffer_bucket_maps_back_to_the_same_tensors(tmp_path):
+    from postrl.weights.buckets import SharedWeightBuffer, map_shared_bucket
+
+    torch.manual_seed(0)
+    weights = {f"w{i}": torch.randn(100 + i, 7) for i in range(5)}
+    shared = SharedWeightBuffer(tmp_path / "w.buf", 1 << 14)
+    buckets, maps, mapped, count = [], {}, set(), 0
+    for b in pack_buckets(iter(weights.items()), 1 << 13, version=3, buffer=shared.tensor):
+        off = shared.offset_of(b.payload)
+        assert off == 0  # every bucket starts at the buffer's start
+        other = map_shared_bucket(b.header, shared.path, off, b.nbytes, maps)  # another mapping
+        mapped.add(other.payload.data_ptr())
+        buckets += [(n, t.clone()) for n, t in unpack_bucket(other)]
+        count += 1
+    assert count == 3 and len(mapped) == 1 and len(maps) == 1  # mapped once, reused
+    assert [n for n, _ in buckets] == list(weights)
+    for n, t in buckets:
+        assert torch.equal(t, weights[n])
+    assert shared.offset_of(torch.zeros(8, dtype=torch.uint8)) is None  # lies elsewhere
+    with pytest.raises(ValueError, match="outside"):
+        map_shared_bucket({"tensors": []}, shared.path, (1 << 14) - 4, 8)
+    with pytest.raises(ValueError, match="buffer of"):
+        next(pack_buckets(iter(weights.items()), 1 << 15, buffer=shared.tensor))

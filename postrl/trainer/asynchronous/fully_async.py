@@ -4,7 +4,10 @@ for training.
 verl's ``separate_async`` (formerly ``fully_async``). The rollout replicas run in **processes of
 their own** (``trainer.backend=local``: ``rollout.num_replicas`` processes with
 ``trainer.async.rollout_threads`` torch threads each, served over HTTP on 127.0.0.1 by
-``postrl.rollout.replica_process``); the trainer process keeps the rest of the cores. The
+``postrl.rollout.replica_process``); the trainer process keeps the rest of the cores and
+borrows an idle replica's between decoder layers (``trainer.lend_cores``,
+:mod:`postrl.protocol.cores`); weights reach a replica through a buffer both map
+(:class:`~postrl.weights.buckets.SharedWeightBuffer`). The
 trainer's event loop runs in a background thread, so agent loops, tool calls, reward scoring
 and the traffic to the replicas go on while the main thread trains.
 
@@ -170,6 +173,7 @@ class FullyAsyncMode:
         self._admitted_at_sync = 0  # admitted after the last push: counted in the next step
         self._restore: dict[str, Any] | None = None  # a checkpoint's state, applied at the push
         self._busy_mark = (time.perf_counter(), 0.0)  # (wall, replicas' engine seconds)
+        self._core_wait = 0.0  # the replicas' summed waits for lent cores, as last read
 
     async def _start_watchdog(self) -> asyncio.Task[None]:
         return asyncio.get_running_loop().create_task(self.watchdog.run())
@@ -275,8 +279,12 @@ class FullyAsyncMode:
             frac = (sum(busy) - b0) / (len(busy) * (now - t0))
             idle["rollout/replica_idle_fraction"] = float(min(1.0, max(0.0, 1.0 - frac)))
         dead = sum(1 for r in reps if r.dead)
+        wait = sum(float(getattr(r, "core_wait_s", 0.0)) for r in reps)
+        wait_delta, self._core_wait = max(0.0, wait - self._core_wait), wait
         return {
             **idle,
+            # seconds the replicas waited for their lent cores (trainer.lend_cores), this step
+            "rollout/core_wait_s": wait_delta,
             # deaths so far: the dead still in their slots plus those a restart replaced
             "rollout/replica_failures": float(dead + self.ctx.fleet.restarts),
             "rollout/replica_restarts": float(self.ctx.fleet.restarts),
