@@ -86,15 +86,20 @@ class PrefixLayout:
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` (S, L) of token-major ``x`` (N, h, D) as (S, h, L, D).
+    """Rows ``idx`` (S, L) of token-major ``x`` (N, h, D) as a contiguous (S, h, L, D).
 
-    ``index_select`` (not advanced indexing): its backward is ``index_add_``, several times
-    faster on CPU than the accumulating ``index_put_`` advanced indexing falls back to.
+    One ``index_select`` over the (token, head) rows of ``x`` in (S, h, L) order, so the result
+    is already laid out as the attention's batched matmuls read it (a gather in (S, L) order
+    then a transpose made each matmul copy it: W1's response pass, forward + backward of one
+    layer, 7.9 → 6.5 ms). ``index_select`` (not advanced indexing): its backward is
+    ``index_add_``, several times faster on CPU than the accumulating ``index_put_`` advanced
+    indexing falls back to.
     """
     s, length = idx.shape
-    return (
-        x.index_select(0, idx.reshape(-1)).view(s, length, x.shape[1], x.shape[2]).transpose(1, 2)
-    )
+    n, h, d = x.shape
+    heads = torch.arange(h, device=idx.device).view(1, h, 1)
+    rows = (idx.unsqueeze(1) * h + heads).reshape(-1)  # (S, h, L) order
+    return x.reshape(n * h, d).index_select(0, rows).view(s, h, length, d)
 
 
 SMALL_SCORES = 1 << 22
