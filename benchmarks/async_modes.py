@@ -663,12 +663,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             max(1, args.threads - args.threads // 2),
             max(1, args.threads // 2),
         )
+        s_threads = max(args.threads, fa[0] + fa[1])
         for rep in range(args.repeats):
             # this machine's thread speed-up and contention now (postrl bench modes reads them)
             from postrl.bench.modes import measure_contention, measure_speedup
 
-            if args.probes:
-                speedups.append(measure_speedup(args.threads, _model_of(overrides)))
+            if args.probes:  # up to every core a lending trainer may run on
+                speedups.append(measure_speedup(s_threads, _model_of(overrides)))
                 contention.append(measure_contention(fa[0], fa[1], _model_of(overrides)))
             for mode in ("sync", *[m for m in args.modes if m != "sync"]):
                 t0 = time.perf_counter()
@@ -689,6 +690,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "overrides": overrides,
             "runs": runs,
             "speedup": speedups,
+            "speedup_threads": s_threads,
             "contention": contention,
             "loadavg": list(os.getloadavg()),
             **summarize_workload(runs),

@@ -37,7 +37,10 @@ the async modes' measurements):
   or timed now on the model's forward and backward), and the trainer's work is slowed by the
   measured contention ``c`` of a replica computing beside it, for the share of the step the
   replicas compute (:func:`contended_time`, :func:`measure_contention`; ``--contention``; ~1
-  on cores of its own).
+  on cores of its own). With core lending (``trainer.lend_cores``, the default for replica
+  processes on the trainer's machine) the trainer runs on ``t + R × r`` threads whenever the
+  replicas are idle, and on ``t`` (slowed by ``c``) only for the ``G`` seconds of each step
+  they compute (:func:`lent_time`).
 
 Staleness: ``sync`` 0; ``one_step_off`` 1 (each batch was generated one version back); in
 ``fully_async`` a group waits in the buffer while the trainer is the bottleneck, so its age is
@@ -73,6 +76,7 @@ __all__ = [
     "predict_sync",
     "predict_one_step_off",
     "predict_fully_async",
+    "lent_time",
     "fully_async_staleness",
     "predict_all",
     "extrapolate",
@@ -263,9 +267,12 @@ def predict_fully_async(
     replicas: int = 1,
     max_staleness: int = 1,
     contention: float = 1.0,
+    lend_cores: bool = True,
 ) -> Prediction:
     """The slowest of three pipelines (module docstring): trainer ``U(t) + push`` slowed by
-    ``c`` while the replicas compute (:func:`contended_time`), replicas ``G(R × r)``, latency
+    ``c`` while the replicas compute (:func:`contended_time`; with ``lend_cores`` the update
+    runs on the replicas' threads too while they are idle, :func:`lent_time`), replicas
+    ``G(R × r)``, latency
     ``(G(r) / R + W + trainer) / (max_staleness + 1)`` per batch (``W`` the batch's slowest
     wait: a batch is admitted as the slots of the one trained free, and trained once its
     slowest group is done); ``c`` the measured slow-down of the
@@ -273,7 +280,13 @@ def predict_fully_async(
     (:func:`measure_contention`; 1 on cores of its own)."""
     base = thread_time(p.after_gen_s, p.threads, trainer_threads, speedup)
     gen = thread_time(p.gen_compute_s, p.threads, replicas * rollout_threads, speedup)
-    train = contended_time(base, p.push_s, gen, contention)
+    if lend_cores:
+        lent = thread_time(
+            p.after_gen_s, p.threads, trainer_threads + replicas * rollout_threads, speedup
+        )
+        train = lent_time(base, lent, gen, contention) + p.push_s
+    else:
+        train = contended_time(base, p.push_s, gen, contention)
     w_group = _wait(p, lat, p.group_size)
     w_batch = _wait(p, lat, p.trajectories)
     # a group is done when its slowest member is; its generation overlaps the other groups'
@@ -302,6 +315,18 @@ def predict_fully_async(
     )
 
 
+def lent_time(own_s: float, lent_s: float, other_s: float, contention: float) -> float:
+    """The trainer's work on lent cores: ``own_s`` is its time on its own threads, ``lent_s``
+    on its own plus the replicas' (while they are idle); the replicas compute ``other_s`` of
+    each step, during which it runs on its own threads, slowed by ``contention``. So it does
+    ``other / (c · own)`` of its work then and the rest at the lent rate: ``other + (1 −
+    other / (c · own)) · lent`` (``c · own`` when the replicas never rest)."""
+    slow = max(contention, 1.0) * own_s
+    if other_s >= slow:
+        return slow
+    return other_s + (1.0 - other_s / slow) * lent_s
+
+
 def contended_time(work_s: float, push_s: float, other_s: float, contention: float) -> float:
     """The trainer's step ``T`` when its ``work_s`` is slowed by ``contention`` only while the
     replicas compute (``other_s`` of every ``T``): ``T = work·(1 + (c − 1)·min(1, other/T)) +
@@ -322,8 +347,10 @@ def predict_all(
     replicas: int = 1,
     max_staleness: int = 1,
     contention: float = 1.0,
+    lend_cores: bool = True,
 ) -> dict[str, Prediction]:
-    """Every mode's :class:`Prediction` on the measured machine."""
+    """Every mode's :class:`Prediction` on the measured machine (``lend_cores``: the
+    ``fully_async`` trainer borrows idle replicas' cores, ``trainer.lend_cores``)."""
     return {
         "sync": predict_sync(p, lat),
         "one_step_off": predict_one_step_off(p, lat, max_staleness),
@@ -336,6 +363,7 @@ def predict_all(
             replicas=replicas,
             max_staleness=max_staleness,
             contention=contention,
+            lend_cores=lend_cores,
         ),
     }
 
@@ -368,6 +396,7 @@ def extrapolate(
             rollout_threads=1,
             replicas=n,
             max_staleness=max_staleness,
+            lend_cores=False,  # workers on machines of their own lend nothing
         ),
     }
 
@@ -554,9 +583,9 @@ def validate_bench(
             raise ValueError(
                 f"{workload}: the benchmark output records no speed-up: pass --speedup"
             )
-        threads = int(settings.get("threads", 2))
-        s_measured = statistics.median(w["speedup"]) if threads > 1 else 1.0
-        speedup = power_speedup(s_measured, threads)
+        at = int(w.get("speedup_threads") or settings.get("threads", 2))
+        s_measured = statistics.median(w["speedup"]) if at > 1 else 1.0
+        speedup = power_speedup(s_measured, at)
     contention = statistics.median(w["contention"]) if w.get("contention") else 1.0
     if lat is None:  # the workload's own latency, from the benchmark's settings
         lat = bench_latency(settings, workload)

@@ -13,6 +13,7 @@ from postrl.bench.modes import (
     expected_max,
     extrapolate,
     fully_async_staleness,
+    lent_time,
     main,
     parse_latency,
     power_speedup,
@@ -81,7 +82,7 @@ def test_sync_and_one_step_off():
 def test_fully_async_pipelines():
     lin = power_speedup(2.0)  # linear: s(n) = n
     assert lin(4) == pytest.approx(4)
-    f = predict_fully_async(P, HALF_S, lin, trainer_threads=1, rollout_threads=1)
+    f = predict_fully_async(P, HALF_S, lin, trainer_threads=1, rollout_threads=1, lend_cores=False)
     # trainer 0.5 s x 2 = 1; rollout 1 s x 2 = 2; latency (2 + 0.5 + 1) / 2 = 1.75: generation,
     # the batch's slowest wait and the update that frees its slots, over two batches of cap
     assert f.parts["trainer"] == pytest.approx(1.0)
@@ -91,13 +92,13 @@ def test_fully_async_pipelines():
     assert f.staleness == pytest.approx(1.0)  # lifetime 2.5 s / 2 s step, capped at 1
     # no thread gain (s(2) = 1): the trainer's 0.5 s and the rollout's 1 s run side by side;
     # latency (1 + 0.5 + 0.5) / 2 = 1.0: a tie with the rollout, which is named
-    flat = predict_fully_async(P, HALF_S, power_speedup(1.0))
+    flat = predict_fully_async(P, HALF_S, power_speedup(1.0), lend_cores=False)
     assert flat.step_s == pytest.approx(1.0) and flat.bound == "rollout compute"
     assert flat.parts["latency"] == pytest.approx(1.0)
-    slow = predict_fully_async(P, Latency("const", 3.5), power_speedup(1.0))
+    slow = predict_fully_async(P, Latency("const", 3.5), power_speedup(1.0), lend_cores=False)
     assert slow.step_s == pytest.approx(2.5) and slow.bound == "latency (in-flight cap)"
     # the trainer 1.5x slower beside its replica (measured contention): 0.5 x 2 x 1.5 = 1.5
-    busy = predict_fully_async(P, HALF_S, lin, contention=1.5)
+    busy = predict_fully_async(P, HALF_S, lin, contention=1.5, lend_cores=False)
     assert busy.parts["trainer"] == pytest.approx(1.5) and busy.step_s == pytest.approx(2.0)
     # contention only while the replica computes: work 1, push 0, replica busy 0.5 s per
     # step, c = 2: T = 1 + 0.5/T  ->  T = (1 + sqrt(3)) / 2
@@ -105,6 +106,24 @@ def test_fully_async_pipelines():
     assert contended_time(1.0, 0.2, 0.5, 1.0) == pytest.approx(1.2)
     assert fully_async_staleness(0.3, 1.0, 2) == pytest.approx(0.3)
     assert fully_async_staleness(5.0, 1.0, 2) == 2.0
+
+
+def test_fully_async_on_lent_cores():
+    """The trainer runs on its own thread while the replica computes, on both threads (the
+    replica's lent) while it idles."""
+    lin = power_speedup(2.0)
+    assert lent_time(1.0, 0.5, 0.4, 1.0) == pytest.approx(0.4 + 0.6 * 0.5)
+    assert lent_time(1.0, 0.5, 0.4, 2.0) == pytest.approx(0.4 + 0.8 * 0.5)  # slowed beside it
+    assert lent_time(1.0, 0.5, 3.0, 1.5) == pytest.approx(1.5)  # the replica never rests
+    light = Profile(**{**P.__dict__, "gen_compute_s": 0.2})  # the replica computes 0.4 s/step
+    f = predict_fully_async(light, Latency("const", 0.0), lin)
+    own = predict_fully_async(light, Latency("const", 0.0), lin, lend_cores=False)
+    assert own.parts["trainer"] == pytest.approx(1.0)  # 0.5 s on 2 threads = 1 s on 1
+    assert f.parts["trainer"] == pytest.approx(0.4 + 0.6 * 0.5)
+    assert f.step_s < own.step_s and f.bound == own.bound == "trainer"
+    # a busy replica lends nothing: the same as its own cores
+    busy = predict_fully_async(P, HALF_S, lin)
+    assert busy.parts["trainer"] == pytest.approx(1.0)
 
 
 def test_extrapolate_splits_workers():
