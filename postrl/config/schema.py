@@ -667,7 +667,9 @@ class TrainerConfig:
     (torch's default)."""
     lend_cores: bool = True
     """Rollout replica processes on this machine (``fully_async``'s, a ``vllm`` replica's;
-    ``trainer.backend=local``, ``trainer.device=cpu``) lend their cores to the trainer while
+    ``trainer.backend=local``, ``trainer.device=cpu``, and ``trainer.num_threads`` plus the
+    replicas' ``trainer.async.rollout_threads`` within the machine's cores, so that borrowing
+    never oversubscribes them) lend their cores to the trainer while
     they have no request in flight: the actor's forward and backward run on
     ``trainer.num_threads`` plus the idle replicas' ``trainer.async.rollout_threads``, switched
     between decoder layers, and a replica that gets work has its cores back within one layer

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -333,6 +334,20 @@ def _send_frame(bucket: Any, receiver: Any) -> None:
     receiver.receive_bucket(encode_frame(bucket))
 
 
+def lends_cores(cfg: PostRLConfig) -> bool:
+    """Whether the trainer borrows its replica processes' cores while they idle
+    (``trainer.lend_cores``): replica processes on this machine (``trainer.backend=local``), CPU
+    training, and a split that leaves the replicas' threads to them — ``trainer.num_threads``
+    plus every replica's ``rollout_threads`` within this process's cores; a trainer that already
+    runs on every core (``num_threads`` 0 or all of them) borrowing more would oversubscribe."""
+    tc = cfg.trainer
+    if not (tc.lend_cores and tc.device == "cpu" and tc.backend != "ray" and tc.num_threads > 0):
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    lent = cfg.rollout.num_replicas * tc.async_.rollout_threads
+    return tc.num_threads + lent <= (cores or 1)
+
+
 def _dedicated_replicas(
     cfg: PostRLConfig, options: dict[str, Any], *, payload_owner: bool
 ) -> tuple[DedicatedReplicas, Any]:
@@ -360,7 +375,7 @@ def _dedicated_replicas(
         python=r.python,
         use_gpu=tc.device == "cuda",
         requested_by=f"trainer.mode={tc.mode}",
-        lend_cores=tc.lend_cores and tc.device == "cpu" and tc.backend != "ray",
+        lend_cores=lends_cores(cfg),
     )
     if tc.backend != "ray":
         return DedicatedReplicas(spec), None

@@ -500,3 +500,24 @@ def test_idle_switch_generates_on_the_trainers_cores_and_loses_nothing(
     # step 1 could run on at the replica: about 1 run in 6 generated nothing here)
     assert sum(r["async/switch/gen_s"] for r in switched) > 0, "the local replica never ran"
     assert all(r["async/switch/in_s"] > 0 and r["async/switch/out_s"] >= 0 for r in switched)
+
+
+def test_cores_are_lent_only_where_the_split_leaves_them_to_the_replicas(monkeypatch):
+    """The trainer borrows replica cores only when its own threads and theirs fit the machine:
+    a trainer on every core (num_threads 0 or all of them) would oversubscribe."""
+    import os
+
+    from postrl.config import load_config
+    from postrl.trainer.context import lends_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+
+    def cfg(*over: str):
+        return load_config(None, ["trainer.mode=fully_async", *over])
+
+    assert lends_cores(cfg("trainer.num_threads=1", "trainer.async.rollout_threads=1"))
+    assert not lends_cores(cfg("trainer.num_threads=0"))  # torch's default: every core
+    assert not lends_cores(cfg("trainer.num_threads=2", "trainer.async.rollout_threads=1"))
+    assert not lends_cores(cfg("trainer.num_threads=1", "rollout.num_replicas=2"))
+    assert not lends_cores(cfg("trainer.num_threads=1", "trainer.lend_cores=false"))
+    assert not lends_cores(cfg("trainer.num_threads=1", "trainer.backend=ray"))
