@@ -12,6 +12,7 @@ of its own with half of ``--threads`` and pushes the weights after every batch,
 
     python benchmarks/async_learning.py --steps 150 --seeds 0 1      # ≈ 6 × 2 min on 2 cores
     python benchmarks/async_learning.py --modes sync fully_async    # a subset
+    python benchmarks/async_learning.py --modes sync fully_async --set trainer.lend_cores=false
 
 The quickstart's model and data are made first if ``--run-dir`` lacks them (``make
 quickstart`` stages 1–3). Accuracy is sampled (temperature 1, 4 samples per prompt, 200 prompts),
@@ -38,7 +39,16 @@ def _ensure_quickstart(run: Path, threads: int) -> None:
     quickstart(["--run-dir", str(run), "--grpo-steps", "1", "--threads", str(threads)])
 
 
-def _train(run: Path, out: Path, mode: str, seed: int, steps: int, freq: int, threads: int):
+def _train(
+    run: Path,
+    out: Path,
+    mode: str,
+    seed: int,
+    steps: int,
+    freq: int,
+    threads: int,
+    overrides: tuple[str, ...] = (),
+):
     from postrl.config import load_config
     from postrl.trainer import RLTrainer
 
@@ -64,6 +74,7 @@ def _train(run: Path, out: Path, mode: str, seed: int, steps: int, freq: int, th
             "trainer.loggers=[jsonl]",
             "trainer.resume_mode=disable",
             *extra,
+            *overrides,
         ],
     )
     t0 = time.perf_counter()
@@ -90,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--modes", nargs="+", default=["sync", "one_step_off", "fully_async"], help="sync first"
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every mode's run (repeatable), e.g. trainer.lend_cores=false",
+    )
     a = p.parse_args(argv)
     if a.modes[0] != "sync":
         p.error("--modes must start with sync (the baseline)")
@@ -99,7 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     for seed in a.seeds:
         for mode in results:
             sys.stderr.write(f"==> {mode}, seed {seed}\n")
-            res = _train(run, work / f"{mode}-s{seed}", mode, seed, a.steps, a.test_freq, a.threads)
+            res = _train(
+                run,
+                work / f"{mode}-s{seed}",
+                mode,
+                seed,
+                a.steps,
+                a.test_freq,
+                a.threads,
+                tuple(a.set),
+            )
             results[mode][seed] = res
     steps = sorted(next(iter(results["sync"].values()))["acc"])
     print(f"held-out accuracy (sampled), quickstart task, {a.steps} steps, seeds {a.seeds}")
