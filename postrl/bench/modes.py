@@ -13,17 +13,18 @@ benchmark measured for that mode (the validation in ``docs/async.md``).
 The model (every number below is a measured input or one of the formulas; nothing is fitted to
 the async modes' measurements):
 
-* a ``sync`` step is ``G + W + U``: ``G`` the engine's compute for the batch (all cores), ``W``
+* a ``sync`` step is ``G + O + W + U``: ``G`` the engine's compute for the batch (all cores), ``W``
   the exposed wait — the batch decodes together, so its tool calls start together, and the
   step waits for the slowest: ``W = E[max over the batch's B trajectories of their latency]``,
   each trajectory calling with probability ``p = min(calls_per_traj, 1)``
   (:func:`expected_max`) —, ``U`` everything after generation (reward, log-probs, update,
-  weight sync);
+  weight sync), ``O`` the generation's time outside the engine and the waits (agent loops,
+  request traffic, scoring: :func:`gen_overhead`);
 * ``one_step_off`` shares the cores between generation and training (one process) but keeps
   the next batch generating while the current one's stragglers wait and while the actor trains:
-  a step costs its compute ``G + U`` unless the buffer's pacing cap binds (the same cycle as
-  ``fully_async``'s below: a batch is admitted when the batch ``max_staleness + 1`` ahead of
-  it has trained, and trained after its slowest wait): ``max(G + U, (G + W + U) /
+  a step costs its compute ``G + O + U`` unless the buffer's pacing cap binds (the same cycle
+  as ``fully_async``'s below: a batch is admitted when the batch ``max_staleness + 1`` ahead
+  of it has trained, and trained after its slowest wait): ``max(G + O + U, (G + O + W + U) /
   (max_staleness + 1))``;
 * ``fully_async`` runs ``R`` replica processes of ``r`` threads beside a trainer of ``t``
   threads: three pipelines, the slowest sets the pace — the trainer (``U`` at ``t`` threads
@@ -77,6 +78,7 @@ __all__ = [
     "predict_one_step_off",
     "predict_fully_async",
     "lent_time",
+    "gen_overhead",
     "fully_async_staleness",
     "predict_all",
     "extrapolate",
@@ -221,24 +223,33 @@ def _wait(p: Profile, lat: Latency, count: float) -> float:
     return expected_max(lat, int(round(count)), min(p.calls_per_traj, 1.0))
 
 
+def gen_overhead(p: Profile, wait_s: float) -> float:
+    """``O``: the generation's seconds outside the engine and outside the waits — agent loops,
+    request traffic, scoring, the batch's assembly — ``gen − G − W`` of the ``sync`` steps, at
+    least 0 (on W1 ≈ 19 ms of a 62 ms generation)."""
+    return max(0.0, p.gen_s - p.gen_compute_s - wait_s)
+
+
 def predict_sync(p: Profile, lat: Latency) -> Prediction:
-    """``G + W + U`` (module docstring)."""
+    """``G + O + W + U`` (module docstring)."""
     w = _wait(p, lat, p.trajectories)
-    step = p.gen_compute_s + w + p.after_gen_s
+    o = gen_overhead(p, w)
+    step = p.gen_compute_s + o + w + p.after_gen_s
     return Prediction(
         "sync",
         step,
         p.trajectories / step,
         0.0,
         "compute + slowest wait",
-        {"G": p.gen_compute_s, "W": w, "U": p.after_gen_s},
+        {"G": p.gen_compute_s, "O": o, "W": w, "U": p.after_gen_s},
     )
 
 
 def predict_one_step_off(p: Profile, lat: Latency, max_staleness: int = 1) -> Prediction:
-    """``max(G + U, (G + W + U) / (max_staleness + 1))`` (module docstring); staleness 1."""
+    """``max(G + O + U, (G + O + W + U) / (max_staleness + 1))`` (module docstring);
+    staleness 1."""
     w = _wait(p, lat, p.trajectories)
-    compute = p.gen_compute_s + p.after_gen_s
+    compute = p.gen_compute_s + gen_overhead(p, w) + p.after_gen_s
     cycle = (compute + w) / (max_staleness + 1)
     step = max(compute, cycle)
     return Prediction(
@@ -280,11 +291,12 @@ def predict_fully_async(
     (:func:`measure_contention`; 1 on cores of its own)."""
     base = thread_time(p.after_gen_s, p.threads, trainer_threads, speedup)
     gen = thread_time(p.gen_compute_s, p.threads, replicas * rollout_threads, speedup)
-    if lend_cores:
+    if lend_cores:  # a replica holds its cores while its requests trickle in: G + O
         lent = thread_time(
             p.after_gen_s, p.threads, trainer_threads + replicas * rollout_threads, speedup
         )
-        train = lent_time(base, lent, gen, contention) + p.push_s
+        busy = gen + gen_overhead(p, _wait(p, lat, p.trajectories))
+        train = lent_time(base, lent, busy, contention) + p.push_s
     else:
         train = contended_time(base, p.push_s, gen, contention)
     w_group = _wait(p, lat, p.group_size)
@@ -377,11 +389,14 @@ def extrapolate(
     communication cost: an upper bound)."""
     n, m = rollout_workers, trainer_workers
     linear = lambda x: x  # noqa: E731 - one worker = one unit of the measured machine
+    w = _wait(p, lat, p.trajectories)
     both = Profile(
         **{
             **asdict(p),
             "gen_compute_s": p.gen_compute_s / (n + m),
             "after_gen_s": p.after_gen_s / (n + m),
+            # the generation's own overhead splits over the workers too; the wait does not
+            "gen_s": (p.gen_compute_s + gen_overhead(p, w)) / (n + m) + w,
         }
     )
     fa = Profile(**{**asdict(p), "after_gen_s": p.after_gen_s / m, "threads": 1})

@@ -13,6 +13,7 @@ from postrl.bench.modes import (
     expected_max,
     extrapolate,
     fully_async_staleness,
+    gen_overhead,
     lent_time,
     main,
     parse_latency,
@@ -65,6 +66,14 @@ def test_parse_latency():
             parse_latency(bad)
 
 
+def test_the_generations_overhead_outside_the_engine_is_paid_in_process():
+    # G 1 s, W 0.5 s, gen 1.8 s: O = 0.3 s of agent loops and scoring beside the engine
+    p = Profile(**{**P.__dict__, "gen_s": 1.8})
+    assert gen_overhead(p, 0.5) == pytest.approx(0.3) and gen_overhead(P, 0.5) == 0.0
+    assert predict_sync(p, HALF_S).step_s == pytest.approx(2.3)
+    assert predict_one_step_off(p, HALF_S).step_s == pytest.approx(1.8)  # G + O + U
+
+
 def test_sync_and_one_step_off():
     s = predict_sync(P, HALF_S)  # 1 + 0.5 + 0.5
     assert (s.step_s, s.samples_per_s, s.staleness) == (pytest.approx(2.0), pytest.approx(32), 0)
@@ -115,7 +124,8 @@ def test_fully_async_on_lent_cores():
     assert lent_time(1.0, 0.5, 0.4, 1.0) == pytest.approx(0.4 + 0.6 * 0.5)
     assert lent_time(1.0, 0.5, 0.4, 2.0) == pytest.approx(0.4 + 0.8 * 0.5)  # slowed beside it
     assert lent_time(1.0, 0.5, 3.0, 1.5) == pytest.approx(1.5)  # the replica never rests
-    light = Profile(**{**P.__dict__, "gen_compute_s": 0.2})  # the replica computes 0.4 s/step
+    # the replica computes 0.4 s a step (G 0.2 s on 2 threads, no overhead outside the engine)
+    light = Profile(**{**P.__dict__, "gen_compute_s": 0.2, "gen_s": 0.2})
     f = predict_fully_async(light, Latency("const", 0.0), lin)
     own = predict_fully_async(light, Latency("const", 0.0), lin, lend_cores=False)
     assert own.parts["trainer"] == pytest.approx(1.0)  # 0.5 s on 2 threads = 1 s on 1
@@ -124,6 +134,10 @@ def test_fully_async_on_lent_cores():
     # a busy replica lends nothing: the same as its own cores
     busy = predict_fully_async(P, HALF_S, lin)
     assert busy.parts["trainer"] == pytest.approx(1.0)
+    # the generation's overhead outside the engine keeps the replica busy too (O = 0.3 s)
+    slow = Profile(**{**light.__dict__, "gen_s": 0.5})
+    f = predict_fully_async(slow, Latency("const", 0.0), lin)
+    assert f.parts["trainer"] == pytest.approx(0.7 + 0.3 * 0.5)
 
 
 def test_extrapolate_splits_workers():
