@@ -28,7 +28,13 @@ from typing import Any
 
 from postrl.rollout.base import replica_python, runs_in_own_process
 
-__all__ = ["DedicatedReplicas", "DedicatedSpec", "ReplicaPlacement", "replica_deadlines"]
+__all__ = [
+    "DedicatedReplicas",
+    "DedicatedSpec",
+    "ReplicaPlacement",
+    "replica_deadlines",
+    "sweep_shared_dirs",
+]
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,35 @@ def replica_deadlines(spec: DedicatedSpec) -> tuple[float, float]:
     return spec.control_timeout_s, max(spec.request_timeout_s, 120.0)
 
 
+_SHARED_PREFIX = "postrl-shared-"
+
+
+def sweep_shared_dirs(parent: str) -> int:
+    """Remove the shared directories (``postrl-shared-<pid>-*``: weight buffers, core leases)
+    that runs whose process is gone left in ``parent`` — a SIGKILLed trainer never reaches
+    :meth:`DedicatedReplicas.close`, and its reserved weight buffer would hold tmpfs memory.
+    Returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return 0
+    for name in names:
+        pid = name[len(_SHARED_PREFIX) :].split("-", 1)[0]
+        if not name.startswith(_SHARED_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its run is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        removed += 1
+    return removed
+
+
 class DedicatedReplicas:
     """Starts the replicas of a :class:`DedicatedSpec` (module docstring) and one more in a
     slot on demand (:meth:`spawn`: the fleet's restart of a dead replica).
@@ -128,10 +163,13 @@ class DedicatedReplicas:
         """A directory the trainer shares with its replica processes (None with Ray actors):
         weight buffers they map (:class:`~postrl.weights.buckets.SharedWeightBuffer`) and, with
         ``lend_cores``, their core leases (owner ``replica-<slot>``, :meth:`core_owners`).
-        On a tmpfs (``/dev/shm``) where there is one; removed by :meth:`close`."""
+        On a tmpfs (``/dev/shm``) where there is one, named after this process's pid; removed by
+        :meth:`close`, or by the next run's :func:`sweep_shared_dirs` when this one was
+        killed."""
         if placement is None:
-            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-            self.shared_dir = tempfile.mkdtemp(prefix="postrl-shared-", dir=shm)
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+            sweep_shared_dirs(shm)
+            self.shared_dir = tempfile.mkdtemp(prefix=f"{_SHARED_PREFIX}{os.getpid()}-", dir=shm)
 
     def start(self) -> list[Any]:
         """Start every replica (all or none: a failure closes those already started, and

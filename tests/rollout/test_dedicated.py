@@ -8,6 +8,8 @@ a failed start that leaves nothing behind.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from postrl.rollout.dedicated import (
@@ -51,3 +53,24 @@ def test_a_failed_start_closes_everything_and_names_the_log(tmp_path):
     assert (tmp_path / "run" / "rollout_replica_0.log").exists()
     pool.close()  # idempotent
     assert closed == ["owner"]
+
+
+def test_a_killed_runs_shared_directory_is_swept_and_a_live_ones_kept(tmp_path):
+    """A SIGKILLed trainer never closes its replicas' shared directory (weight buffers hold
+    tmpfs memory): the next run removes those of dead processes, never a live one's."""
+    import subprocess
+    import sys
+
+    from postrl.rollout.dedicated import sweep_shared_dirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = tmp_path / f"postrl-shared-{dead.pid}-abc"
+    live = tmp_path / f"postrl-shared-{os.getpid()}-def"
+    other = tmp_path / "postrl-shared-notapid"
+    for d in (gone, live, other):
+        d.mkdir()
+        (d / "weights-0.buf").write_bytes(b"x")
+    assert sweep_shared_dirs(str(tmp_path)) == 1
+    assert not gone.exists() and live.exists() and other.exists()
+    assert sweep_shared_dirs(str(tmp_path / "missing")) == 0
