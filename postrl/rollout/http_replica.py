@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -434,10 +435,15 @@ class HTTPRolloutReplica(Liveness):
         if self._shared is None or self._shared.nbytes < nbytes:
             from postrl.weights import SharedWeightBuffer
 
-            path = os.path.join(str(self.shared_dir), f"weights-{self.replica_id}.buf")
+            self._drop_shared()
+            fd, path = tempfile.mkstemp(  # a file of this handle's own: never one in use
+                prefix=f"weights-{self.replica_id}-", suffix=".buf", dir=str(self.shared_dir)
+            )
+            os.close(fd)
             try:
                 self._shared = SharedWeightBuffer(path, nbytes)
             except OSError as e:
+                os.unlink(path)
                 logger.warning(
                     "replica %d: no shared weight buffer of %d MB in %s (%s); weights travel "
                     "as frames",
@@ -463,10 +469,20 @@ class HTTPRolloutReplica(Liveness):
             self.process.wait(timeout=10)
         self.close()
 
+    def _drop_shared(self) -> None:
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            try:
+                os.unlink(shared.path)  # its pages go when the last mapping does
+            except OSError:
+                pass
+
     def close(self) -> None:
-        """Stop the replica's process (when this side started it) and the HTTP clients."""
+        """Stop the replica's process (when this side started it) and the HTTP clients; remove
+        its shared weight buffer."""
         self._http.close()
         self._close_wsock()
+        self._drop_shared()
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:

@@ -213,6 +213,7 @@ def test_shared_buffer_pushes_load_exact_bytes_and_lent_cores_come_back(tiny_mod
         assert sizes[0] < bucket
         rep.update_weights(iter(weights.items()), version=5, bucket_bytes=bucket)
         assert rep.policy_version == 5 and rep._shared is not None
+        assert len(list(shared.glob("weights-0-*.buf"))) == 1
         assert rep.last_received == {k: tensor_crc(v) for k, v in weights.items()}
         with pytest.raises(RolloutError, match="refused"):
             rep._send_frame_raw(
@@ -238,3 +239,4 @@ def test_shared_buffer_pushes_load_exact_bytes_and_lent_cores_come_back(tiny_mod
     finally:
         borrower.close()
         rep.close()
+    assert not list(shared.glob("weights-*.buf"))  # the handle removed its buffer
