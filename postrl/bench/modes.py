@@ -291,16 +291,16 @@ def predict_fully_async(
     (:func:`measure_contention`; 1 on cores of its own)."""
     base = thread_time(p.after_gen_s, p.threads, trainer_threads, speedup)
     gen = thread_time(p.gen_compute_s, p.threads, replicas * rollout_threads, speedup)
+    w_group = _wait(p, lat, p.group_size)
+    w_batch = _wait(p, lat, p.trajectories)
     if lend_cores:  # a replica holds its cores while its requests trickle in: G + O
         lent = thread_time(
             p.after_gen_s, p.threads, trainer_threads + replicas * rollout_threads, speedup
         )
-        busy = gen + gen_overhead(p, _wait(p, lat, p.trajectories))
+        busy = gen + gen_overhead(p, w_batch)
         train = lent_time(base, lent, busy, contention) + p.push_s
     else:
         train = contended_time(base, p.push_s, gen, contention)
-    w_group = _wait(p, lat, p.group_size)
-    w_batch = _wait(p, lat, p.trajectories)
     # a group is done when its slowest member is; its generation overlaps the other groups'
     gen_r = thread_time(p.gen_compute_s, p.threads, rollout_threads, speedup) / replicas
     life = gen_r + w_group

@@ -27,6 +27,7 @@ import fcntl
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,24 @@ def lease_paths(directory: str | Path, name: str) -> tuple[Path, Path]:
 def _open(path: Path) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     return os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+@dataclass
+class _Lease:
+    """One owner's files as the borrower holds them."""
+
+    busy: int
+    lent: int
+    threads: int
+    held: bool = False
 
 
 def _try(fd: int, op: int) -> bool:
@@ -121,11 +140,7 @@ class CoreOwner:
 
     def close(self) -> None:
         """Release the lease and close its files."""
-        for fd in (self._lent, self._busy):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _close(self._lent, self._busy)
 
 
 class _Working:
@@ -161,10 +176,10 @@ class CoreBorrower:
     """
 
     def __init__(self, directory: str | Path, owners: dict[str, int]) -> None:
-        self._owners = []
-        for name, threads in owners.items():
-            busy, lent = lease_paths(directory, name)
-            self._owners.append([_open(busy), _open(lent), int(threads), False])
+        self._owners = [
+            _Lease(*(_open(p) for p in lease_paths(directory, name)), int(threads))
+            for name, threads in owners.items()
+        ]
         self.borrowed_s = 0.0
         """Seconds during which at least one owner's cores were borrowed, in total."""
         self._since: float | None = None
@@ -174,25 +189,24 @@ class CoreBorrower:
         extra threads held now."""
         extra = 0
         for o in self._owners:
-            busy, lent, threads, held = o
-            idle = _try(busy, fcntl.LOCK_SH)
+            idle = _try(o.busy, fcntl.LOCK_SH)
             if idle:
-                fcntl.flock(busy, fcntl.LOCK_UN)
-            if held and not idle:
-                fcntl.flock(lent, fcntl.LOCK_UN)
-                o[3] = held = False
-            elif idle and not held and _try(lent, fcntl.LOCK_EX):
-                o[3] = held = True
-            extra += threads if held else 0
+                fcntl.flock(o.busy, fcntl.LOCK_UN)
+            if o.held and not idle:
+                fcntl.flock(o.lent, fcntl.LOCK_UN)
+                o.held = False
+            elif idle and not o.held:
+                o.held = _try(o.lent, fcntl.LOCK_EX)
+            extra += o.threads if o.held else 0
         self._mark(extra > 0)
         return extra
 
     def release(self) -> None:
         """Give back everything borrowed."""
         for o in self._owners:
-            if o[3]:
-                fcntl.flock(o[1], fcntl.LOCK_UN)
-                o[3] = False
+            if o.held:
+                fcntl.flock(o.lent, fcntl.LOCK_UN)
+                o.held = False
         self._mark(False)
 
     def _mark(self, holding: bool) -> None:
@@ -207,8 +221,4 @@ class CoreBorrower:
         """Release and close the lock files."""
         self.release()
         for o in self._owners:
-            for fd in o[:2]:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            _close(o.busy, o.lent)

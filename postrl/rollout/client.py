@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -137,11 +138,8 @@ class RolloutReplica:
         self._inflight.add(request_id)
         version = self.policy_version  # without swaps an update only happens while paused,
         try:  # after ``pause`` aborted this call
-            if self.cores is None:
+            async with self.cores.working() if self.cores else contextlib.nullcontext():
                 out = await self.backend.generate(prompt_ids, sampling, request_id)
-            else:
-                async with self.cores.working():
-                    out = await self.backend.generate(prompt_ids, sampling, request_id)
         finally:
             self._inflight.discard(request_id)
             if not self._inflight:
