@@ -130,6 +130,8 @@ ARMS: dict[str, list[str]] = {
     # the recipe's entropy bonus (0.01) lowered or off: the recipe before 2026-12-03's last runs
     "recipe-ent3e-3": ["actor.entropy_coeff=0.003"],
     "recipe-ent0": ["actor.entropy_coeff=0"],
+    # adaptive entropy control (Skywork-OR1): the bonus holds the entropy near 0.35 nats
+    "recipe-enttarget": ["actor.entropy_target=0.35"],
     # the previous recipe (dynamic sampling, lr 1e-4) with 16 responses per prompt
     "dapo-n16": [*W1, DAPO, "rollout.n=16"],
     # on-policy distillation: pure (the task reward logged, not trained), and mixed with the

@@ -49,7 +49,7 @@ from postrl.algos.advantages_extra import (
 from postrl.algos.aggregation import AGG_MODES, agg_loss, register_agg_mode
 from postrl.algos.dapo import filter_groups, overlong_reward_penalty
 from postrl.algos.distill import DISTILL_LOSSES, register_distill_loss
-from postrl.algos.entropy import entropy_from_logits
+from postrl.algos.entropy import adapt_entropy_coeff, entropy_from_logits
 from postrl.algos.health import off_policy_health
 from postrl.algos.hparams import HParamError
 from postrl.algos.kl import (
@@ -121,6 +121,7 @@ __all__ = [
     "compute_rollout_correction",
     "rollout_correction_with_health",
     "compute_value_loss",
+    "adapt_entropy_coeff",
     "entropy_from_logits",
     "filter_groups",
     "get_adv_estimator",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["entropy_from_logits"]
+__all__ = ["adapt_entropy_coeff", "entropy_from_logits"]
 
 
 def _entropy_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -49,3 +49,39 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024) -> torch.T
     if not outs:
         return flat.new_zeros(lead, dtype=torch.float32)
     return torch.cat(outs).reshape(lead)
+
+
+def adapt_entropy_coeff(
+    coeff: float, entropy: float, *, target: float, step: float, max_coeff: float
+) -> float:
+    """The entropy bonus's next weight under adaptive entropy control.
+
+    A fixed bonus either does nothing (entropy well above where it matters) or keeps pushing
+    once the policy has become confident. Adaptive entropy control (He et al. 2025, Skywork-OR1,
+    arXiv 2505.22312, sec. 4) makes the weight a controller on the measured entropy instead: it
+    rises by ``step`` after each update whose token-mean entropy ``H`` fell below ``target`` and
+    falls by ``step`` after one above it, clamped to ``[0, max_coeff]``::
+
+        c_{k+1} = clip(c_k + step * sign(target - H_k), 0, max_coeff)
+
+    (``H_k == target`` lowers it.) So the bonus is zero while the entropy is high and grows only
+    as long as the policy sits below the target, which bounds the entropy collapse of
+    positive-sample reinforcement without slowing early learning.
+
+    Args:
+        coeff: the weight used in the update just made (``>= 0``).
+        entropy: that update's token-mean entropy of the policy, in nats.
+        target: the entropy to hold (``> 0``).
+        step: how far one update moves the weight (``> 0``).
+        max_coeff: upper bound of the weight (``>= 0``).
+
+    Returns:
+        The weight for the next update.
+    """
+    if target <= 0 or step <= 0 or max_coeff < 0:
+        raise ValueError(
+            f"adapt_entropy_coeff: target={target} and step={step} must be > 0 and "
+            f"max_coeff={max_coeff} >= 0"
+        )
+    nxt = coeff + step if entropy < target else coeff - step
+    return min(max(nxt, 0.0), max_coeff)

@@ -135,7 +135,16 @@ class ActorConfig:
     loss_agg_mode: str = PolicyLossSpec.loss_agg_mode
     """Registered loss aggregation mode."""
     entropy_coeff: float = PolicyLossSpec.entropy_coeff
-    """Entropy bonus coefficient."""
+    """Entropy bonus coefficient (with ``entropy_target``: its starting value)."""
+    entropy_target: float = PolicyLossSpec.entropy_target
+    """Adaptive entropy control (Skywork-OR1, arXiv 2505.22312): after each update the entropy
+    bonus's coefficient rises by ``entropy_coeff_step`` if the update's token-mean entropy was
+    below this many nats and falls by it otherwise, within ``[0, entropy_coeff_max]``; metric
+    ``actor/entropy_coeff``. 0 = off: a fixed ``entropy_coeff``."""
+    entropy_coeff_step: float = PolicyLossSpec.entropy_coeff_step
+    """How far one update moves the adaptive coefficient (``entropy_target > 0``)."""
+    entropy_coeff_max: float = PolicyLossSpec.entropy_coeff_max
+    """Upper bound of the adaptive coefficient (``entropy_target > 0``)."""
     use_kl_loss: bool = PolicyLossSpec.use_kl_loss
     """Add a KL(π‖π_ref) loss term (GRPO-style); needs a reference policy."""
     kl_loss_coef: float = PolicyLossSpec.kl_loss_coef

@@ -239,6 +239,20 @@ def validate_config(
             )
     if a.clip_ratio_c <= 1:
         e.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip lower bound)")
+    if a.entropy_target < 0:
+        e.append(
+            f"actor.entropy_target={a.entropy_target} must be >= 0 (0 = a fixed entropy_coeff; "
+            "> 0 = the entropy in nats the adaptive coefficient holds)"
+        )
+    elif a.entropy_target > 0 and not (
+        a.entropy_coeff_step > 0 and 0 <= a.entropy_coeff <= a.entropy_coeff_max
+    ):
+        e.append(
+            f"actor.entropy_target={a.entropy_target} needs actor.entropy_coeff_step > 0 (got "
+            f"{a.entropy_coeff_step}) and 0 <= actor.entropy_coeff <= actor.entropy_coeff_max "
+            f"(got {a.entropy_coeff} and {a.entropy_coeff_max}): raise entropy_coeff_max or "
+            "lower the starting entropy_coeff"
+        )
     if r.temperature < 0:
         e.append(f"rollout.temperature={r.temperature} must be >= 0")
     if not 0 < r.top_p <= 1:

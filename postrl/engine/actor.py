@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from postrl.algos.aggregation import agg_loss
+from postrl.algos.entropy import adapt_entropy_coeff
 from postrl.algos.kl import kl_penalty
 from postrl.algos.policy_losses import LossInputs, bind_policy_loss
 from postrl.engine.microbatch import make_micro_batches, restore_order
@@ -269,6 +270,9 @@ class Actor:
             self.distill_fn = DISTILL_LOSSES.get(loss.distill_loss)
         self.seed = seed
         self.update_count = 0
+        self.entropy_coeff = float(loss.entropy_coeff)
+        """The entropy bonus's weight in the next update: ``loss.entropy_coeff``, or with
+        ``loss.entropy_target`` the adaptive controller's state (checkpointed)."""
 
     def compute_log_prob(self, data: DataProto, *, reference: bool = False) -> DataProto:
         """See :meth:`LogProbEngine.compute_log_prob`."""
@@ -302,8 +306,8 @@ class Actor:
         )
         loss = pg
         ent_loss = agg_loss(ent, mask, c.loss_agg_mode, **denoms)
-        if c.entropy_coeff:
-            loss = loss - c.entropy_coeff * ent_loss
+        if self.entropy_coeff:
+            loss = loss - self.entropy_coeff * ent_loss
         terms = {"pg_loss": pg.detach(), "entropy": ent_loss.detach()}
         if c.use_kl_loss:
             if "ref_log_prob" not in mb:
@@ -396,4 +400,15 @@ class Actor:
             prefix="actor",
         )
         self.update_count += 1
+        c = self.loss
+        if c.entropy_target > 0:  # metrics are all-reduced: every rank moves the same way
+            metrics["actor/entropy_coeff"] = self.entropy_coeff  # the weight this update used
+            if "actor/entropy" in metrics:  # absent when no mini-batch held a valid token
+                self.entropy_coeff = adapt_entropy_coeff(
+                    self.entropy_coeff,
+                    metrics["actor/entropy"],
+                    target=c.entropy_target,
+                    step=c.entropy_coeff_step,
+                    max_coeff=c.entropy_coeff_max,
+                )
         return PolicyUpdate(metrics, old)

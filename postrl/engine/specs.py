@@ -95,7 +95,15 @@ class PolicyLossSpec:
     loss_agg_mode: str = "token-mean"
     """Aggregation of token losses (:func:`postrl.algos.aggregation.agg_loss`)."""
     entropy_coeff: float = 0.0
-    """Weight of the entropy bonus."""
+    """Weight of the entropy bonus (with ``entropy_target``: its starting weight)."""
+    entropy_target: float = 0.0
+    """Adaptive entropy control (:func:`postrl.algos.adapt_entropy_coeff`): after each update
+    the bonus's weight moves by ``entropy_coeff_step`` towards holding the token-mean entropy at
+    this many nats. 0 = off (a fixed ``entropy_coeff``)."""
+    entropy_coeff_step: float = 0.001
+    """How far one update moves the adaptive weight."""
+    entropy_coeff_max: float = 0.05
+    """Upper bound of the adaptive weight."""
     use_kl_loss: bool = False
     """Add ``kl_loss_coef · KL(π‖π_ref)`` to the loss (needs ``ref_log_prob``)."""
     kl_loss_coef: float = 0.001

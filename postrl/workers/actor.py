@@ -203,6 +203,7 @@ class ActorWorker(LendsCores, Worker):
             extra={
                 "update_count": self.actor.update_count,
                 "nonfinite_skips": self.actor.loop.nonfinite_skips,
+                "entropy_coeff": self.actor.entropy_coeff,
             },
         )
         barrier(self.group)
@@ -215,6 +216,7 @@ class ActorWorker(LendsCores, Worker):
         )
         self.actor.update_count = int(extra.get("update_count", 0))
         self.actor.loop.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
+        self.actor.entropy_coeff = float(extra.get("entropy_coeff", self.actor.loss.entropy_coeff))
 
 
 class RefWorker(Worker):

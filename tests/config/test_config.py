@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from postrl.config import ConfigError, dump_config, load_config, validate_config
@@ -32,6 +34,20 @@ def test_validation_reports_all_problems_with_fix(tmp_path):
     assert "model.path is empty" in msg
     assert "data.train_batch_size=30 is not divisible by actor.ppo_mini_batch_size=8" in msg
     assert "rollout.top_p=1.5" in msg
+
+
+def test_adaptive_entropy_settings_are_checked():
+    """``actor.entropy_target`` needs a positive step and a start inside ``[0, max]``."""
+    for over, needle in (
+        (["actor.entropy_target=-1"], "actor.entropy_target=-1.0 must be >= 0"),
+        (["actor.entropy_target=0.4", "actor.entropy_coeff_step=0"], "entropy_coeff_step > 0"),
+        (
+            ["actor.entropy_target=0.4", "actor.entropy_coeff=0.2", "actor.entropy_coeff_max=0.1"],
+            "raise entropy_coeff_max",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            validate_config(load_config(None, ["model.path=m", *over]), check_registries=False)
 
 
 def test_dp_contract_message():

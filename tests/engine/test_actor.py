@@ -145,3 +145,60 @@ def test_fused_old_log_prob_refuses_off_policy(tiny_model_dir, make_batch, kw, r
     batch = make_batch(num_prompts=4, n=4, seed=5)[list(range(rows))]
     with pytest.raises(ValueError, match=match):
         actor.update_policy(batch)
+
+
+def test_adapt_entropy_coeff_moves_towards_the_target_within_bounds():
+    """Skywork-OR1's controller: up by ``step`` below the target, down above it, clamped."""
+    from postrl.algos import adapt_entropy_coeff
+
+    kw = dict(target=0.5, step=0.01, max_coeff=0.03)
+    assert adapt_entropy_coeff(0.0, 0.2, **kw) == pytest.approx(0.01)
+    assert adapt_entropy_coeff(0.02, 0.9, **kw) == pytest.approx(0.01)
+    assert adapt_entropy_coeff(0.0, 0.9, **kw) == 0.0  # never negative
+    assert adapt_entropy_coeff(0.025, 0.1, **kw) == 0.03  # never above max_coeff
+    assert adapt_entropy_coeff(0.02, 0.5, **kw) == pytest.approx(0.01)  # at the target: down
+    with pytest.raises(ValueError, match="target=0"):
+        adapt_entropy_coeff(0.0, 0.1, target=0.0, step=0.01, max_coeff=0.1)
+
+
+@pytest.mark.parametrize(("target", "sign"), [(100.0, 1), (1e-6, -1)])
+def test_adaptive_entropy_coeff_is_used_and_moves_each_update(
+    tiny_model_dir, make_batch, target, sign
+):
+    """With ``entropy_target`` the bonus's weight is the actor's state: the update uses it
+    (reported as ``actor/entropy_coeff``) and then steps it towards the target."""
+    batch = make_batch(num_prompts=2, n=4, seed=6)
+    start, step = 0.02, 0.005
+    spec = PolicyLossSpec(
+        entropy_coeff=start, entropy_target=target, entropy_coeff_step=step, entropy_coeff_max=1
+    )
+    actor = Actor(
+        load_policy(ModelSpec(path=str(tiny_model_dir))),
+        batch=BatchSpec(ppo_mini_batch_size=2),
+        loss=spec,
+        optim=OptimSpec(lr=1e-3),
+        rollout_n=4,
+    )
+    seen = [actor.update_policy(_prep(actor, batch)).metrics["actor/entropy_coeff"]]
+    first = _weights(actor)
+    seen.append(actor.update_policy(_prep(actor, batch)).metrics["actor/entropy_coeff"])
+    assert seen == pytest.approx([start, start + sign * step])
+    assert actor.entropy_coeff == pytest.approx(start + 2 * sign * step)
+
+    def fixed(coeff):
+        a = Actor(
+            load_policy(ModelSpec(path=str(tiny_model_dir))),
+            batch=BatchSpec(ppo_mini_batch_size=2),
+            loss=PolicyLossSpec(entropy_coeff=coeff),
+            optim=OptimSpec(lr=1e-3),
+            rollout_n=4,
+        )
+        m = a.update_policy(_prep(a, batch)).metrics
+        assert "actor/entropy_coeff" not in m  # a fixed weight reports no controller
+        return _weights(a)
+
+    # the weight really enters the loss: the first update equals a fixed bonus of `start`'s
+    same, zero = fixed(start), fixed(0.0)
+    for k in first:
+        torch.testing.assert_close(first[k], same[k])
+    assert any(not torch.equal(first[k], zero[k]) for k in first)

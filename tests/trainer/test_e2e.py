@@ -320,3 +320,34 @@ def test_difficulty_sampler_replays_in_a_run_and_resumes(small_overrides, digits
         assert trainer.loader.sampler.state_dict() == state
     finally:
         trainer.close()
+
+
+def test_adaptive_entropy_coeff_survives_a_checkpoint(small_overrides, digits_reward):
+    """``actor.entropy_target``: the controller's weight is logged each step and a resumed run
+    continues from the saved weight, not from ``actor.entropy_coeff``."""
+    over = [
+        *small_overrides,
+        f"reward.custom_function.path={digits_reward}",
+        "actor.entropy_coeff=0.01",
+        "actor.entropy_target=100",  # far above any entropy: the weight rises every update
+        "actor.entropy_coeff_step=0.002",
+        "trainer.test_freq=0",
+        "trainer.save_freq=2",
+    ]
+    trainer = RLTrainer(load_config(None, [*over, "trainer.total_steps=2"]))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    run = Path(small_overrides[-1].split("=", 1)[1])
+    # the weight moves once per step's update (whatever its mini-batch count)
+    assert [r["actor/entropy_coeff"] for r in _rows(run) if r["step"] > 0] == pytest.approx(
+        [0.01, 0.012]
+    )
+    trainer = RLTrainer(load_config(None, [*over, "trainer.total_steps=3"]))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert _rows(run)[-1]["step"] == 3
+    assert _rows(run)[-1]["actor/entropy_coeff"] == pytest.approx(0.014)
