@@ -130,8 +130,17 @@ ARMS: dict[str, list[str]] = {
     # the recipe's entropy bonus (0.01) lowered or off: the recipe before 2026-12-03's last runs
     "recipe-ent3e-3": ["actor.entropy_coeff=0.003"],
     "recipe-ent0": ["actor.entropy_coeff=0"],
-    # adaptive entropy control (Skywork-OR1): the bonus holds the entropy near 0.35 nats
-    "recipe-enttarget": ["actor.entropy_target=0.35"],
+    # adaptive entropy control (Skywork-OR1): the bonus holds the entropy near 0.35 nats; from
+    # 0 (the paper's floor: the early bonus fades while the entropy is high) or from the
+    # recipe's fixed 0.01
+    "recipe-enttarget0": ["actor.entropy_target=0.35"],
+    "recipe-enttarget": ["actor.entropy_target=0.35", "actor.entropy_coeff_min=0.01"],
+    # replay of band prompts on the recipe: replayed groups are likely kept, so fewer groups
+    # are generated per step (the recipe keeps ~23 % of what it generates)
+    "recipe-difficulty": [
+        "data.sampler=difficulty",
+        "data.sampler_kwargs={replay_fraction: 0.5, max_replays: 2}",
+    ],
     # the previous recipe (dynamic sampling, lr 1e-4) with 16 responses per prompt
     "dapo-n16": [*W1, DAPO, "rollout.n=16"],
     # on-policy distillation: pure (the task reward logged, not trained), and mixed with the

@@ -52,7 +52,13 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024) -> torch.T
 
 
 def adapt_entropy_coeff(
-    coeff: float, entropy: float, *, target: float, step: float, max_coeff: float
+    coeff: float,
+    entropy: float,
+    *,
+    target: float,
+    step: float,
+    max_coeff: float,
+    min_coeff: float = 0.0,
 ) -> float:
     """The entropy bonus's next weight under adaptive entropy control.
 
@@ -60,28 +66,30 @@ def adapt_entropy_coeff(
     once the policy has become confident. Adaptive entropy control (He et al. 2025, Skywork-OR1,
     arXiv 2505.22312, sec. 4) makes the weight a controller on the measured entropy instead: it
     rises by ``step`` after each update whose token-mean entropy ``H`` fell below ``target`` and
-    falls by ``step`` after one above it, clamped to ``[0, max_coeff]``::
+    falls by ``step`` after one above it, clamped to ``[min_coeff, max_coeff]``::
 
-        c_{k+1} = clip(c_k + step * sign(target - H_k), 0, max_coeff)
+        c_{k+1} = clip(c_k + step * sign(target - H_k), min_coeff, max_coeff)
 
-    (``H_k == target`` lowers it.) So the bonus is zero while the entropy is high and grows only
-    as long as the policy sits below the target, which bounds the entropy collapse of
-    positive-sample reinforcement without slowing early learning.
+    (``H_k == target`` lowers it.) So the bonus sits at its floor while the entropy is high and
+    grows only as long as the policy sits below the target, which bounds the entropy collapse of
+    positive-sample reinforcement. Skywork-OR1's floor is 0; a floor at a fixed bonus that is
+    known to work keeps that bonus's early protection and adds the controller on top.
 
     Args:
         coeff: the weight used in the update just made (``>= 0``).
         entropy: that update's token-mean entropy of the policy, in nats.
         target: the entropy to hold (``> 0``).
         step: how far one update moves the weight (``> 0``).
-        max_coeff: upper bound of the weight (``>= 0``).
+        max_coeff: upper bound of the weight (``>= min_coeff``).
+        min_coeff: lower bound of the weight (``>= 0``).
 
     Returns:
         The weight for the next update.
     """
-    if target <= 0 or step <= 0 or max_coeff < 0:
+    if target <= 0 or step <= 0 or not 0 <= min_coeff <= max_coeff:
         raise ValueError(
             f"adapt_entropy_coeff: target={target} and step={step} must be > 0 and "
-            f"max_coeff={max_coeff} >= 0"
+            f"0 <= min_coeff={min_coeff} <= max_coeff={max_coeff}"
         )
     nxt = coeff + step if entropy < target else coeff - step
-    return min(max(nxt, 0.0), max_coeff)
+    return min(max(nxt, min_coeff), max_coeff)

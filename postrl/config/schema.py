@@ -139,12 +139,15 @@ class ActorConfig:
     entropy_target: float = PolicyLossSpec.entropy_target
     """Adaptive entropy control (Skywork-OR1, arXiv 2505.22312): after each update the entropy
     bonus's coefficient rises by ``entropy_coeff_step`` if the update's token-mean entropy was
-    below this many nats and falls by it otherwise, within ``[0, entropy_coeff_max]``; metric
-    ``actor/entropy_coeff``. 0 = off: a fixed ``entropy_coeff``."""
+    below this many nats and falls by it otherwise, within ``[entropy_coeff_min,
+    entropy_coeff_max]``; metric ``actor/entropy_coeff``. 0 = off: a fixed ``entropy_coeff``."""
     entropy_coeff_step: float = PolicyLossSpec.entropy_coeff_step
     """How far one update moves the adaptive coefficient (``entropy_target > 0``)."""
     entropy_coeff_max: float = PolicyLossSpec.entropy_coeff_max
     """Upper bound of the adaptive coefficient (``entropy_target > 0``)."""
+    entropy_coeff_min: float = PolicyLossSpec.entropy_coeff_min
+    """Lower bound of the adaptive coefficient (``entropy_target > 0``): 0 as in Skywork-OR1;
+    a fixed bonus known to work (the 3-digit recipe's 0.01) keeps its early protection."""
     use_kl_loss: bool = PolicyLossSpec.use_kl_loss
     """Add a KL(π‖π_ref) loss term (GRPO-style); needs a reference policy."""
     kl_loss_coef: float = PolicyLossSpec.kl_loss_coef

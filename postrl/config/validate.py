@@ -245,13 +245,15 @@ def validate_config(
             "> 0 = the entropy in nats the adaptive coefficient holds)"
         )
     elif a.entropy_target > 0 and not (
-        a.entropy_coeff_step > 0 and 0 <= a.entropy_coeff <= a.entropy_coeff_max
+        a.entropy_coeff_step > 0
+        and 0 <= a.entropy_coeff_min <= a.entropy_coeff <= a.entropy_coeff_max
     ):
         e.append(
             f"actor.entropy_target={a.entropy_target} needs actor.entropy_coeff_step > 0 (got "
-            f"{a.entropy_coeff_step}) and 0 <= actor.entropy_coeff <= actor.entropy_coeff_max "
-            f"(got {a.entropy_coeff} and {a.entropy_coeff_max}): raise entropy_coeff_max or "
-            "lower the starting entropy_coeff"
+            f"{a.entropy_coeff_step}) and 0 <= actor.entropy_coeff_min <= actor.entropy_coeff "
+            f"<= actor.entropy_coeff_max (got {a.entropy_coeff_min}, {a.entropy_coeff} and "
+            f"{a.entropy_coeff_max}): raise entropy_coeff_max or set the starting "
+            "entropy_coeff between the bounds"
         )
     if r.temperature < 0:
         e.append(f"rollout.temperature={r.temperature} must be >= 0")

@@ -410,5 +410,6 @@ class Actor:
                     target=c.entropy_target,
                     step=c.entropy_coeff_step,
                     max_coeff=c.entropy_coeff_max,
+                    min_coeff=c.entropy_coeff_min,
                 )
         return PolicyUpdate(metrics, old)

@@ -104,6 +104,8 @@ class PolicyLossSpec:
     """How far one update moves the adaptive weight."""
     entropy_coeff_max: float = 0.05
     """Upper bound of the adaptive weight."""
+    entropy_coeff_min: float = 0.0
+    """Lower bound of the adaptive weight."""
     use_kl_loss: bool = False
     """Add ``kl_loss_coef · KL(π‖π_ref)`` to the loss (needs ``ref_log_prob``)."""
     kl_loss_coef: float = 0.001

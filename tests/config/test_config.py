@@ -45,6 +45,10 @@ def test_adaptive_entropy_settings_are_checked():
             ["actor.entropy_target=0.4", "actor.entropy_coeff=0.2", "actor.entropy_coeff_max=0.1"],
             "raise entropy_coeff_max",
         ),
+        (
+            ["actor.entropy_target=0.4", "actor.entropy_coeff=0.0", "actor.entropy_coeff_min=0.01"],
+            "0 <= actor.entropy_coeff_min <= actor.entropy_coeff",
+        ),
     ):
         with pytest.raises(ConfigError, match=re.escape(needle)):
             validate_config(load_config(None, ["model.path=m", *over]), check_registries=False)

@@ -157,8 +157,11 @@ def test_adapt_entropy_coeff_moves_towards_the_target_within_bounds():
     assert adapt_entropy_coeff(0.0, 0.9, **kw) == 0.0  # never negative
     assert adapt_entropy_coeff(0.025, 0.1, **kw) == 0.03  # never above max_coeff
     assert adapt_entropy_coeff(0.02, 0.5, **kw) == pytest.approx(0.01)  # at the target: down
+    assert adapt_entropy_coeff(0.012, 0.9, **kw, min_coeff=0.01) == 0.01  # never below the floor
     with pytest.raises(ValueError, match="target=0"):
         adapt_entropy_coeff(0.0, 0.1, target=0.0, step=0.01, max_coeff=0.1)
+    with pytest.raises(ValueError, match="min_coeff=0.2"):
+        adapt_entropy_coeff(0.0, 0.1, target=0.5, step=0.01, max_coeff=0.1, min_coeff=0.2)
 
 
 @pytest.mark.parametrize(("target", "sign"), [(100.0, 1), (1e-6, -1)])
