@@ -68,6 +68,7 @@ W1 = [
     "actor.optim.lr=1e-4",
     "actor.ppo_epochs=1",
     "actor.entropy_coeff=0",
+    "actor.entropy_target=0",
     "algorithm.filter_groups.enable=false",
     "algorithm.downsample.enable=false",
     "data.sampler=sequential",
@@ -88,6 +89,7 @@ OPD = [
     "algorithm.filter_groups.enable=false",  # every group carries the teacher's signal
     "algorithm.adv_estimator_kwargs={}",
     "actor.entropy_coeff=0",
+    "actor.entropy_target=0",
     "actor.optim.lr=3e-4",
     f"distill.teacher_path={TEACHER}",
 ]
@@ -123,18 +125,19 @@ ARMS: dict[str, list[str]] = {
     # (~950 optimizer steps on 2 EPYC threads; the schedule counts steps, not seconds)
     "recipe-cosine": [
         "actor.entropy_coeff=0",  # (measured before the recipe had its entropy bonus)
+        "actor.entropy_target=0",
         "actor.optim.lr_scheduler=cosine",
         "actor.optim.min_lr_ratio=0.1",
         "trainer.total_steps=950",
     ],
-    # the recipe's entropy bonus (0.01) lowered or off: the recipe before 2026-12-03's last runs
-    "recipe-ent3e-3": ["actor.entropy_coeff=0.003"],
-    "recipe-ent0": ["actor.entropy_coeff=0"],
-    # adaptive entropy control (Skywork-OR1): the bonus holds the entropy near 0.35 nats; from
-    # 0 (the paper's floor: the early bonus fades while the entropy is high) or from the
-    # recipe's fixed 0.01
-    "recipe-enttarget0": ["actor.entropy_target=0.35"],
-    "recipe-enttarget": ["actor.entropy_target=0.35", "actor.entropy_coeff_min=0.01"],
+    # the recipe's bonus fixed at 0.01 (no controller): the recipe until 2026-12-06
+    "recipe-fixedent": ["actor.entropy_target=0"],
+    # the fixed bonus lowered or off: the recipe before 2026-12-03's last runs
+    "recipe-ent3e-3": ["actor.entropy_target=0", "actor.entropy_coeff=0.003"],
+    "recipe-ent0": ["actor.entropy_target=0", "actor.entropy_coeff=0"],
+    # adaptive entropy control (Skywork-OR1) from the paper's floor of 0: the early bonus fades
+    # while the entropy is above the target (the recipe's controller keeps 0.01 as its floor)
+    "recipe-enttarget0": ["actor.entropy_coeff_min=0"],
     # replay of band prompts on the recipe: replayed groups are likely kept, so fewer groups
     # are generated per step (the recipe keeps ~23 % of what it generates)
     "recipe-difficulty": [
