@@ -15,6 +15,7 @@ Two owners use it:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Coroutine
@@ -123,6 +124,20 @@ class LoopThread:
         except TimeoutError as e:
             fut.cancel()
             raise RolloutTimeoutError(f"engine call did not finish within {timeout_s}s") from e
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop thread and return at once with its future (the caller
+        collects the result or the error later, e.g. by awaiting ``asyncio.wrap_future`` on the
+        loop). Coroutines submitted from one thread start in submission order. Before
+        :meth:`start` it runs inline and the future comes back done."""
+        if self._thread is None:
+            fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+            try:
+                fut.set_result(self.loop.run_until_complete(coro))
+            except Exception as e:  # noqa: BLE001 (delivered through the future)
+                fut.set_exception(e)
+            return fut
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` (executed on the loop thread) from any other event loop."""

@@ -150,6 +150,11 @@ class TrainerContext:
         :class:`~postrl.rollout.signal.Signal`) while it waits (:meth:`LoopThread.run_sync`)."""
         return self.loop_thread.run_sync(coro, wake, on_wake)
 
+    def submit_async(self, coro: Any) -> Any:
+        """Schedule a coroutine on the context's loop without waiting for it; returns its
+        ``concurrent.futures.Future`` (:meth:`LoopThread.submit`)."""
+        return self.loop_thread.submit(coro)
+
     def create_task(self, coro: Any) -> asyncio.Task[Any]:
         """Schedule a coroutine on the context's loop (it runs whenever the loop next runs:
         during :meth:`run_async`, e.g. a mode's take or a validation; at once when the loop runs

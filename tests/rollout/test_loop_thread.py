@@ -85,3 +85,34 @@ def test_a_loop_thread_that_ends_during_a_wait_wakes_the_caller():
         task.cancel()
     lt.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     lt.close()
+
+
+def test_submit_returns_at_once_and_runs_in_submission_order():
+    """``submit``: inline (done on return) before ``start``; on the thread, coroutines submitted
+    from one thread start in order, and an error comes back through the future."""
+    lt = LoopThread("t-submit", start=False)
+    try:
+        assert lt.submit(_where()).result(timeout=0) == threading.current_thread().name
+        lt.start()
+        order: list[int] = []
+        gate = threading.Event()
+
+        async def first() -> None:
+            gate.wait(5)  # holds the loop: the caller got its future back before this ran
+            order.append(1)
+
+        async def second() -> None:
+            order.append(2)
+
+        async def fails() -> None:
+            raise ValueError("from the loop")
+
+        f1, f2, f3 = lt.submit(first()), lt.submit(second()), lt.submit(fails())
+        assert not f1.done()
+        gate.set()
+        f2.result(timeout=5)
+        assert order == [1, 2]
+        with pytest.raises(ValueError, match="from the loop"):
+            f3.result(timeout=5)
+    finally:
+        lt.close()

@@ -81,6 +81,31 @@ def test_fully_async_trains_each_prompt_once_within_the_staleness_bound(
     assert not trainer.mode.feed.buffer.groups()
 
 
+def test_an_admission_that_fails_after_a_push_fails_the_next_step(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    """The admission a push makes room for runs on the loop while the trainer goes on: its
+    error is raised by the next step's take, not lost (and the run closes cleanly)."""
+    cfg = load_config(None, _base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run", 6))
+    trainer = RLTrainer(cfg)
+    after, calls = trainer.mode._after_sync, []
+
+    async def failing():
+        calls.append(trainer.mode.step)
+        if len(calls) == 2:  # the push after the run's first update
+            raise RuntimeError("admission failed on purpose")
+        await after()
+
+    trainer.mode._after_sync = failing
+    try:
+        with pytest.raises(RuntimeError, match="admission failed on purpose"):
+            trainer.fit()
+    finally:
+        trainer.close()
+    assert calls == [0, 2]  # the first push, then the one after step 2 (parameter_sync_step=2)
+    assert trainer.global_step == 3  # step 3's take raised it
+
+
 def test_fully_async_config_errors_name_the_field_and_the_fix(small_overrides):
     base = [*small_overrides, "trainer.mode=fully_async"]
     with pytest.raises(ConfigError) as e:

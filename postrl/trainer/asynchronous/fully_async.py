@@ -53,6 +53,7 @@ The interleaving depends on process timing: runs are not bit-reproducible
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from typing import Any
@@ -172,6 +173,9 @@ class FullyAsyncMode:
         self._last_take = time.perf_counter()
         self._admitted_at_sync = 0  # admitted after the last push: counted in the next step
         self._restore: dict[str, Any] | None = None  # a checkpoint's state, applied at the push
+        # the admission after the last push, running on the loop while this thread goes on (its
+        # result, or error, is collected by whatever runs on the loop next)
+        self._after: concurrent.futures.Future[None] | None = None
         self._busy_mark = (time.perf_counter(), 0.0)  # (wall, replicas' engine seconds)
         self._core_wait = 0.0  # the replicas' summed waits for lent cores, as last read
 
@@ -230,6 +234,7 @@ class FullyAsyncMode:
         self.ctx.run_async(self._after_sync())
 
     async def _next(self, step: int) -> tuple[DataProto, dict[str, float]]:
+        await self._settled()
         feed = self.feed
         admitted, self._admitted_at_sync = self._admitted_at_sync, 0
         admitted += feed.admit(self._draw, step)
@@ -319,8 +324,17 @@ class FullyAsyncMode:
             vals = [s[key] for s in swaps if key in s]
             if vals:
                 metrics[f"weights/{key}"] = float(max(vals))
-        self.ctx.run_async(self._after_sync())
+        # the version and the admission it makes room for run on the loop thread; this thread
+        # does not wait for the loop to get to them (it was busy with the trajectories: ~8 ms
+        # of W1's step). Anything the mode runs on the loop later awaits them first.
+        self._after = self.ctx.submit_async(self._after_sync())
         return metrics
+
+    async def _settled(self) -> None:
+        """Await the admission after the last push (on the loop thread; raises its error)."""
+        after, self._after = self._after, None
+        if after is not None:
+            await asyncio.wrap_future(after)
 
     async def _after_sync(self) -> None:
         if self._restore is not None:
@@ -335,7 +349,11 @@ class FullyAsyncMode:
         <postrl.trainer.asynchronous.feed.AsyncFeed.snapshot>`: the loader position, the buffer, the
         groups trained so far), taken on the loop thread. In-flight trajectories restart from their
         prompts after this call (their partial outputs are discarded)."""
-        return self.ctx.run_async(self.feed.snapshot_async())
+        return self.ctx.run_async(self._snapshot())
+
+    async def _snapshot(self) -> dict[str, Any]:
+        await self._settled()
+        return await self.feed.snapshot_async()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` at the first weight push (the replicas start from the
@@ -352,6 +370,10 @@ class FullyAsyncMode:
             self.switch.close()
 
     async def _close(self) -> None:
+        try:
+            await self._settled()
+        except Exception as e:  # noqa: BLE001 (closing: the error was the step's to raise)
+            logger.warning("the admission after the last weight push failed: %r", e)
         self._watch.cancel()
         await asyncio.gather(self._watch, return_exceptions=True)
         await self.feed.stream.close_async()
