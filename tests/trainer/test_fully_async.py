@@ -90,11 +90,11 @@ def test_an_admission_that_fails_after_a_push_fails_the_next_step(
     trainer = RLTrainer(cfg)
     after, calls = trainer.mode._after_sync, []
 
-    async def failing():
-        calls.append(trainer.mode.step)
+    async def failing(step, version):
+        calls.append(step)
         if len(calls) == 2:  # the push after the run's first update
             raise RuntimeError("admission failed on purpose")
-        await after()
+        await after(step, version)
 
     trainer.mode._after_sync = failing
     try:

@@ -231,7 +231,7 @@ class FullyAsyncMode:
         logger.warning(
             "no rollout replica was live: a restarted one serves version %d", fleet.version
         )
-        self.ctx.run_async(self._after_sync())
+        self.ctx.run_async(self._after_sync(self.step, self.ctx.fleet.version))
 
     async def _next(self, step: int) -> tuple[DataProto, dict[str, float]]:
         await self._settled()
@@ -327,7 +327,9 @@ class FullyAsyncMode:
         # the version and the admission it makes room for run on the loop thread; this thread
         # does not wait for the loop to get to them (it was busy with the trajectories: ~8 ms
         # of W1's step). Anything the mode runs on the loop later awaits them first.
-        self._after = self.ctx.submit_async(self._after_sync())
+        # (the step and version are read here: the loop may run it after next_batch has moved
+        # self.step on, and the dispatch step seeds the admitted groups' samples)
+        self._after = self.ctx.submit_async(self._after_sync(self.step, self.ctx.fleet.version))
         return metrics
 
     async def _settled(self) -> None:
@@ -336,12 +338,15 @@ class FullyAsyncMode:
         if after is not None:
             await asyncio.wrap_future(after)
 
-    async def _after_sync(self) -> None:
+    async def _after_sync(self, step: int, version: int) -> None:
+        """On the loop: apply a checkpoint's state at the first push, advance the buffer to
+        ``version`` (the fleet's, as pushed) and admit what it makes room for, dispatched at
+        ``step`` (the step whose update was pushed)."""
         if self._restore is not None:
             state, self._restore = self._restore, None
             self.feed.restore(state)
-        self.feed.buffer.set_version(self.ctx.fleet.version)
-        self._admitted_at_sync += self.feed.admit(self._draw, self.step)
+        self.feed.buffer.set_version(version)
+        self._admitted_at_sync += self.feed.admit(self._draw, step)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
