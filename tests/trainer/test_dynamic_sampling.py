@@ -196,3 +196,30 @@ def test_oversample_config_errors_name_the_fix(small_overrides):
             )
         )
     assert "oversample=true with trainer.mode=one_step_off" in str(e.value)
+
+
+@pytest.mark.timeout(90)
+def test_one_draw_holding_a_row_twice_admits_two_groups(small_overrides, tmp_path):
+    """A draw across an epoch's end can hold the same row twice: at the end of epoch e and at
+    the start of e+1. Each is a group of its own (own uid, request ids and seeds), and both are
+    trained. (Regression: both got uid ``"{step}-{index}"`` and the admission failed with
+    "group uids admitted twice" — seen once in CI on the object-store oversampling run.)"""
+    import numpy as np
+
+    trainer = RLTrainer(load_config(None, small_overrides + ["data.train_batch_size=2"]))
+    try:
+        stream = trainer.mode.stream
+        prompts = trainer.loader.dataset.batch(np.asarray([3, 3]))
+        prompts.meta_info["epoch"], prompts.meta_info["epochs"] = 1, [0, 1]
+        trainer.ctx.fleet.wake_up()
+        uids = stream.admit(prompts, 1)
+        assert len(set(uids)) == 2 and uids[0] == "1-3", uids
+        groups = [stream.buffer.group(u) for u in uids]
+        assert [g.epoch for g in groups] == [0, 1] and [g.index for g in groups] == [3, 3]
+        seeds = [[r["seed"] for r in stream._rows[u]] for u in uids]
+        assert not set(seeds[0]) & set(seeds[1]), "the second group would copy the first"
+        batch, _ = stream.take(2, 1, trainer.loader.next_prompts)
+        assert sorted(set(batch.non_tensor_batch["uid"].tolist())) == sorted(uids)
+        assert len(batch) == 2 * 4
+    finally:
+        trainer.close()

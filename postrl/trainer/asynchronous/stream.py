@@ -152,9 +152,11 @@ class GroupStream:
         for p in range(len(prompts)):
             grows = rows[p * self.n : (p + 1) * self.n]
             uid = str(grows[0]["uid"])
-            if self.buffer.known(uid):
-                # the same row twice in one step (a refill drew it again, or a surplus retry
-                # of epoch e met its fresh draw of epoch e+1): a group of its own, with its own
+            if self.buffer.known(uid) or uid in uids:
+                # the same row twice in one step (a refill drew it again, a surplus retry of
+                # epoch e met its fresh draw of epoch e+1, or one draw across an epoch's end
+                # holds a row at the end of epoch e and again at the start of e+1): a group
+                # of its own, with its own
                 # request ids (an engine keys requests, aborts and resumes by them) and its own
                 # samples (the same seeds would generate a copy of the other group)
                 nth = self.buffer.admissions + p
