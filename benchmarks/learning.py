@@ -26,6 +26,8 @@ The arms (``--arms``; each is ``examples/grpo_addition_3digit.yaml`` plus overri
 * ``dapo-n16``: ``dapo`` with 16 responses per prompt (larger groups);
 * ``recipe``: the shipped recipe as it is (dynamic sampling + PSR at lr 3e-4);
   ``recipe-cosine``: its step size decayed by a cosine to 10 % over 950 optimizer steps;
+  ``recipe-greso``: with selective rollout (``data.sampler=greso``: prompts uninformative on
+  their last visits mostly skipped before generation);
 * ``opd``: on-policy distillation from ``--teacher`` (``examples/opd_addition_3digit.yaml``:
   the per-token reverse KL to the teacher is the advantage, no task reward); ``opd-mixed``: the
   same plus the task reward's GRPO advantages (``distill.task_reward_weight=1``); ``opd-gkd``:
@@ -138,6 +140,9 @@ ARMS: dict[str, list[str]] = {
     # adaptive entropy control (Skywork-OR1) from the paper's floor of 0: the early bonus fades
     # while the entropy is above the target (the recipe's controller keeps 0.01 as its floor)
     "recipe-enttarget0": ["actor.entropy_coeff_min=0"],
+    # selective rollout (GRESO) on the recipe: prompts whose last visits were all right or all
+    # wrong are mostly skipped before they are generated (the recipe keeps ~23 % of its groups)
+    "recipe-greso": ["data.sampler=greso"],
     # replay of band prompts on the recipe: replayed groups are likely kept, so fewer groups
     # are generated per step (the recipe keeps ~23 % of what it generates)
     "recipe-difficulty": [

@@ -78,11 +78,14 @@ class DataConfig:
     """Use at most this many validation rows (0 = all)."""
     sampler: str = "sequential"
     """Prompt sampler (``postrl.data.samplers.PROMPT_SAMPLERS`` name or ``module:Class``):
-    ``sequential`` (each prompt once per epoch) or ``difficulty`` (also replays prompts whose
-    measured success rate is in the learnable band; ``sampler/*`` metrics)."""
+    ``sequential`` (each prompt once per epoch), ``difficulty`` (also replays prompts whose
+    measured success rate is in the learnable band) or ``greso`` (skips, before rollout, prompts
+    whose last visits had all responses scored the same); ``sampler/*`` metrics."""
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the sampler (``difficulty``: ``replay_fraction``, ``low``,
-    ``high``, ``ema``, ``max_replays``, ``success_threshold``)."""
+    ``high``, ``ema``, ``max_replays``, ``success_threshold``; ``greso``: ``explore``,
+    ``explore_min``, ``explore_max``, ``explore_step``, ``target_easy``, ``target_hard``,
+    ``adapt_every``, ``success_threshold``)."""
 
 
 @dataclass

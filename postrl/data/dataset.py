@@ -16,6 +16,7 @@ replayed or skipped.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,10 @@ class PromptLoader:
     sampler: Any = None
     """A :class:`~postrl.data.samplers.PromptSampler` adding replays to each draw (None: the
     permutation only)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _orders: tuple[int, np.ndarray] = field(
+        default=(-1, np.empty(0, dtype=np.int64)), repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if self.batch_size > len(self.dataset):
@@ -219,9 +224,13 @@ class PromptLoader:
         return len(self.dataset) % self.batch_size
 
     def _order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(len(self.dataset))
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+        if self._orders[0] != epoch:  # (a skipping sampler walks it in many short draws)
+            if not self.shuffle:
+                order = np.arange(len(self.dataset))
+            else:
+                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+            self._orders = (epoch, order)
+        return self._orders[1]
 
     def next_batch(self) -> DataProto:
         """Return the next batch and advance (wrapping into the next epoch)."""
@@ -236,11 +245,38 @@ class PromptLoader:
         drew single prompts), the rest of the epoch is drawn and the draw goes on into the next
         epoch — an epoch's prompts are never skipped mid-way. ``meta_info["epoch"]`` is the
         epoch of the draw's last prompt; ``meta_info["epochs"]`` each row's own (replays: the
-        current epoch)."""
+        current epoch).
+
+        A sampler with a ``skip(indices)`` method (``greso``) may pass over fresh prompts before
+        they are generated: the walk goes on until ``k`` are drawn. The sampler counts what it
+        skipped (``sampler/skipped``); after a whole dataset's worth of prompts scanned in one
+        draw nothing more is skipped, so a draw always ends."""
         if not 0 < k <= len(self.dataset):
             raise DatasetError(f"next_prompts({k}): k must be in [1, {len(self.dataset)}]")
-        replays = self.sampler.replays(k) if self.sampler is not None else []
-        fresh = k - len(replays)
+        with self._lock:
+            replays = self.sampler.replays(k) if self.sampler is not None else []
+            skip = getattr(self.sampler, "skip", None)
+            need, scanned = k - len(replays), 0
+            heads: list[np.ndarray] = []
+            epochs: list[int] = []
+            while need > 0:
+                head, ep = self._walk(need)
+                scanned += len(head)
+                if skip is not None and scanned <= len(self.dataset):
+                    passed = np.asarray(skip(head.tolist()), dtype=bool)
+                    head, ep = head[~passed], [e for e, s in zip(ep, passed.tolist()) if not s]
+                heads.append(head)
+                epochs += ep
+                need -= len(head)
+            order = np.concatenate([*heads, np.asarray(replays, dtype=np.int64)])
+            out = self.dataset.batch(order)
+            out.meta_info["epoch"] = self.epoch
+            out.meta_info["epochs"] = epochs + [self.epoch] * len(replays)
+        return out
+
+    def _walk(self, fresh: int) -> tuple[np.ndarray, list[int]]:
+        """The next ``fresh`` positions of the order (crossing an epoch's end as
+        :meth:`next_prompts` says) and each one's epoch."""
         n = len(self.dataset)
         if self.position + fresh > n and self.position % self.batch_size == 0:
             self.epoch, self.position = self.epoch + 1, 0  # the trailing partial batch
@@ -252,10 +288,14 @@ class PromptLoader:
             tail = self._order(self.epoch)[: self.position]
             head = np.concatenate([head, tail])
             epochs += [self.epoch] * len(tail)
-        out = self.dataset.batch(np.concatenate([head, np.asarray(replays, dtype=head.dtype)]))
-        out.meta_info["epoch"] = self.epoch
-        out.meta_info["epochs"] = epochs + [self.epoch] * len(replays)
-        return out
+        return head.astype(np.int64, copy=False), epochs
+
+    def sampler_metrics(self) -> dict[str, float]:
+        """The sampler's ``sampler/*`` metrics since the last call (none without a sampler)."""
+        if self.sampler is None:
+            return {}
+        with self._lock:
+            return self.sampler.metrics()
 
     def observe(self, index: Any, uid: Any, scores: Any) -> None:
         """Report a scored batch to the sampler: rows grouped by ``uid``, each group's
@@ -265,20 +305,24 @@ class PromptLoader:
         groups: dict[Any, tuple[int, list[float]]] = {}
         for i, u, s in zip(np.asarray(index).tolist(), np.asarray(uid).tolist(), scores):
             groups.setdefault(u, (int(i), []))[1].append(float(s))
-        self.sampler.observe([g[0] for g in groups.values()], [g[1] for g in groups.values()])
+        with self._lock:  # (the stream reports filtered groups from its event-loop thread)
+            self.sampler.observe([g[0] for g in groups.values()], [g[1] for g in groups.values()])
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch, position and seed (plus the sampler's state when it has one)."""
-        state: dict[str, Any] = {"epoch": self.epoch, "position": self.position, "seed": self.seed}
-        if self.sampler is not None and (sampler_state := self.sampler.state_dict()):
-            state["sampler"] = sampler_state
+        with self._lock:
+            state: dict[str, Any] = {"epoch": self.epoch, "position": self.position}
+            state["seed"] = self.seed
+            if self.sampler is not None and (sampler_state := self.sampler.state_dict()):
+                state["sampler"] = sampler_state
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        if self.sampler is not None and "sampler" in state:
-            self.sampler.load_state_dict(state["sampler"])
+        with self._lock:
+            self.epoch, self.position = int(state["epoch"]), int(state["position"])
+            if self.sampler is not None and "sampler" in state:
+                self.sampler.load_state_dict(state["sampler"])
 
 
 def load_tokenizer(path: str | Path):

@@ -18,6 +18,22 @@ Registered samplers (``PROMPT_SAMPLERS``):
   (``p = 1``) and hopeless (``p = 0``) prompts leave the pool. This is the online difficulty
   filtering of PRIME (Cui et al. 2025, arXiv 2502.01456) and Polaris-style curricula, done as
   replay of measured prompts instead of an offline pass.
+* ``greso``: selective rollout — fresh prompts that were *uninformative* on their most recent
+  visits are skipped before they are generated. A group is uninformative when all its responses
+  score the same (its group-relative advantages are all zero): *easy* when that score is a
+  success, *hard* otherwise. A prompt whose last ``z`` visits were uninformative is skipped with
+  probability ``1 − e^z``, ``e`` the exploration probability of its kind; ``e`` moves by
+  ``explore_step`` after every ``adapt_every`` observed groups, down when that kind's share of
+  them is above its target (``target_easy``, ``target_hard``), up when below, within
+  ``[explore_min, explore_max]``. After GRESO (Zheng et al. 2025, "Act Only When It Pays",
+  arXiv 2506.02177): prompt value is consistent from one visit to the next, so the rollouts
+  DAPO's dynamic sampling would generate and throw away are mostly not generated at all.
+  Skipped prompts are counted (``sampler/skipped``, by kind), not trained in that epoch, and
+  visited again in the next one.
+
+The loader asks a sampler with a ``skip(indices) -> list[bool]`` method (optional in the
+protocol) which fresh prompts to pass over. With ``algorithm.filter_groups`` the groups it
+filters out are reported to the sampler too (``observe``), as the trained ones are.
 
 A custom sampler: a class with ``replays(k) -> list[int]``, ``observe(indices, scores)``,
 ``metrics()``, ``state_dict()`` and ``load_state_dict(state)``, constructed as
@@ -39,6 +55,7 @@ __all__ = [
     "PromptSampler",
     "SequentialSampler",
     "DifficultySampler",
+    "SelectiveRolloutSampler",
     "build_prompt_sampler",
 ]
 
@@ -210,6 +227,155 @@ class DifficultySampler:
         self.p = np.array([np.nan if x is None else x for x in state["p"]], dtype=np.float64)
         self.replayed = np.asarray(state["replayed"], dtype=np.int64)
         self.pool = {int(i) for i in state["pool"]}
+        self.draws = int(state["draws"])
+
+
+@PROMPT_SAMPLERS.register("greso")
+class SelectiveRolloutSampler:
+    """Skips fresh prompts that were uninformative on their recent visits (module docstring).
+
+    Args:
+        size: prompts in the dataset.
+        seed: seed of the skip draws.
+        explore: starting exploration probability of both kinds, in
+            ``[explore_min, explore_max]``.
+        explore_min, explore_max: its bounds, ``0 < explore_min <= explore_max <= 1``.
+        explore_step: how far one adaptation moves it.
+        target_easy, target_hard: the share of observed groups that may be uninformative of
+            each kind before its exploration probability goes down.
+        adapt_every: observed groups between two adaptations.
+        success_threshold: an uninformative group whose score is at least this is *easy*.
+    """
+
+    EASY, HARD = 1, 2
+
+    def __init__(
+        self,
+        size: int,
+        seed: int = 0,
+        *,
+        explore: float = 0.5,
+        explore_min: float = 0.05,
+        explore_max: float = 1.0,
+        explore_step: float = 0.01,
+        target_easy: float = 0.125,
+        target_hard: float = 0.125,
+        adapt_every: int = 64,
+        success_threshold: float = 1.0,
+    ) -> None:
+        errors = []
+        if not 0.0 < explore_min <= explore_max <= 1.0:
+            errors.append(
+                f"explore_min={explore_min}, explore_max={explore_max}: need "
+                "0 < explore_min <= explore_max <= 1 (explore_min 0 would skip a prompt forever)"
+            )
+        elif not explore_min <= explore <= explore_max:
+            errors.append(f"explore={explore} must be in [explore_min, explore_max]")
+        if not 0.0 <= explore_step <= 1.0:
+            errors.append(f"explore_step={explore_step} must be in [0, 1]")
+        for name, v in (("target_easy", target_easy), ("target_hard", target_hard)):
+            if not 0.0 <= v <= 1.0:
+                errors.append(f"{name}={v} must be in [0, 1]")
+        if adapt_every < 1:
+            errors.append(f"adapt_every={adapt_every} must be >= 1")
+        if errors:
+            raise ValueError("data.sampler_kwargs of 'greso': " + "; ".join(errors))
+        self.size, self.seed = size, seed
+        self.explore_min, self.explore_max = explore_min, explore_max
+        self.explore_step = explore_step
+        self.targets = {self.EASY: target_easy, self.HARD: target_hard}
+        self.adapt_every, self.success_threshold = adapt_every, success_threshold
+        self.explore = {self.EASY: explore, self.HARD: explore}
+        self.streak = np.zeros(size, dtype=np.int64)  # uninformative visits in a row, latest
+        self.kind = np.zeros(size, dtype=np.int8)  # of the latest visit: 0, EASY or HARD
+        self.draws = 0
+        self._window = dict.fromkeys((0, self.EASY, self.HARD), 0)  # observed since adapting
+        self._m = dict.fromkeys(("skipped_easy", "skipped_hard", "observed", "uninformative"), 0)
+
+    def replays(self, k: int) -> list[int]:
+        """None: this sampler only skips."""
+        return []
+
+    def skip(self, indices: Sequence[int]) -> list[bool]:
+        """Per fresh prompt: skip it before rollout (True) with probability ``1 − e^z``."""
+        idx = np.asarray(indices, dtype=np.int64)
+        self.draws += 1
+        z = self.streak[idx]
+        kind = self.kind[idx]
+        e = np.where(kind == self.EASY, self.explore[self.EASY], self.explore[self.HARD])
+        p = np.where(z > 0, 1.0 - np.power(e, z), 0.0)
+        u = np.random.default_rng([self.seed, 1, self.draws]).random(len(idx))
+        out = u < p
+        self._m["skipped_easy"] += int((out & (kind == self.EASY)).sum())
+        self._m["skipped_hard"] += int((out & (kind == self.HARD)).sum())
+        return out.tolist()
+
+    def observe(self, indices: Sequence[int], scores: Sequence[Sequence[float]]) -> None:
+        """Per scored group: lengthen its prompt's uninformative streak (all scores equal) or
+        end it; every ``adapt_every`` groups, move each kind's exploration probability."""
+        for i, group in zip(indices, scores):
+            i = int(i)
+            g = np.asarray(group, dtype=np.float64)
+            flat = len(g) > 0 and float(g.max() - g.min()) <= 1e-9
+            kind = (self.EASY if g[0] >= self.success_threshold else self.HARD) if flat else 0
+            self.streak[i] = self.streak[i] + 1 if flat else 0
+            self.kind[i] = kind
+            self._window[kind] += 1
+            self._m["observed"] += 1
+            self._m["uninformative"] += int(flat)
+            if sum(self._window.values()) >= self.adapt_every:
+                self._adapt()
+
+    def _adapt(self) -> None:
+        n = sum(self._window.values())
+        for kind, target in self.targets.items():
+            step = -self.explore_step if self._window[kind] / n > target else self.explore_step
+            e = self.explore[kind] + step
+            self.explore[kind] = min(max(e, self.explore_min), self.explore_max)
+        self._window = dict.fromkeys(self._window, 0)
+
+    def metrics(self) -> dict[str, float]:
+        """``sampler/skipped`` (fresh prompts skipped before rollout since the last call;
+        ``sampler/skipped_easy``, ``sampler/skipped_hard`` by kind), ``sampler/uninformative``
+        (share of the groups observed since the last call whose scores were all equal),
+        ``sampler/explore_easy`` and ``sampler/explore_hard`` (the exploration probabilities)."""
+        m, self._m = self._m, dict.fromkeys(self._m, 0)
+        return {
+            "sampler/skipped": float(m["skipped_easy"] + m["skipped_hard"]),
+            "sampler/skipped_easy": float(m["skipped_easy"]),
+            "sampler/skipped_hard": float(m["skipped_hard"]),
+            "sampler/uninformative": m["uninformative"] / max(m["observed"], 1),
+            "sampler/explore_easy": self.explore[self.EASY],
+            "sampler/explore_hard": self.explore[self.HARD],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Streaks and kinds (as sparse lists), exploration probabilities, the adaptation
+        window and the draw counter."""
+        seen = np.flatnonzero(self.streak).tolist()
+        return {
+            "size": self.size,
+            "streak": [[i, int(self.streak[i]), int(self.kind[i])] for i in seen],
+            "explore": [self.explore[self.EASY], self.explore[self.HARD]],
+            "window": [self._window[0], self._window[self.EASY], self._window[self.HARD]],
+            "draws": self.draws,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (same dataset size)."""
+        if int(state["size"]) != self.size:
+            raise ValueError(
+                f"greso sampler state holds {state['size']} prompts, the dataset {self.size}: "
+                "resume with the same data.train_files"
+            )
+        self.streak[:] = 0
+        self.kind[:] = 0
+        for i, z, kind in state["streak"]:
+            self.streak[int(i)], self.kind[int(i)] = int(z), int(kind)
+        easy, hard = (float(x) for x in state["explore"])
+        self.explore = {self.EASY: easy, self.HARD: hard}
+        w = [int(x) for x in state["window"]]
+        self._window = {0: w[0], self.EASY: w[1], self.HARD: w[2]}
         self.draws = int(state["draws"])
 
 

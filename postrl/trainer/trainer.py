@@ -200,7 +200,7 @@ class RLTrainer:
         self.loader.observe(  # the prompt sampler learns each group's success
             batch.non_tensor_batch["index"], batch.non_tensor_batch["uid"], stages.row_scores(batch)
         )
-        m.update(self.loader.sampler.metrics())
+        m.update(self.loader.sampler_metrics())
         batch = run(None, stages.downsample_stage, batch, cfg, step)  # (PODS: a subset trains)
         batch = run(None, roles.balance, batch)  # 3. balance
         batch.meta_info.update(temperature=cfg.rollout.temperature, global_step=step)

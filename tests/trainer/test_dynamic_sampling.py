@@ -130,6 +130,30 @@ def test_oversampling_keeps_more_groups_in_flight_and_loses_no_prompt(
     _odd_rows_once_per_epoch(run, epochs=2)
 
 
+@pytest.mark.timeout(180)
+def test_greso_skips_prompts_dynamic_sampling_filtered_before_generating_them(
+    tiny_model_dir, epoch_files, tmp_path
+):
+    """``data.sampler=greso`` with dynamic sampling: the groups the filter throws away (even
+    rows: all score 1) reach the sampler, so from the second epoch on such prompts are mostly
+    skipped before rollout — counted as easy skips — while every odd row (signal) is still
+    trained once per epoch."""
+    from trainer_helpers import train_subprocess
+
+    run = tmp_path / "run"
+    args = [
+        *_oversample_args(tiny_model_dir, epoch_files, tmp_path, run),
+        "data.sampler=greso",
+        "data.sampler_kwargs={explore: 0.2, explore_min: 0.2}",
+    ]
+    assert train_subprocess(args, threads=1) == 0
+    rows = [r for r in metric_rows(run) if "sampler/skipped" in r]
+    assert len(rows) == 6
+    assert sum(r["sampler/skipped_easy"] for r in rows) > 0, "filtered groups not observed"
+    assert sum(r["sampler/skipped_hard"] for r in rows) == 0
+    _odd_rows_once_per_epoch(run, epochs=2)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_oversampling_kill_and_resume_loses_no_prompt(tiny_model_dir, epoch_files, tmp_path):

@@ -120,6 +120,7 @@ class GroupStream:
         self._refills = 0  # refill prompts admitted during the current take
         self._scoring_group: tuple[str, int, list[Any]] | None = None  # (in _score)
         self._dropped: tuple[str, int, list[Any]] | None = None  # a filtered group's payloads
+        self._scoring_scores: list[float] = []  # (in _score) the valid scores of that group
         self._error: BaseException | None = None
         self._last_failure = ""
         self._parts: list[tuple[int, dict[str, float]]] = []  # reward metrics per scored group
@@ -232,6 +233,7 @@ class GroupStream:
         self._parts.append((self.n, metrics))
         self._counts["groups"] += 1
         self._scoring_group = (uid, g.index, payloads)
+        self._scoring_scores = [float(x) for x, v in zip(scores, valid) if v]
         try:
             for k in range(self.n):
                 if uid not in self._rows:
@@ -264,6 +266,10 @@ class GroupStream:
                 task.cancel()
         if e.reason == "filtered" and self._scoring_group and self._scoring_group[0] == e.uid:
             self._dropped = self._scoring_group  # (the all-masked fallback of an empty take)
+            # the prompt sampler learns from the groups dynamic sampling throws away too (the
+            # trainer reports the trained ones): a `greso` sampler skips such prompts next time
+            s = self._scoring_scores
+            self.ctx.loader.observe([e.index] * len(s), [e.uid] * len(s), s)
         if e.reason in ("stale", "surplus") and known:  # not a bad prompt: its refill is
             self._retry.append((e.index, e.epoch))  # itself, on the current weights
         self._counts[e.reason] += 1
