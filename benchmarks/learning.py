@@ -143,6 +143,9 @@ ARMS: dict[str, list[str]] = {
     # selective rollout (GRESO) on the recipe: prompts whose last visits were all right or all
     # wrong are mostly skipped before they are generated (the recipe keeps ~23 % of its groups)
     "recipe-greso": ["data.sampler=greso"],
+    # the same, all-wrong prompts explored more: up to half the generated groups may be
+    # all-wrong before that kind's exploration goes down (the default 0.125 starves them)
+    "recipe-greso-hard50": ["data.sampler=greso", "data.sampler_kwargs={target_hard: 0.5}"],
     # replay of band prompts on the recipe: replayed groups are likely kept, so fewer groups
     # are generated per step (the recipe keeps ~23 % of what it generates)
     "recipe-difficulty": [
