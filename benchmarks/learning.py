@@ -64,6 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT.parent / "shared" / "w1" / "tiny-qwen2-sft"
 RECIPE = ROOT / "examples" / "grpo_addition_3digit.yaml"
 
+SEQ = ["data.sampler=sequential", "data.sampler_kwargs={}"]  # the permutation, no replays
 # the W1 shape on top of the recipe file: every lever of the recipe switched off
 W1 = [
     "rollout.n=8",
@@ -73,7 +74,7 @@ W1 = [
     "actor.entropy_target=0",
     "algorithm.filter_groups.enable=false",
     "algorithm.downsample.enable=false",
-    "data.sampler=sequential",
+    *SEQ,
     "reward.reward_kwargs={}",
     "algorithm.adv_estimator_kwargs={}",
 ]
@@ -93,6 +94,8 @@ OPD = [
     "actor.entropy_coeff=0",
     "actor.entropy_target=0",
     "actor.optim.lr=3e-4",
+    "data.sampler=sequential",
+    "data.sampler_kwargs={}",
     f"distill.teacher_path={TEACHER}",
 ]
 RKL = ["distill.loss=reverse_kl", "distill.baseline=mean"]
@@ -123,9 +126,12 @@ ARMS: dict[str, list[str]] = {
     "psr0": [*W1, DAPO, PSR0],
     "psr0-lr3e-4-nofilter": [*W1, "actor.optim.lr=3e-4", PSR0],
     "recipe": [],
+    # the recipe before it replayed band prompts (2026-12-06): each prompt once per epoch
+    "recipe-seq": [*SEQ],
     # the recipe with the step size decayed by a cosine to 10 % over ~10 minutes of steps here
     # (~950 optimizer steps on 2 EPYC threads; the schedule counts steps, not seconds)
     "recipe-cosine": [
+        *SEQ,
         "actor.entropy_coeff=0",  # (measured before the recipe had its entropy bonus)
         "actor.entropy_target=0",
         "actor.optim.lr_scheduler=cosine",
@@ -133,16 +139,16 @@ ARMS: dict[str, list[str]] = {
         "trainer.total_steps=950",
     ],
     # the recipe's bonus fixed at 0.01 (no controller): the recipe until 2026-12-06
-    "recipe-fixedent": ["actor.entropy_target=0"],
+    "recipe-fixedent": [*SEQ, "actor.entropy_target=0"],
     # the fixed bonus lowered or off: the recipe before 2026-12-03's last runs
-    "recipe-ent3e-3": ["actor.entropy_target=0", "actor.entropy_coeff=0.003"],
-    "recipe-ent0": ["actor.entropy_target=0", "actor.entropy_coeff=0"],
+    "recipe-ent3e-3": [*SEQ, "actor.entropy_target=0", "actor.entropy_coeff=0.003"],
+    "recipe-ent0": [*SEQ, "actor.entropy_target=0", "actor.entropy_coeff=0"],
     # adaptive entropy control (Skywork-OR1) from the paper's floor of 0: the early bonus fades
     # while the entropy is above the target (the recipe's controller keeps 0.01 as its floor)
-    "recipe-enttarget0": ["actor.entropy_coeff_min=0"],
+    "recipe-enttarget0": [*SEQ, "actor.entropy_coeff_min=0"],
     # selective rollout (GRESO) on the recipe: prompts whose last visits were all right or all
     # wrong are mostly skipped before they are generated (the recipe keeps ~23 % of its groups)
-    "recipe-greso": ["data.sampler=greso"],
+    "recipe-greso": ["data.sampler=greso", "data.sampler_kwargs={}"],
     # the same, all-wrong prompts explored more: up to half the generated groups may be
     # all-wrong before that kind's exploration goes down (the default 0.125 starves them)
     "recipe-greso-hard50": ["data.sampler=greso", "data.sampler_kwargs={target_hard: 0.5}"],
