@@ -311,8 +311,7 @@ class PromptLoader:
     def state_dict(self) -> dict[str, Any]:
         """Epoch, position and seed (plus the sampler's state when it has one)."""
         with self._lock:
-            state: dict[str, Any] = {"epoch": self.epoch, "position": self.position}
-            state["seed"] = self.seed
+            state: dict[str, Any] = dict(epoch=self.epoch, position=self.position, seed=self.seed)
             if self.sampler is not None and (sampler_state := self.sampler.state_dict()):
                 state["sampler"] = sampler_state
         return state
