@@ -17,6 +17,19 @@ of its own with half of ``--threads`` and pushes the weights after every batch,
 The quickstart's model and data are made first if ``--run-dir`` lacks them (``make
 quickstart`` stages 1–3). Accuracy is sampled (temperature 1, 4 samples per prompt, 200 prompts),
 the quickstart's own validation. Results also go to ``--out`` as JSON.
+
+``--workload tail`` asks the same on the latency workload of ``benchmarks/async_modes.py``
+(item 2 of the async goals: "at equal learning per sample"): the multi-turn tool-arith task
+(``examples/grpo_tool_arith.yaml``, its SFT-warmed model, built once under ``--work-dir``),
+the calculator answering after a log-normal latency (``--tail-latency``, default median 200 ms,
+sigma 1, clipped to [50 ms, 2 s]), held-out accuracy on 128 fresh problems, sampled as the
+quickstart's (temperature 1, 4 samples each: greedy reaches 1.0 after one step on this task and
+would hide any difference), through the same tool loop and latency. A ``fully_async`` or
+``one_step_off`` group whose straggler waited on a slow call can age past
+``trainer.async.max_staleness`` and be dropped, so what each mode trains is also reported:
+the tool calls per trained trajectory and the groups dropped as stale.
+
+    python benchmarks/async_learning.py --workload tail --steps 30 --test-freq 10 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -39,6 +52,29 @@ def _ensure_quickstart(run: Path, threads: int) -> None:
     quickstart(["--run-dir", str(run), "--grpo-steps", "1", "--threads", str(threads)])
 
 
+def _tail_task(
+    work: Path, threads: int, latency: tuple[float, ...], model: str = ""
+) -> tuple[Path, list[str]]:
+    """The latency workload of ``benchmarks/async_modes.py`` (its config and SFT-warmed
+    model, or ``model``), with a held-out set of its own: ``(base config, overrides)``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import async_modes
+
+    from postrl.data import write_parquet
+    from postrl.data.tool_arith import generate_tool_arith
+
+    args = async_modes.parse_args(
+        ["--workload", "tail", "--threads", str(threads), "--work-dir", str(work)]
+        + ["--tail-latency", ",".join(f"{v:g}" for v in latency), "--tools-model", model]
+    )
+    base, over, _ = async_modes.workload_config("tail", args, work)
+    val = work / "tools" / "data" / "tool_arith_val.parquet"
+    if not val.exists():  # disjoint from the training draw (its own seed and split)
+        write_parquet(generate_tool_arith(128, seed=1, split="val", **async_modes._TA_DATA), val)
+    sampled = ["rollout.val_kwargs.temperature=1.0", "rollout.val_kwargs.n=4"]
+    return Path(base), over + [f"data.val_files=[{val}]", *sampled]
+
+
 def _train(
     run: Path,
     out: Path,
@@ -48,6 +84,7 @@ def _train(
     freq: int,
     threads: int,
     overrides: tuple[str, ...] = (),
+    task: tuple[Path, list[str]] | None = None,
 ):
     from postrl.config import load_config
     from postrl.trainer import RLTrainer
@@ -60,12 +97,22 @@ def _train(
             f"trainer.async.rollout_threads={rollout}",
         ]
         threads = max(1, threads - rollout)
+    if task is None:  # the quickstart task
+        base, data = (
+            ROOT / "examples" / "grpo_addition.yaml",
+            [
+                f"model.path={run / 'sft-model'}",
+                f"data.train_files=[{run / 'data' / 'addition_train.parquet'}]",
+                f"data.val_files=[{run / 'data' / 'addition_val.parquet'}]",
+            ],
+        )
+    else:
+        base, data = task
     cfg = load_config(
-        ROOT / "examples" / "grpo_addition.yaml",
+        base,
         [
-            f"model.path={run / 'sft-model'}",
-            f"data.train_files=[{run / 'data' / 'addition_train.parquet'}]",
-            f"data.val_files=[{run / 'data' / 'addition_val.parquet'}]",
+            *data,
+            "trainer.val_before_train=true",
             f"trainer.run_dir={out}",
             f"trainer.total_steps={steps}",
             f"trainer.test_freq={freq}",
@@ -85,12 +132,38 @@ def _train(
         trainer.close()
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     acc = {r["step"]: r["val/acc/mean"] for r in rows if r.get("val/acc/mean") is not None}
-    return {"acc": acc, "wall_s": time.perf_counter() - t0}
+    trained = [r for r in rows if "agent/num_tool_calls" in r]
+    calls = [r["agent/num_tool_calls"] for r in trained]
+    stale = sum(r.get("replay/evicted/stale", 0.0) for r in rows)
+    return {
+        "acc": acc,
+        "wall_s": time.perf_counter() - t0,
+        # what the mode trained: tool calls per trained trajectory (mean over steps) and the
+        # groups dropped as too stale (whole run)
+        "calls_per_traj": sum(calls) / len(calls) if calls else None,
+        "stale_dropped": stale,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--workload",
+        choices=["quickstart", "tail"],
+        default="quickstart",
+        help="the quickstart task, or the latency workload of benchmarks/async_modes.py",
+    )
+    p.add_argument(
+        "--tail-latency",
+        type=lambda v: tuple(float(x) for x in v.split(",")),
+        default=(200.0, 1.0, 50.0, 2000.0),
+        metavar="MEDIAN_MS,SIGMA,LO_MS,HI_MS",
+        help="the tail workload's log-normal tool latency (default 200,1,50,2000)",
+    )
+    p.add_argument(
+        "--tools-model", default="", help="tail: the starting model (default: SFT-warm one)"
+    )
     p.add_argument("--run-dir", default="runs/quickstart", help="quickstart model and data")
     p.add_argument("--work-dir", default="runs/async_learning")
     p.add_argument("--steps", type=int, default=150)
@@ -112,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.modes[0] != "sync":
         p.error("--modes must start with sync (the baseline)")
     run, work = Path(a.run_dir), Path(a.work_dir)
-    _ensure_quickstart(run, a.threads)
+    task = None
+    if a.workload == "tail":
+        task = _tail_task(work, a.threads, a.tail_latency, a.tools_model)
+    else:
+        _ensure_quickstart(run, a.threads)
     results: dict[str, dict[int, dict]] = {m: {} for m in a.modes}
     for seed in a.seeds:
         for mode in results:
@@ -126,10 +203,12 @@ def main(argv: list[str] | None = None) -> int:
                 a.test_freq,
                 a.threads,
                 tuple(a.set),
+                task,
             )
             results[mode][seed] = res
     steps = sorted(next(iter(results["sync"].values()))["acc"])
-    print(f"held-out accuracy (sampled), quickstart task, {a.steps} steps, seeds {a.seeds}")
+    what = "quickstart task" if task is None else "tail (tool latency) task"
+    print(f"held-out accuracy (sampled), {what}, {a.steps} steps, seeds {a.seeds}")
     others = a.modes[1:]
     print(
         f"{'step':>6} "
@@ -149,6 +228,15 @@ def main(argv: list[str] | None = None) -> int:
             + "".join(f" {means[m]:>17.3f}" for m in results)
             + "".join(f" {means[m] - means['sync']:>+17.3f}" for m in others)
         )
+    if task is not None:
+        for m in results:
+            runs = results[m].values()
+            calls = [r["calls_per_traj"] for r in runs if r["calls_per_traj"] is not None]
+            print(
+                f"{m}: tool calls per trained trajectory "
+                f"{sum(calls) / max(len(calls), 1):.3f} (mean of seeds), groups dropped as stale "
+                f"{sum(r['stale_dropped'] for r in runs):.0f} (all seeds)"
+            )
     walls = {m: sum(r["wall_s"] for r in results[m].values()) for m in results}
     print(
         "wall time (s, all seeds, incl. validation): "
