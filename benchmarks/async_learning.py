@@ -52,9 +52,7 @@ def _ensure_quickstart(run: Path, threads: int) -> None:
     quickstart(["--run-dir", str(run), "--grpo-steps", "1", "--threads", str(threads)])
 
 
-def _tail_task(
-    work: Path, threads: int, latency: tuple[float, ...], model: str = ""
-) -> tuple[Path, list[str]]:
+def _tail_task(work: Path, threads: int, latency: str, model: str = "") -> tuple[Path, list[str]]:
     """The latency workload of ``benchmarks/async_modes.py`` (its config and SFT-warmed
     model, or ``model``), with a held-out set of its own: ``(base config, overrides)``."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -65,7 +63,7 @@ def _tail_task(
 
     args = async_modes.parse_args(
         ["--workload", "tail", "--threads", str(threads), "--work-dir", str(work)]
-        + ["--tail-latency", ",".join(f"{v:g}" for v in latency), "--tools-model", model]
+        + ["--tail-latency", latency, "--tools-model", model]
     )
     base, over, _ = async_modes.workload_config("tail", args, work)
     val = work / "tools" / "data" / "tool_arith_val.parquet"
@@ -156,10 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--tail-latency",
-        type=lambda v: tuple(float(x) for x in v.split(",")),
-        default=(200.0, 1.0, 50.0, 2000.0),
+        default="200,1,50,2000",
         metavar="MEDIAN_MS,SIGMA,LO_MS,HI_MS",
-        help="the tail workload's log-normal tool latency (default 200,1,50,2000)",
+        help="tail: the calculator's log-normal latency, as async_modes.py takes it",
     )
     p.add_argument(
         "--tools-model", default="", help="tail: the starting model (default: SFT-warm one)"

@@ -18,7 +18,7 @@ def bench(load_benchmark):
 def test_tail_task_is_the_latency_workload_with_a_held_out_set(bench, tmp_path, tiny_model_dir):
     from postrl.data.tasks import read_rows
 
-    base, over = bench._tail_task(tmp_path, 2, (300.0, 0.5, 50.0, 1500.0), str(tiny_model_dir))
+    base, over = bench._tail_task(tmp_path, 2, "300,0.5,50,1500", str(tiny_model_dir))
     cfg = load_config(base, [*over, f"trainer.run_dir={tmp_path / 'run'}"])
     validate_config(cfg, check_registries=True)
     assert cfg.model.path == str(tiny_model_dir)
