@@ -55,7 +55,8 @@ def _ensure_quickstart(run: Path, threads: int) -> None:
 def _tail_task(work: Path, threads: int, latency: str, model: str = "") -> tuple[Path, list[str]]:
     """The latency workload of ``benchmarks/async_modes.py`` (its config and SFT-warmed
     model, or ``model``), with a held-out set of its own: ``(base config, overrides)``."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     import async_modes
 
     from postrl.data import write_parquet
@@ -130,8 +131,7 @@ def _train(
         trainer.close()
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     acc = {r["step"]: r["val/acc/mean"] for r in rows if r.get("val/acc/mean") is not None}
-    trained = [r for r in rows if "agent/num_tool_calls" in r]
-    calls = [r["agent/num_tool_calls"] for r in trained]
+    calls = [r["agent/num_tool_calls"] for r in rows if "agent/num_tool_calls" in r]
     stale = sum(r.get("replay/evicted/stale", 0.0) for r in rows)
     return {
         "acc": acc,

@@ -94,8 +94,7 @@ OPD = [
     "actor.entropy_coeff=0",
     "actor.entropy_target=0",
     "actor.optim.lr=3e-4",
-    "data.sampler=sequential",
-    "data.sampler_kwargs={}",
+    *SEQ,
     f"distill.teacher_path={TEACHER}",
 ]
 RKL = ["distill.loss=reverse_kl", "distill.baseline=mean"]
