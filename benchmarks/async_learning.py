@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "benchmarks") not in sys.path:  # async_modes.py: the tail workload and the arms
+    sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _ensure_quickstart(run: Path, threads: int) -> None:
@@ -55,8 +57,6 @@ def _ensure_quickstart(run: Path, threads: int) -> None:
 def _tail_task(work: Path, threads: int, latency: str, model: str = "") -> tuple[Path, list[str]]:
     """The latency workload of ``benchmarks/async_modes.py`` (its config and SFT-warmed
     model, or ``model``), with a held-out set of its own: ``(base config, overrides)``."""
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
     import async_modes
 
     from postrl.data import write_parquet
@@ -85,10 +85,14 @@ def _train(
     overrides: tuple[str, ...] = (),
     task: tuple[Path, list[str]] | None = None,
 ):
+    from async_modes import ARM_OVERRIDES  # arms: a registered mode plus overrides
+
     from postrl.config import load_config
     from postrl.trainer import RLTrainer
 
+    mode, arm = ARM_OVERRIDES.get(mode, (mode, []))
     extra = [f"trainer.mode={mode}", "actor.policy_loss=decoupled"] if mode != "sync" else []
+    extra += arm
     if mode == "fully_async":
         rollout = max(1, threads // 2)
         extra += [
@@ -169,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="JSON results (default WORK_DIR/results.json)")
     p.add_argument(
-        "--modes", nargs="+", default=["sync", "one_step_off", "fully_async"], help="sync first"
+        "--modes",
+        nargs="+",
+        default=["sync", "one_step_off", "fully_async"],
+        help="sync first; also an arm of async_modes.py (e.g. one_step_off_admission)",
     )
     p.add_argument(
         "--set",

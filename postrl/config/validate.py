@@ -349,6 +349,17 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
             f"trainer.async.staleness_strategy={ac.staleness_strategy!r} must be 'drop' (evict "
             f"groups older than the bound, refill them) or 'wait' (never drop)"
         )
+    if ac.take_order not in ("completion", "admission"):
+        e.append(
+            f"trainer.async.take_order={ac.take_order!r} must be 'completion' (take groups as "
+            f"they complete) or 'admission' (take the groups admitted first, none overtaking)"
+        )
+    elif ac.take_order == "admission" and t.sampler != "oldest_first":
+        e.append(
+            f"trainer.sampler={t.sampler!r} with trainer.async.take_order=admission: an "
+            f"admission-order take does not consult a sampler; use trainer.async.take_order="
+            f"completion to choose groups with it"
+        )
     if ac.num_warmup_batches < 0:
         e.append(f"trainer.async.num_warmup_batches={ac.num_warmup_batches} must be >= 0")
     if ac.timeout_s <= 0:

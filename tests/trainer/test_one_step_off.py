@@ -45,14 +45,16 @@ def _each_prompt_once_per_epoch(run, epochs: int = 2, size: int = 16) -> None:
     each_prompt_once_per_epoch(run, epochs, size, steps_per_epoch=4)
 
 
+@pytest.mark.parametrize("order", ["completion", "admission"])
 def test_one_step_off_trains_each_prompt_once_within_the_staleness_bound(
-    tiny_model_dir, epoch_files, digits_reward, tmp_path
+    tiny_model_dir, epoch_files, digits_reward, tmp_path, order
 ):
     cfg = load_config(
         None,
         [
             *_base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run"),
             "trainer.deterministic=true",
+            f"trainer.async.take_order={order}",
         ],
     )
     trainer = RLTrainer(cfg)
@@ -114,6 +116,16 @@ def test_one_step_off_config_errors_name_the_field_and_the_fix(small_overrides):
     assert "set trainer.async.max_staleness >= 2" in msg
     assert "trainer.async.staleness_strategy='keep' must be 'drop'" in msg
     assert "trainer.sampler='newest'" in msg
+    for bad, want in (
+        (["trainer.async.take_order=first"], "trainer.async.take_order='first' must be"),
+        (
+            ["trainer.async.take_order=admission", "trainer.sampler=my_pkg.samplers:Longest"],
+            "does not consult a sampler; use trainer.async.take_order=completion",
+        ),
+    ):
+        with pytest.raises(ConfigError) as e:
+            RLTrainer(load_config(None, [*small_overrides, "trainer.mode=one_step_off", *bad]))
+        assert want in str(e.value)
     with pytest.raises(ConfigError) as e:
         RLTrainer(
             load_config(

@@ -683,3 +683,67 @@ def test_a_group_scored_as_a_whole_owns_its_payloads_through_generated_and_a_che
     with pytest.raises(ReplayTimeoutError):
         asyncio.run(new.sample(1, timeout_s=0.01))
     assert [(e.uid, e.reason, e.index, e.epoch) for e in evicted] == [("b", "stale", 9, 2)]
+
+
+def test_a_stale_complete_group_does_not_count_as_ready_for_a_take():
+    """A complete group older than ``max_staleness`` is evicted by the take, so it must not count
+    towards the batch: deterministic ``one_step_off`` pauses the fleet when ``on_ready`` reports
+    a full batch, and a count with a stale group in it paused the fleet one group short of the
+    batch (the take then waited for paused trajectories until its deadline)."""
+    from types import SimpleNamespace
+
+    from postrl.trainer.asynchronous.stream import GroupStream
+
+    buf = ReplayBuffer(2, 2, max_staleness=1, strategy="drop")
+    buf.admit(["old"], dispatch_step=0, version=0)
+    buf.admit(["new"], dispatch_step=1, version=1)
+    for uid, v in (("old", 0), ("new", 1)):
+        for k in range(2):
+            buf.finish((uid, k), f"{uid}{k}", prompt_len=1, response_len=1, versions=[(1, v)])
+    buf.set_version(2)  # "old" is now 2 versions old: past the bound
+    assert [g.uid for g in buf.ready()] == ["old", "new"]
+    assert [g.uid for g in buf.takeable()] == ["new"]
+
+    ctx = SimpleNamespace(runner=SimpleNamespace(scores_groups=False), sampling_params=dict)
+    stream = GroupStream(ctx, buf, score_on_completion=False)
+    counts: list[int] = []
+    stream.on_ready = counts.append
+    stream._ready_check()
+    assert counts == [1]  # one takeable group: a batch of 2 is not complete
+    with pytest.raises(ReplayTimeoutError):  # the take evicts "old" and waits for a second
+        asyncio.run(buf.sample(2, timeout_s=0.05))
+    assert [e.uid for e in buf.pop_refills()] == ["old"]
+
+
+@pytest.mark.parametrize("order", ["completion", "admission"])
+def test_take_order_admission_never_lets_a_fast_group_overtake_a_slow_one(order):
+    """``take_order=admission`` takes the groups admitted first once all of them are complete
+    (verl's one-step-off batches), whatever finished first; ``completion`` takes what is
+    complete. Stale heads are still evicted, and the next admitted group moves up."""
+    buf = ReplayBuffer(1, 2, max_staleness=1, strategy="drop", take_order=order, capacity=8)
+    buf.admit(["slow", "fast1", "fast2"], dispatch_step=0, version=0)
+    for uid in ("fast1", "fast2"):
+        buf.finish((uid, 0), uid, prompt_len=1, response_len=1, versions=[(1, 0)])
+    if order == "completion":
+        assert [g.uid for g in buf.takeable()] == ["fast1", "fast2"]
+        assert asyncio.run(buf.sample(2, timeout_s=0.05)) == ["fast1", "fast2"]
+        return
+    assert buf.takeable() == []  # "slow" is ahead and still generating
+    with pytest.raises(ReplayTimeoutError):
+        asyncio.run(buf.sample(2, timeout_s=0.05))
+    buf.finish(("slow", 0), "slow", prompt_len=1, response_len=9, versions=[(9, 0)])
+    assert [g.uid for g in buf.takeable()] == ["slow", "fast1", "fast2"]
+    assert asyncio.run(buf.sample(2, current_version=1)) == ["slow", "fast1"]
+
+    # a head that completes too old is evicted (refilled behind the others), not waited for
+    buf.admit(["late", "next"], dispatch_step=1, version=1)
+    buf.finish(("next", 0), "next", prompt_len=1, response_len=1, versions=[(1, 2)])
+    assert asyncio.run(buf.sample(1, current_version=1)) == ["fast2"]  # admitted before both
+    buf.finish(("late", 0), "late", prompt_len=1, response_len=1, versions=[(1, 1)])
+    assert asyncio.run(buf.sample(1, current_version=3)) == ["next"]
+    assert [e.uid for e in buf.pop_refills()] == ["late"]
+
+
+def test_take_order_is_checked():
+    with pytest.raises(ValueError, match="take_order='newest'"):
+        ReplayBuffer(1, 1, take_order="newest")

@@ -63,6 +63,7 @@ class AsyncFeed:
             cfg.data.train_batch_size,
             max_staleness=ac.max_staleness,
             strategy=ac.staleness_strategy,
+            take_order=ac.take_order,
             sampler=cfg.trainer.sampler,
             filter_groups=fg.enable,
             max_failure_ratio=cfg.reward.max_failure_ratio,

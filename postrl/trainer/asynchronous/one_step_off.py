@@ -103,11 +103,12 @@ class OneStepOffMode:
         ctx, feed = self.ctx, self.feed
         ctx.fleet.wake_up()
         busy0 = engine_busy_s(ctx.fleet.replicas)
-        # a batch already complete is taken without a top-up: groups admitted now would only
-        # run until the take returns and then be interrupted by the pause below (nothing
-        # generates during a local update), and their agent loops would start beside the
-        # update; the next step admits them (the top-up is to ``ahead`` untrained groups)
-        ready = not self.deterministic and len(feed.buffer.ready()) >= self.k
+        # a batch already complete (within the staleness bound) is taken without a top-up:
+        # groups admitted now would only run until the take returns and then be interrupted by
+        # the pause below (nothing generates during a local update), and their agent loops
+        # would start beside the update; the next step admits them (the top-up is to ``ahead``
+        # untrained groups)
+        ready = not self.deterministic and len(feed.buffer.takeable()) >= self.k
         admitted = 0 if ready else feed.admit(self._draw, step, ahead=self.ahead)
         self._taking = True
         try:

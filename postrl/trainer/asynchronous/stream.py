@@ -110,7 +110,10 @@ class GroupStream:
         self._keep = [0.0, 0.0]
         """(kept, scored) groups, halved after every take: the keep rate oversampling sizes
         the groups in flight by (part of the mode's checkpoint: a resumed run admits the same)."""
-        self.on_ready: Callable[[int], None] | None = None  # called with the ready-group count
+        self.on_ready: Callable[[int], None] | None = None
+        """Called with the count of groups a take could choose now (:meth:`ReplayBuffer.takeable
+        <postrl.trainer.asynchronous.replay.buffer.ReplayBuffer.takeable>`) whenever a group
+        completes."""
         self._rows: dict[str, list[dict[str, Any]]] = {}
         """The trajectory rows of each untrained group (its prompt, derived from the buffer's
         dataset index and dispatch step: what a (re)started trajectory runs)."""
@@ -256,7 +259,7 @@ class GroupStream:
 
     def _ready_check(self) -> None:
         if self.on_ready is not None:
-            self.on_ready(sum(1 for s in self.buffer.groups() if s.complete))
+            self.on_ready(len(self.buffer.takeable()))
 
     def _on_evict(self, e: Eviction) -> None:
         known = self._rows.pop(e.uid, None) is not None

@@ -15,6 +15,8 @@ Lifecycle of a group::
                           filtered (filter_groups: < 2 distinct scores) → evicted, refill 1
                           else ready                                  → wakes sample()
     sample(k, v)        k ready groups chosen by the sampler           → taken
+                          (take_order=admission: the k groups admitted first, once all
+                          of them are complete — no group overtakes an earlier one)
                           drop: complete groups with age > max_staleness → evicted, refill 1
                           wait: waits while taking k now would leave a group unable to be
                                 trained within the bound (earliest-deadline check)
@@ -73,10 +75,12 @@ from postrl.trainer.asynchronous.replay.tags import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReplayBuffer", "STRATEGIES", "EVICTION_REASONS"]
+__all__ = ["ReplayBuffer", "STRATEGIES", "TAKE_ORDERS", "EVICTION_REASONS"]
 
 STRATEGIES = ("drop", "wait")
 """``trainer.async.staleness_strategy`` values."""
+TAKE_ORDERS = ("completion", "admission")
+"""``trainer.async.take_order`` values (:class:`ReplayBuffer` ``take_order``)."""
 EVICTION_REASONS = ("stale", "filtered", "failed", "surplus")
 """Why a group is evicted (each eviction asks for exactly one refill prompt)."""
 
@@ -165,6 +169,11 @@ class ReplayBuffer:
         capacity: the pacing cap on untrained groups (default ``(max_staleness + 1) ×
             batch_groups``); larger lets a caller keep more groups in flight than it trains
             (``algorithm.filter_groups.oversample``, which evicts the rest as ``surplus``).
+        take_order: ``completion`` (the sampler chooses among the complete groups, so groups
+            that finish first are trained first) or ``admission`` (a take waits for the
+            ``batch_groups`` earliest-admitted untrained groups and takes exactly those: a
+            fast group never overtakes a slow one, so which prompts train does not depend on
+            how long their trajectories take; the sampler is not consulted).
     """
 
     def __init__(
@@ -181,8 +190,11 @@ class ReplayBuffer:
         timeout_s: float = 600.0,
         on_evict: Callable[[Eviction], None] | None = None,
         capacity: int | None = None,
+        take_order: str = "completion",
     ) -> None:
         errors = []
+        if take_order not in TAKE_ORDERS:
+            errors.append(f"take_order={take_order!r}: choose one of {TAKE_ORDERS}")
         if group_size < 1:
             errors.append(f"group_size={group_size}: must be >= 1 (rollout.n)")
         if batch_groups < 1:
@@ -209,6 +221,7 @@ class ReplayBuffer:
         self.batch_groups = int(batch_groups)
         self.max_staleness = int(max_staleness)
         self.strategy = strategy
+        self.take_order = take_order
         self.sampler_name = sampler
         self.sampler = build_sampler(sampler)
         self.store: TrajectoryStore = store if store is not None else LocalTrajectoryStore()
@@ -257,6 +270,17 @@ class ReplayBuffer:
     def ready(self) -> list[GroupTags]:
         """Snapshots of the complete groups waiting to be sampled."""
         return [s for s in self.groups() if s.complete]
+
+    def takeable(self) -> list[GroupTags]:
+        """The complete groups a :meth:`sample` at the current version may take: within
+        ``max_staleness`` (a complete group older than that is evicted or refused by the take,
+        so it must not count towards a batch that someone waits for) and, with
+        ``take_order=admission``, not behind an incomplete group admitted earlier."""
+        fresh = [s for s in self.ready() if s.age(self._version) <= self.max_staleness]
+        if self.take_order == "completion":
+            return fresh
+        first_pending = min((g.seq for g in self.groups() if not g.complete), default=None)
+        return [g for g in fresh if first_pending is None or g.seq < first_pending]
 
     def group(self, uid: str) -> GroupTags:
         """The snapshot of an untrained or taken (not yet assembled) group."""
@@ -713,6 +737,11 @@ class ReplayBuffer:
                 f"max_staleness={s} at version {v} (ages {[g.age(v) for g in stale[:5]]}); "
                 f"admit only while can_admit() > 0 and advance the version by one per update"
             )
+        if self.take_order == "admission":
+            head = sorted(self.groups(), key=lambda g: g.seq)[:k]
+            if len(head) < k or not all(g.complete for g in head):
+                return []
+            return [g.uid for g in head]
         ready = [g for g in complete if g.age(v) <= s]
         if len(ready) < k:
             return []
