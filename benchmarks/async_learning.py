@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         nargs="+",
         default=["sync", "one_step_off", "fully_async"],
-        help="sync first; also an arm of async_modes.py (e.g. one_step_off_admission)",
+        help="sync first; also an arm of async_modes.py (e.g. one_step_off_completion)",
     )
     p.add_argument(
         "--set",

@@ -145,8 +145,8 @@ ARM_OVERRIDES = {
     "fully_async_own": ("fully_async", ["trainer.lend_cores=false"]),  # no core lending
     "fully_async_ray": ("fully_async", _RAY),
     "fully_async_ray_os": ("fully_async", [*_RAY, "trainer.async.data_plane=object_store"]),
-    # verl's one-step-off batches: a take trains the groups admitted first, none overtaking
-    "one_step_off_admission": ("one_step_off", ["trainer.async.take_order=admission"]),
+    # one_step_off's take in completion order (its default is admission order: verl's batches)
+    "one_step_off_completion": ("one_step_off", ["trainer.async.take_order=completion"]),
 }
 """Arms that are a registered mode plus overrides: name → (trainer.mode, overrides)."""
 WORKLOADS = ("w1", "tools", "tail")

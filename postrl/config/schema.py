@@ -546,14 +546,16 @@ class AsyncConfig:
     """``drop``: evict complete groups older than the bound (whole groups; each prompt is
     generated again on the current weights, so it is still trained once in its epoch);
     ``wait``: never drop — the update waits for groups it can train within the bound."""
-    take_order: str = "completion"
+    take_order: str = "auto"
     """Which complete groups a take may choose. ``completion``: any complete group within the
     bound (``trainer.sampler`` picks): what finishes first trains first, so on a workload whose
     trajectories differ in time (tool calls, long answers) the trained batches lean towards the
-    fast ones and slow groups may turn stale and be dropped. ``admission``: a take waits for the
+    fast ones, and slow groups may turn stale and be dropped. ``admission``: a take waits for the
     ``data.train_batch_size`` groups admitted first and trains exactly those (verl's one-step-off
     batches): no group overtakes another, so what is trained does not depend on how long it took
-    to generate; the wait for a batch's slowest group is what it costs."""
+    to generate; the wait for a batch's slowest group is what it costs. ``auto``: the mode's own
+    (its registered ``take_order``: ``one_step_off`` admission, ``fully_async`` completion), or
+    completion when ``trainer.sampler`` names another sampler than ``oldest_first``."""
     num_warmup_batches: int = 0
     """Extra batches kept in flight beyond the next one (``1 + num_warmup_batches`` batches are
     generated ahead of training; needs ``max_staleness >= 1 + num_warmup_batches``)."""

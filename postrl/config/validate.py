@@ -339,6 +339,19 @@ def distill_errors(cfg: PostRLConfig, check_files: bool = True) -> list[str]:
     return e
 
 
+def take_order(cfg: PostRLConfig) -> str:
+    """``trainer.async.take_order`` resolved: as set, or for ``auto`` the order the mode
+    declared (its registered ``take_order`` fact; ``completion`` when it declares none) —
+    ``completion`` when ``trainer.sampler`` names another sampler, which only a take in
+    completion order consults."""
+    order = cfg.trainer.async_.take_order
+    if order != "auto":
+        return order
+    if cfg.trainer.sampler != "oldest_first":
+        return "completion"
+    return str(mode_facts(cfg).get("take_order", "completion"))
+
+
 def async_errors(cfg: PostRLConfig) -> list[str]:
     """Problems with ``trainer.async.*``, ``trainer.health.*`` and ``trainer.sampler`` (each
     names the key, the value and the fix)."""
@@ -349,10 +362,11 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
             f"trainer.async.staleness_strategy={ac.staleness_strategy!r} must be 'drop' (evict "
             f"groups older than the bound, refill them) or 'wait' (never drop)"
         )
-    if ac.take_order not in ("completion", "admission"):
+    if ac.take_order not in ("auto", "completion", "admission"):
         e.append(
             f"trainer.async.take_order={ac.take_order!r} must be 'completion' (take groups as "
-            f"they complete) or 'admission' (take the groups admitted first, none overtaking)"
+            f"they complete), 'admission' (take the groups admitted first, none overtaking) or "
+            f"'auto' (the mode's own)"
         )
     elif ac.take_order == "admission" and t.sampler != "oldest_first":
         e.append(

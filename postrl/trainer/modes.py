@@ -24,8 +24,9 @@ mode asks of the config, each naming the key and the fix), ``minibatch_steps`` (
 one mini-batch), ``dedicated_rollout`` (replicas of their own: the object-store data plane
 runs there), ``object_store`` (``trainer.async.data_plane=object_store`` may carry its
 trajectories: ``postrl/trainer/planes.py``), ``idle_switch`` (``trainer.async.idle_switch``
-applies) and ``oversample`` (``algorithm.filter_groups.oversample`` applies: the mode evicts
-what its take leaves over). A mode defined
+applies), ``oversample`` (``algorithm.filter_groups.oversample`` applies: the mode evicts
+what its take leaves over) and ``take_order`` (the replay buffer's take order under
+``trainer.async.take_order=auto``: ``admission`` or ``completion``, the default). A mode defined
 outside the package registers the same way (see ``tests/trainer/test_modes.py``).
 """
 

@@ -330,3 +330,21 @@ def test_decoupled_one_step_off_fuses_the_proximal_pass(
     off = [r for r in rows if r["replay/staleness/mean"] == 1.0]
     assert [int(r["step"]) for r in off][:1] == [2]
     assert all(r["actor/decoupled_kl_behav"] > 0 and r["health/ess_ratio"] < 1.0 for r in off)
+
+
+def test_take_order_auto_is_the_modes_own(small_overrides):
+    """``trainer.async.take_order=auto`` resolves to the order the mode registered
+    (``one_step_off``: admission, verl's batches; ``fully_async``: completion), to completion
+    when a sampler other than ``oldest_first`` is named (only that order consults it), and an
+    explicit order wins."""
+    from postrl.config.validate import take_order
+
+    for mode, extra, want in (
+        ("one_step_off", [], "admission"),
+        ("fully_async", [], "completion"),
+        ("one_step_off", ["trainer.sampler=my_pkg.samplers:Longest"], "completion"),
+        ("one_step_off", ["trainer.async.take_order=completion"], "completion"),
+        ("fully_async", ["trainer.async.take_order=admission"], "admission"),
+    ):
+        cfg = load_config(None, [*small_overrides, f"trainer.mode={mode}", *extra])
+        assert take_order(cfg) == want, (mode, extra)

@@ -29,6 +29,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from postrl.config.validate import take_order
 from postrl.protocol import DataProto
 from postrl.trainer.asynchronous.replay import ReplayBuffer
 from postrl.trainer.asynchronous.stream import GroupStream
@@ -63,7 +64,7 @@ class AsyncFeed:
             cfg.data.train_batch_size,
             max_staleness=ac.max_staleness,
             strategy=ac.staleness_strategy,
-            take_order=ac.take_order,
+            take_order=take_order(cfg),
             sampler=cfg.trainer.sampler,
             filter_groups=fg.enable,
             max_failure_ratio=cfg.reward.max_failure_ratio,

@@ -136,6 +136,7 @@ _FACTS: dict[str, Any] = dict(
     idle_switch=True,
     object_store=True,
     config_errors=config_errors,
+    take_order="completion",
 )
 """What ``fully_async`` declares in its registry entry (and ``separate_async``, its alias)."""
 

@@ -6,10 +6,13 @@ on the same schedule). Generation runs ahead of
 training through the replay buffer: at a step's start the mode tops the buffer up to
 ``(2 + trainer.async.num_warmup_batches) × train_batch_size`` untrained groups (within the
 buffer's pacing cap ``(max_staleness + 1) × train_batch_size`` and the run's remaining budget),
-runs the rollout until ``train_batch_size`` groups are complete and scored, and takes them
-(oldest first). A step whose batch is already complete (the last step's rollout finished it)
-takes it without topping up: groups admitted then would be interrupted before they generate
-anything (nothing generates during a local update), so the next step admits them. When there is
+runs the rollout until the ``train_batch_size`` groups admitted first are complete and scored,
+and takes them (``trainer.async.take_order=admission``, the mode's default: no group overtakes
+an earlier one, so which prompts train does not depend on how long they took; ``completion``
+takes any complete groups, what finishes first). A step whose batch is already complete (the
+last step's rollout finished it) takes it without topping up: groups admitted then would be
+interrupted before they generate anything (nothing generates during a local update), so the
+next step admits them. When there is
 nothing to overlap (pure compute, uniform lengths) every other batch is then trained at
 staleness 0 and the mode costs what ``sync`` costs. The groups still generating are
 **interrupted**: the fleet pauses (their requests are aborted), the actor trains, the weights are
@@ -80,7 +83,13 @@ def _rollout_side(plane: str) -> bool:
     return plane in DATA_PLANES and bool(DATA_PLANES.meta(plane).get("rollout_side"))
 
 
-@register_trainer("one_step_off", on_policy=False, object_store=True, config_errors=config_errors)
+@register_trainer(
+    "one_step_off",
+    on_policy=False,
+    object_store=True,
+    config_errors=config_errors,
+    take_order="admission",
+)
 class OneStepOffMode:
     """Generation runs one (or ``1 + num_warmup_batches``) batch ahead of training (module
     docstring). Built from a :class:`~postrl.trainer.context.TrainerContext`."""
