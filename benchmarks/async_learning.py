@@ -30,6 +30,10 @@ would hide any difference), through the same tool loop and latency. A ``fully_as
 the tool calls per trained trajectory and the groups dropped as stale.
 
     python benchmarks/async_learning.py --workload tail --steps 30 --test-freq 10 --seeds 0 1 2
+
+``--modes`` also takes the arms of ``async_modes.py`` (a mode plus overrides), e.g.
+``one_step_off_completion``: ``one_step_off`` taking its groups as they complete instead of in
+admission order (``trainer.async.take_order``).
 """
 
 from __future__ import annotations

@@ -129,8 +129,11 @@ MODES = (
     "fully_async_switch",
     "fully_async_ray",
     "fully_async_ray_os",
+    "one_step_off_completion",
 )
 """Every arm the benchmark knows; ``--modes`` picks (``sync`` always runs: the baseline).
+``one_step_off_completion`` is ``one_step_off`` taking its groups in completion order
+(``trainer.async.take_order=completion``; the mode's own is admission order).
 ``fully_async_switch`` is ``fully_async`` with ``trainer.async.idle_switch=auto``;
 ``fully_async_ray`` runs it on Ray (replica actors, one training worker; trajectories through
 the driver) and ``fully_async_ray_os`` adds ``trainer.async.data_plane=object_store``

@@ -65,6 +65,13 @@ def test_the_switch_arm_is_fully_async_with_the_idle_switch(bench):
     assert "fully_async_switch" in bench.parse_args(["--modes=fully_async_switch"]).modes
 
 
+def test_the_completion_arm_is_one_step_off_in_completion_order(bench):
+    assert bench.mode_overrides("one_step_off_completion", ["trainer.num_threads=2"]) == [
+        "trainer.async.take_order=completion"
+    ]
+    assert "one_step_off_completion" in bench.parse_args(["--modes=one_step_off_completion"]).modes
+
+
 @pytest.mark.slow
 def test_benchmark_main_writes_every_mode_for_both_workloads(bench, tiny_model_dir, tmp_path):
     out = tmp_path / "results.json"
