@@ -368,6 +368,12 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
             f"they complete), 'admission' (take the groups admitted first, none overtaking) or "
             f"'auto' (the mode's own)"
         )
+    elif take_order(cfg) not in ("completion", "admission"):
+        e.append(
+            f"trainer.mode={t.mode} declares take_order={take_order(cfg)!r} in its registry "
+            f"entry (trainer.async.take_order=auto takes it): a mode declares 'completion' or "
+            f"'admission'; or set trainer.async.take_order"
+        )
     elif ac.take_order == "admission" and t.sampler != "oldest_first":
         e.append(
             f"trainer.sampler={t.sampler!r} with trainer.async.take_order=admission: an "

@@ -60,6 +60,24 @@ class OffPolicyMode(ReverseMode):
     """Same batches, declared off-policy."""
 
 
+@register_trainer("toy_lifo_test", on_policy=False, take_order="lifo", override=True)
+class LifoMode(ReverseMode):
+    """Declares a take order no replay buffer has."""
+
+
+def test_a_declared_take_order_is_checked_at_startup(small_overrides):
+    with pytest.raises(ConfigError) as e:
+        RLTrainer(load_config(None, [*small_overrides, "trainer.mode=toy_lifo_test"]))
+    assert "trainer.mode=toy_lifo_test declares take_order='lifo'" in str(e.value)
+    cfg = load_config(
+        None,
+        [*small_overrides, "trainer.mode=toy_lifo_test", "trainer.async.take_order=completion"],
+    )
+    from postrl.config.validate import async_errors
+
+    assert not [m for m in async_errors(cfg) if "take_order" in m]
+
+
 def _run(overrides: list[str]) -> tuple[list[list[int]], int]:
     trainer = RLTrainer(load_config(None, overrides))
     try:
