@@ -639,13 +639,6 @@ class TrainerConfig:
     """``one_step_off`` follows a fixed interleaving (groups are scored inline, in-flight
     trajectories restart at a checkpoint), so a resumed run reproduces the uninterrupted one bit
     for bit on CPU. ``sync`` is deterministic on CPU either way."""
-    gc_freeze: bool = True
-    """Move every object alive when training starts (models, tokenizer, engines, datasets) out
-    of Python's cyclic garbage collector for the run (``gc.freeze()``, undone when ``fit``
-    returns), so that each collection walks only what the steps allocate (a full collection
-    otherwise walks the models' and engines' objects too). In ``one_step_off`` on W1 it cut the
-    collector's time from 10.1 to 5.9 ms a step; no change of the step time was measurable
-    (docs/async.md). Objects frozen are still freed when their reference count drops to zero."""
     health: HealthConfig = field(default_factory=HealthConfig)
     """Off-policy health alerts."""
     num_workers: int = 1

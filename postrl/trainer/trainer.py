@@ -24,7 +24,6 @@ algorithm or role branches.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import random
@@ -240,9 +239,6 @@ class RLTrainer:
         ledger = TrainedLedger(self.run_dir, start_step=start + 1)
         last: dict[str, float] = {}
         marks = sorted(s for s in tc.test_at_s if s > self.train_time_s)
-        if tc.gc_freeze:  # the collector walks only what the steps allocate (undone below)
-            gc.collect()
-            gc.freeze()
         try:
             if start == 0 and tc.val_before_train and self.val_set is not None:
                 self.tracker.log(self.validate(), 0)
@@ -278,8 +274,6 @@ class RLTrainer:
                     )
                     break
         finally:
-            if tc.gc_freeze:
-                gc.unfreeze()
             self.tracker.close()
             ledger.close()
         if (self.run_dir / "metrics.jsonl").exists():

@@ -139,32 +139,3 @@ def test_on_policy_metadata_drives_old_log_prob_fusion(small_overrides):
                 None, [*base, "trainer.mode=toy_offpolicy_test", "actor.fuse_old_log_prob=true"]
             )
         )
-
-
-@pytest.mark.parametrize("freeze", [True, False])
-def test_gc_freeze_holds_for_the_steps_and_is_undone_after_fit(small_overrides, freeze):
-    """``trainer.gc_freeze``: what is alive when training starts is out of the collector's walk
-    during the steps, and back in it once ``fit`` returns (a process that builds another trainer
-    must be able to collect this one)."""
-    import gc
-
-    assert gc.get_freeze_count() == 0
-    trainer = RLTrainer(load_config(None, [*small_overrides, f"trainer.gc_freeze={freeze}"]))
-    during: list[int] = []
-    step = trainer.step
-
-    def spy(n: int) -> dict[str, float]:
-        during.append(gc.get_freeze_count())
-        return step(n)
-
-    trainer.step = spy
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    assert len(during) == 2
-    if freeze:
-        assert min(during) > 10_000  # the model, tokenizer and engine: many objects
-    else:
-        assert during == [0, 0]
-    assert gc.get_freeze_count() == 0
