@@ -339,6 +339,9 @@ def distill_errors(cfg: PostRLConfig, check_files: bool = True) -> list[str]:
     return e
 
 
+_TAKE_ORDERS = ("completion", "admission")  # the replay buffer's TAKE_ORDERS (a layer above)
+
+
 def take_order(cfg: PostRLConfig) -> str:
     """``trainer.async.take_order`` resolved: as set, or for ``auto`` the order the mode
     declared (its registered ``take_order`` fact; ``completion`` when it declares none) —
@@ -362,15 +365,16 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
             f"trainer.async.staleness_strategy={ac.staleness_strategy!r} must be 'drop' (evict "
             f"groups older than the bound, refill them) or 'wait' (never drop)"
         )
-    if ac.take_order not in ("auto", "completion", "admission"):
+    order = take_order(cfg)
+    if ac.take_order not in ("auto", *_TAKE_ORDERS):
         e.append(
             f"trainer.async.take_order={ac.take_order!r} must be 'completion' (take groups as "
             f"they complete), 'admission' (take the groups admitted first, none overtaking) or "
             f"'auto' (the mode's own)"
         )
-    elif take_order(cfg) not in ("completion", "admission"):
+    elif order not in _TAKE_ORDERS:
         e.append(
-            f"trainer.mode={t.mode} declares take_order={take_order(cfg)!r} in its registry "
+            f"trainer.mode={t.mode} declares take_order={order!r} in its registry "
             f"entry (trainer.async.take_order=auto takes it): a mode declares 'completion' or "
             f"'admission'; or set trainer.async.take_order"
         )

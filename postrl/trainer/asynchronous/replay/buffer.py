@@ -276,10 +276,11 @@ class ReplayBuffer:
         ``max_staleness`` (a complete group older than that is evicted or refused by the take,
         so it must not count towards a batch that someone waits for) and, with
         ``take_order=admission``, not behind an incomplete group admitted earlier."""
-        fresh = [s for s in self.ready() if s.age(self._version) <= self.max_staleness]
+        groups = self.groups()
+        fresh = [g for g in groups if g.complete and g.age(self._version) <= self.max_staleness]
         if self.take_order == "completion":
             return fresh
-        first_pending = min((g.seq for g in self.groups() if not g.complete), default=None)
+        first_pending = min((g.seq for g in groups if not g.complete), default=None)
         return [g for g in fresh if first_pending is None or g.seq < first_pending]
 
     def group(self, uid: str) -> GroupTags:
