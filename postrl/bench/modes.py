@@ -20,21 +20,31 @@ the async modes' measurements):
   (:func:`expected_max`) —, ``U`` everything after generation (reward, log-probs, update,
   weight sync), ``O`` the generation's time outside the engine and the waits (agent loops,
   request traffic, scoring: :func:`gen_overhead`);
-* ``one_step_off`` shares the cores between generation and training (one process) but keeps
-  the next batch generating while the current one's stragglers wait and while the actor trains:
-  a step costs its compute ``G + O + U`` unless the buffer's pacing cap binds (the same cycle
-  as ``fully_async``'s below: a batch is admitted when the batch ``max_staleness + 1`` ahead
-  of it has trained, and trained after its slowest wait): ``max(G + O + U, (G + O + W + U) /
-  (max_staleness + 1))``;
+* ``one_step_off`` shares the cores between generation and training (one process: the fleet
+  pauses while the actor trains). It admits ``k = min(batches_ahead, max_staleness + 1)``
+  batches at once (``batches_ahead = 2 + trainer.async.num_warmup_batches``); they generate
+  together and are trained one after another. In the default admission order
+  (``trainer.async.take_order``) a step waits for the batch admitted first, so the ``k`` batches
+  generate for ``X = max(k·(G + O), G + O + W_kB)`` — the larger of two bounds: their compute on
+  the shared cores, and one batch's own path with the slowest wait of all ``k·B`` trajectories
+  (the other batches' compute hides in the waits) — and a step costs ``U + X / k``. The first of
+  the ``k`` batches trains at staleness 0, the last at ``k − 1``: mean ``(k − 1) / 2``. In
+  completion order a step takes the first complete groups, so a group holds its slot for its
+  own slowest wait ``W_g`` (the max over its ``n`` trajectories), not the batch's:
+  ``max((G + O) / (1 − d) + U, (G + O + W_g + U) / ((max_staleness + 1)·(1 − d)))``, ``d`` the
+  stale-drop fraction (:func:`stale_drop_fraction`);
 * ``fully_async`` runs ``R`` replica processes of ``r`` threads beside a trainer of ``t``
   threads: three pipelines, the slowest sets the pace — the trainer (``U`` at ``t`` threads
   plus the push), the replicas (``G`` at ``R × r`` threads) and the latency bound of the
-  buffer's pacing cap: at most ``max_staleness + 1`` batches are untrained, a taken batch
-  holds its slots until its update ends, so the batch admitted when one is trained is itself
-  trained ``max_staleness + 1`` steps later, after its generation and slowest wait
-  (``G_r / R + W``) and the update that frees its slots: a step is at least
-  ``(G_r / R + W + trainer) / (max_staleness + 1)``. Thread counts convert through the
-  measured speed-up ``s(n)`` of ``n`` threads over one (:func:`thread_time`; ``--speedup``,
+  buffer's pacing cap: at most ``max_staleness + 1`` batches are untrained and a group holds
+  its slot from admission until the update that trains it ends. It takes the groups that
+  complete first, so a group holds its slot for its generation, its own slowest wait ``W_g``
+  and the update: by Little's law a step is at least ``(G_r / R + W_g + trainer) /
+  (max_staleness + 1)``. The groups whose wait outlasts the staleness bound are dropped and
+  their slots refilled (fraction ``d``, :func:`stale_drop_fraction`), so the rollout and
+  latency bounds divide by ``1 − d`` (the trainer's does not: it trains a full batch
+  anyway). Thread counts convert through the measured speed-up ``s(n)`` of ``n`` threads
+  over one (:func:`thread_time`; ``--speedup``,
   or timed now on the model's forward and backward), and the trainer's work is slowed by the
   measured contention ``c`` of a replica computing beside it, for the share of the step the
   replicas compute (:func:`contended_time`, :func:`measure_contention`; ``--contention``; ~1
@@ -43,7 +53,8 @@ the async modes' measurements):
   replicas are idle, and on ``t`` (slowed by ``c``) only for the ``G`` seconds of each step
   they compute (:func:`lent_time`).
 
-Staleness: ``sync`` 0; ``one_step_off`` 1 (each batch was generated one version back); in
+Staleness: ``sync`` 0; ``one_step_off`` ``(k − 1) / 2`` in admission order, as
+``fully_async``'s in completion order; in
 ``fully_async`` a group waits in the buffer while the trainer is the bottleneck, so its age is
 the time from admission to training in steps, capped by ``max_staleness``
 (:func:`fully_async_staleness`).
@@ -80,6 +91,8 @@ __all__ = [
     "lent_time",
     "gen_overhead",
     "fully_async_staleness",
+    "stale_drop_fraction",
+    "kept_wait",
     "predict_all",
     "extrapolate",
     "profile_from_rows",
@@ -245,20 +258,119 @@ def predict_sync(p: Profile, lat: Latency) -> Prediction:
     )
 
 
-def predict_one_step_off(p: Profile, lat: Latency, max_staleness: int = 1) -> Prediction:
-    """``max(G + O + U, (G + O + W + U) / (max_staleness + 1))`` (module docstring);
-    staleness 1."""
+def stale_drop_fraction(p: Profile, lat: Latency, gen_s: float, deadline_s: float) -> float:
+    """The fraction of groups a completion-order buffer drops as stale: those whose generation
+    ``gen_s`` plus slowest wait (the max ``M`` over the group's ``n`` trajectories) outlasts
+    ``deadline_s`` — ``P(gen_s + M > deadline_s)``. A group is admitted as an update ends and
+    its weights are pushed, so its first token carries that version; it is dropped when the
+    trainer has moved more than ``max_staleness`` versions past it before taking it, i.e. when
+    it is not complete by the take that precedes the ``max_staleness + 1``-th push after its
+    admission: ``deadline = (max_staleness + 1)·step − train`` (``train``: the update and push
+    after a take)."""
+    x = deadline_s - gen_s
+    if x <= 0:
+        return 1.0
+    q = min(p.calls_per_traj, 1.0)
+    return 1.0 - (1.0 - q + q * lat.cdf(x)) ** p.group_size
+
+
+def _deadline(step_s: float, train_s: float, max_staleness: int) -> float:
+    """``(max_staleness + 1)·step − train`` (:func:`stale_drop_fraction`)."""
+    return (max_staleness + 1) * step_s - train_s
+
+
+def kept_wait(p: Profile, lat: Latency, limit_s: float, steps: int = 2000) -> float:
+    """The mean slowest wait of a group among the groups whose slowest wait is at most
+    ``limit_s`` (those a completion-order buffer keeps): ``E[M | M ≤ x] = ∫_0^x 1 − F(y) / F(x)
+    dy``, ``F`` the CDF of the max over the group's ``n`` trajectories (midpoint rule)."""
+    q = min(p.calls_per_traj, 1.0)
+    x = min(max(limit_s, 0.0), lat.upper)
+    if x <= 0 or q <= 0:
+        return 0.0
+
+    def cdf(y: float) -> float:
+        return (1.0 - q + q * lat.cdf(y)) ** p.group_size
+
+    top = cdf(x)
+    if top <= 0:
+        return x
+    h = x / steps
+    return sum(1.0 - cdf((i + 0.5) * h) / top for i in range(steps)) * h
+
+
+def _with_drops(
+    step_of: Callable[[float], float], drop: Callable[[float], float], cap: float = 0.9
+) -> tuple[float, float]:
+    """The step ``T`` with ``T = step_of(d(T))``, ``d(T)`` the stale-drop fraction at step
+    ``T`` (at most ``cap``). ``d`` never rises with ``T`` and ``step_of`` never falls with ``d``,
+    so ``T − step_of(d(T))`` rises: the smallest ``T`` where it is ``≥ 0`` (bisection; where
+    ``d`` jumps, as for a constant latency, the step stretches until the groups just make the
+    deadline). Returns ``(T, d(T))``."""
+
+    def d_at(t: float) -> float:
+        return min(max(drop(t), 0.0), cap)
+
+    lo, hi = step_of(0.0), step_of(cap)
+    if lo - step_of(d_at(lo)) >= 0:
+        return lo, d_at(lo)
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if mid - step_of(d_at(mid)) >= 0:
+            hi = mid
+        else:
+            lo = mid
+    return hi, d_at(hi)
+
+
+def predict_one_step_off(
+    p: Profile,
+    lat: Latency,
+    max_staleness: int = 1,
+    take_order: str = "admission",
+    batches_ahead: int = 2,
+) -> Prediction:
+    """``one_step_off`` (module docstring): ``k = min(batches_ahead, max_staleness + 1)``
+    batches generate together and train one after another. ``take_order="admission"`` (the
+    mode's default): ``U + max(k·(G + O), G + O + W_kB) / k``, staleness ``(k − 1) / 2``;
+    ``"completion"``: ``max((G + O) / (1 − d) + U, (G + O + W_g + U) / ((max_staleness + 1)·(1
+    − d)))`` with ``d`` the stale drops (:func:`stale_drop_fraction`)."""
+    if take_order not in ("admission", "completion"):
+        raise ValueError(f"take_order={take_order!r}: admission or completion")
+    k = max(1, min(batches_ahead, max_staleness + 1))
     w = _wait(p, lat, p.trajectories)
-    compute = p.gen_compute_s + gen_overhead(p, w) + p.after_gen_s
-    cycle = (compute + w) / (max_staleness + 1)
-    step = max(compute, cycle)
+    gen = p.gen_compute_s + gen_overhead(p, w)
+    if take_order == "admission":
+        w_k = _wait(p, lat, k * p.trajectories)
+        compute, path = k * gen, gen + w_k
+        step = p.after_gen_s + max(compute, path) / k
+        bound = "compute (G + U)" if compute >= path else "latency (slowest of k batches)"
+        parts = {
+            "G+U": gen + p.after_gen_s,
+            "W": w_k,
+            "k": float(k),
+            "generation": max(compute, path),
+        }
+        return Prediction("one_step_off", step, p.trajectories / step, (k - 1) / 2, bound, parts)
+    w_g = _wait(p, lat, p.group_size)
+    life = (gen + w_g + p.after_gen_s) / (max_staleness + 1)
+    # compute: the generation (repeated for the dropped groups) and the update; latency: a
+    # group holds its slot for its generation, its own slowest wait and the update (Little)
+    step, d = _with_drops(
+        lambda d: max(gen / (1 - d) + p.after_gen_s, life / (1 - d)),
+        lambda t: stale_drop_fraction(p, lat, gen, _deadline(t, p.after_gen_s, max_staleness)),
+    )
+    compute = gen / (1 - d) + p.after_gen_s
     return Prediction(
         "one_step_off",
         step,
         p.trajectories / step,
-        1.0,
-        "compute (G + U)" if compute >= cycle else "latency (in-flight cap)",
-        {"G+U": compute, "W": w, "latency": cycle},
+        fully_async_staleness(
+            gen + kept_wait(p, lat, _deadline(step, p.after_gen_s, max_staleness) - gen),
+            step,
+            max_staleness,
+        ),
+        "compute (G + U)" if compute >= life / (1 - d) else "latency (in-flight cap)",
+        {"G+U": gen + p.after_gen_s, "W_group": w_g, "latency": life, "drop": d},
     )
 
 
@@ -283,10 +395,10 @@ def predict_fully_async(
     """The slowest of three pipelines (module docstring): trainer ``U(t) + push`` slowed by
     ``c`` while the replicas compute (:func:`contended_time`; with ``lend_cores`` the update
     runs on the replicas' threads too while they are idle, :func:`lent_time`), replicas
-    ``G(R × r)``, latency
-    ``(G(r) / R + W + trainer) / (max_staleness + 1)`` per batch (``W`` the batch's slowest
-    wait: a batch is admitted as the slots of the one trained free, and trained once its
-    slowest group is done); ``c`` the measured slow-down of the
+    ``G(R × r) / (1 − d)``, latency ``(G(r) / R + W_g + trainer) / ((max_staleness + 1)·(1 −
+    d))`` (``W_g`` a group's slowest wait: the groups that complete first are taken, each holds
+    its slot for its own wait; ``d`` the stale drops, :func:`stale_drop_fraction`, whose refills
+    the rollout repeats); ``c`` the measured slow-down of the
     trainer's work while a replica computes beside it on the same machine
     (:func:`measure_contention`; 1 on cores of its own)."""
     base = thread_time(p.after_gen_s, p.threads, trainer_threads, speedup)
@@ -303,12 +415,15 @@ def predict_fully_async(
         train = contended_time(base, p.push_s, gen, contention)
     # a group is done when its slowest member is; its generation overlaps the other groups'
     gen_r = thread_time(p.gen_compute_s, p.threads, rollout_threads, speedup) / replicas
-    life = gen_r + w_group
-    # the pacing cap's cycle: a batch admitted when the slots of the one before last free is
-    # trained after its slowest group, and frees its own slots when its update ends
-    latency = (gen_r + w_batch + train) / (max_staleness + 1)
-    step = max(train, gen, latency)
-    if train >= max(gen, latency):
+    # the pacing cap (Little's law): a group holds its slot for its generation, its own
+    # slowest wait and the update that trains it; the groups that complete first are taken,
+    # the stale ones dropped and refilled (fraction d), which the rollout repeats
+    latency = (gen_r + w_group + train) / (max_staleness + 1)
+    step, d = _with_drops(
+        lambda d: max(train, gen / (1 - d), latency / (1 - d)),
+        lambda t: stale_drop_fraction(p, lat, gen_r, _deadline(t, train, max_staleness)),
+    )
+    if train >= max(gen, latency) / (1 - d):
         bound = "trainer"
     elif gen >= latency:
         bound = "rollout compute"
@@ -316,14 +431,22 @@ def predict_fully_async(
         bound = "latency (in-flight cap)"
     # admitted when room opens, trained when the trainer reaches it: a full buffer when the
     # trainer is the bound, otherwise just its generation and slowest wait
-    stale_life = life + (max_staleness * step if bound == "trainer" else 0.0)
+    kept = gen_r + kept_wait(p, lat, _deadline(step, train, max_staleness) - gen_r)  # not dropped
+    stale_life = kept + (max_staleness * step if bound == "trainer" else 0.0)
     return Prediction(
         "fully_async",
         step,
         p.trajectories / step,
         fully_async_staleness(stale_life, step, max_staleness),
         bound,
-        {"trainer": train, "rollout": gen, "latency": latency, "W_group": w_group, "W": w_batch},
+        {
+            "trainer": train,
+            "rollout": gen,
+            "latency": latency,
+            "W_group": w_group,
+            "W": w_batch,
+            "drop": d,
+        },
     )
 
 
@@ -360,12 +483,15 @@ def predict_all(
     max_staleness: int = 1,
     contention: float = 1.0,
     lend_cores: bool = True,
+    take_order: str = "admission",
+    batches_ahead: int = 2,
 ) -> dict[str, Prediction]:
     """Every mode's :class:`Prediction` on the measured machine (``lend_cores``: the
-    ``fully_async`` trainer borrows idle replicas' cores, ``trainer.lend_cores``)."""
+    ``fully_async`` trainer borrows idle replicas' cores, ``trainer.lend_cores``;
+    ``take_order`` and ``batches_ahead``: ``one_step_off``'s, :func:`predict_one_step_off`)."""
     return {
         "sync": predict_sync(p, lat),
-        "one_step_off": predict_one_step_off(p, lat, max_staleness),
+        "one_step_off": predict_one_step_off(p, lat, max_staleness, take_order, batches_ahead),
         "fully_async": predict_fully_async(
             p,
             lat,
@@ -381,7 +507,13 @@ def predict_all(
 
 
 def extrapolate(
-    p: Profile, lat: Latency, rollout_workers: int, trainer_workers: int, max_staleness: int = 1
+    p: Profile,
+    lat: Latency,
+    rollout_workers: int,
+    trainer_workers: int,
+    max_staleness: int = 1,
+    take_order: str = "admission",
+    batches_ahead: int = 2,
 ) -> dict[str, Prediction]:
     """On paper, ``N`` rollout and ``M`` trainer workers, each as fast as the measured
     machine (module docstring): the colocated modes split ``G`` and ``U`` over ``N + M``
@@ -402,7 +534,7 @@ def extrapolate(
     fa = Profile(**{**asdict(p), "after_gen_s": p.after_gen_s / m, "threads": 1})
     return {
         "sync": predict_sync(both, lat),
-        "one_step_off": predict_one_step_off(both, lat, max_staleness),
+        "one_step_off": predict_one_step_off(both, lat, max_staleness, take_order, batches_ahead),
         "fully_async": predict_fully_async(
             fa,
             lat,
@@ -553,14 +685,14 @@ def format_predictions(
     preds: dict[str, Prediction], measured: dict[str, float] | None = None
 ) -> str:
     """A table: mode, predicted step s, samples/s, staleness, bound (and measured, error)."""
-    head = f"{'mode':<14}{'step_s':>9}{'samples/s':>11}{'stale':>7}  {'bound':<26}"
+    head = f"{'mode':<24}{'step_s':>9}{'samples/s':>11}{'stale':>7}  {'bound':<31}"
     if measured:
         head += f"{'measured':>10}{'error':>8}"
     lines = [head, "-" * len(head)]
     for name, pr in preds.items():
         line = (
-            f"{name:<14}{pr.step_s:>9.3f}{pr.samples_per_s:>11.1f}{pr.staleness:>7.2f}  "
-            f"{pr.bound:<26}"
+            f"{name:<24}{pr.step_s:>9.3f}{pr.samples_per_s:>11.1f}{pr.staleness:>7.2f}  "
+            f"{pr.bound:<31}"
         )
         if measured and name in measured:
             err = pr.samples_per_s / measured[name] - 1
@@ -614,6 +746,8 @@ def validate_bench(
     preds = predict_all(
         prof, lat, speedup, trainer_threads=fa[0], rollout_threads=fa[1], contention=contention
     )
+    if "one_step_off_completion" in w["median"]:  # the benchmark's arm in completion order
+        preds["one_step_off_completion"] = predict_one_step_off(prof, lat, take_order="completion")
     measured = {m: v["samples_per_s"] for m, v in w["median"].items() if m in preds}
     stale = {m: v.get("staleness_mean") for m, v in w["median"].items() if m in preds}
     return {
@@ -662,6 +796,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=1, help="--metrics: warm-up steps to skip")
     ap.add_argument("--fa-threads", default="", help="fully_async TRAINER,ROLLOUT threads")
     ap.add_argument("--max-staleness", type=int, default=1)
+    ap.add_argument(
+        "--take-order",
+        choices=("admission", "completion"),
+        default="admission",
+        help="one_step_off's trainer.async.take_order (its default: admission)",
+    )
+    ap.add_argument(
+        "--num-warmup-batches",
+        type=int,
+        default=0,
+        help="trainer.async.num_warmup_batches (one_step_off admits 2 + this many batches)",
+    )
     ap.add_argument(
         "--speedup",
         type=float,
@@ -738,6 +884,8 @@ def main(argv: list[str] | None = None) -> int:
             rollout_threads=fa[1],
             max_staleness=args.max_staleness,
             contention=c,
+            take_order=args.take_order,
+            batches_ahead=2 + args.num_warmup_batches,
         )
         out["profile"], out["predicted"] = asdict(prof), {m: asdict(p) for m, p in preds.items()}
         out["contention"] = c
@@ -749,7 +897,9 @@ def main(argv: list[str] | None = None) -> int:
     text.append("extrapolated (each worker = this machine's cores, linear, no comm cost):")
     out["extrapolated"] = {}
     for n, m in args.workers:
-        preds = extrapolate(prof, lat, n, m, args.max_staleness)
+        preds = extrapolate(
+            prof, lat, n, m, args.max_staleness, args.take_order, 2 + args.num_warmup_batches
+        )
         out["extrapolated"][f"{n},{m}"] = {k: asdict(p) for k, p in preds.items()}
         text.append(
             f"  N={n:<3} M={m:<3} "

@@ -14,6 +14,7 @@ from postrl.bench.modes import (
     extrapolate,
     fully_async_staleness,
     gen_overhead,
+    kept_wait,
     lent_time,
     main,
     parse_latency,
@@ -22,6 +23,7 @@ from postrl.bench.modes import (
     predict_one_step_off,
     predict_sync,
     profile_from_rows,
+    stale_drop_fraction,
     validate_bench,
 )
 
@@ -77,15 +79,52 @@ def test_the_generations_overhead_outside_the_engine_is_paid_in_process():
 def test_sync_and_one_step_off():
     s = predict_sync(P, HALF_S)  # 1 + 0.5 + 0.5
     assert (s.step_s, s.samples_per_s, s.staleness) == (pytest.approx(2.0), pytest.approx(32), 0)
-    o = predict_one_step_off(P, HALF_S)  # max(1.5, 0.5): the wait hides behind compute
+    # admission order: two batches generate together for max(2 x 1, 1 + 0.5) = 2 s, then
+    # train one after another: 0.5 + 2 / 2; the first trains at staleness 0, the second at 1
+    o = predict_one_step_off(P, HALF_S)
     assert o.step_s == pytest.approx(1.5) and o.samples_per_s == pytest.approx(64 / 1.5)
-    assert o.bound.startswith("compute") and o.staleness == 1
-    # a 3 s wait does not hide behind 1.5 s of compute, but two batches' waits overlap under
-    # the cap of two: (1 + 3 + 0.5) / 2
+    assert o.bound.startswith("compute") and o.staleness == pytest.approx(0.5)
+    # a 3 s wait does not hide behind the two batches' 2 s of compute: 0.5 + (1 + 3) / 2
     o = predict_one_step_off(P, Latency("const", 3.0))
-    assert o.step_s == pytest.approx(2.25) and o.bound == "latency (in-flight cap)"
-    o3 = predict_one_step_off(P, Latency("const", 3.0), max_staleness=2)  # (1 + 3 + 0.5) / 3
-    assert o3.step_s == pytest.approx(1.5) and o3.bound == "compute (G + U)"
+    assert o.step_s == pytest.approx(2.5) and o.bound.startswith("latency")
+    # the buffer admits 2 + num_warmup_batches batches, within the cap of max_staleness + 1
+    assert predict_one_step_off(P, Latency("const", 3.0), max_staleness=2).step_s == (
+        pytest.approx(2.5)
+    )
+    o3 = predict_one_step_off(P, Latency("const", 3.0), max_staleness=2, batches_ahead=3)
+    assert o3.step_s == pytest.approx(0.5 + 4 / 3) and o3.staleness == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="take_order"):
+        predict_one_step_off(P, HALF_S, take_order="lifo")
+
+
+def test_completion_order_holds_a_slot_for_the_groups_own_wait_and_drops_stragglers():
+    # every call waits 3 s; Little's law over the two batches' slots: (1 + 3 + 0.5) / 2 = 2.25
+    # s a step, and a group admitted as an update ends is complete 4 s later, just by the take
+    # before the second push after it (2 x 2.25 - 0.5): none is dropped
+    three = Latency("const", 3.0)
+    assert stale_drop_fraction(P, three, gen_s=1.0, deadline_s=4.0) == 0.0
+    assert stale_drop_fraction(P, three, gen_s=1.0, deadline_s=3.9) == 1.0
+    o = predict_one_step_off(P, three, take_order="completion")
+    assert o.step_s == pytest.approx(2.25) and o.parts["drop"] == 0.0
+    assert o.bound.startswith("latency")
+    # uniform waits on [0, 2] s: a group outlasts a deadline 1 s after its generation unless
+    # all 8 of its calls return within 1 s
+    u = Latency("uniform", lo=0.0, hi=2.0)
+    assert stale_drop_fraction(P, u, gen_s=0.5, deadline_s=1.5) == pytest.approx(1 - 0.5**8)
+    assert stale_drop_fraction(P, u, gen_s=0.5, deadline_s=0.4) == 1.0
+    # the kept groups' mean max wait: E[max of 8 uniforms on [0, 1]] = 8/9
+    assert kept_wait(P, u, 1.0) == pytest.approx(8 / 9, abs=1e-4)
+    assert kept_wait(P, u, 5.0) == pytest.approx(2 * 8 / 9, abs=1e-4)
+    # drops repeat the generation; the step is consistent with its own drop fraction
+    o = predict_one_step_off(P, u, take_order="completion")
+    d = o.parts["drop"]
+    assert 0 < d < 0.9
+    assert d == pytest.approx(stale_drop_fraction(P, u, 1.0, 2 * o.step_s - 0.5), abs=1e-6)
+    life = (1.0 + expected_max(u, 8) + 0.5) / 2
+    assert o.step_s == pytest.approx(max(1.0 / (1 - d) + 0.5, life / (1 - d)), rel=1e-6)
+    # and fewer groups are dropped with a looser staleness bound
+    o2 = predict_one_step_off(P, u, max_staleness=2, batches_ahead=3, take_order="completion")
+    assert o2.parts["drop"] < d and o2.step_s < o.step_s
 
 
 def test_fully_async_pipelines():
@@ -106,6 +145,13 @@ def test_fully_async_pipelines():
     assert flat.parts["latency"] == pytest.approx(1.0)
     slow = predict_fully_async(P, Latency("const", 3.5), power_speedup(1.0), lend_cores=False)
     assert slow.step_s == pytest.approx(2.5) and slow.bound == "latency (in-flight cap)"
+    # Little's law: a group holds its slot for its generation (2 s), its own slowest wait (the
+    # max of 8 uniform waits on [0, 2] s: 16/9) and the update (1 s), over two batches of
+    # slots; some groups outlast the staleness bound, and their refills hold slots again
+    u = predict_fully_async(P, Latency("uniform", lo=0.0, hi=2.0), lin, lend_cores=False)
+    assert u.parts["latency"] == pytest.approx((2 + 16 / 9 + 1) / 2, abs=1e-3)
+    assert 0 < u.parts["drop"] < 0.9 and u.bound == "latency (in-flight cap)"
+    assert u.step_s == pytest.approx(u.parts["latency"] / (1 - u.parts["drop"]), rel=1e-6)
     # the trainer 1.5x slower beside its replica (measured contention): 0.5 x 2 x 1.5 = 1.5
     busy = predict_fully_async(P, HALF_S, lin, contention=1.5, lend_cores=False)
     assert busy.parts["trainer"] == pytest.approx(1.5) and busy.step_s == pytest.approx(2.0)
