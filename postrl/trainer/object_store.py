@@ -348,6 +348,21 @@ class ObjectStoreRunner:
         metrics = merge_reward_metrics(parts) if parts else {}
         return list(handles), [t.score for t in handles], [t.valid for t in handles], metrics
 
+    def score_groups(
+        self, groups: list[list[Any]]
+    ) -> tuple[list[tuple[list[Any], list[float], list[bool]]], dict]:
+        """:meth:`score` per group (the replica scored each already), the metrics merged by
+        rows."""
+        from postrl.trainer.asynchronous.stream import merge_reward_metrics
+
+        out, parts = [], []
+        for g in groups:
+            payloads, scores, valid, metrics = self.score(g)
+            out.append((payloads, scores, valid))
+            if metrics:
+                parts.append((len(g), metrics))
+        return out, merge_reward_metrics(parts) if parts else {}
+
     def collate(self, groups: list[tuple[str, int, list[Any]]], scored: bool) -> Any:
         """A :class:`~postrl.trainer.ref_batch.RefBatch` of the groups (rows by reference), or
         the groups fetched to the driver when a stage reads tensors there."""

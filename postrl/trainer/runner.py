@@ -64,6 +64,14 @@ class TrajectoryRunner(Protocol):
         order), and the reward metrics."""
         ...
 
+    def score_groups(
+        self, groups: list[list[Any]]
+    ) -> tuple[list[tuple[list[Any], list[float], list[bool]]], dict]:
+        """Score several complete groups at once (those that completed in the same loop turn):
+        per group what :meth:`score` returns but the metrics, and the metrics of all their
+        rows."""
+        ...
+
     def collate(self, groups: list[tuple[str, int, list[Any]]], scored: bool) -> Any:
         """The batch of taken ``(uid, dataset index, payloads)`` groups, in order."""
         ...
@@ -159,13 +167,32 @@ class LocalRunner:
     def score(self, handles: list[Any]) -> tuple[list[Any], list[float], list[bool], dict]:
         """The group assembled and scored by the reward stage (failures are the buffer's
         decision, not raised here)."""
+        (out,), metrics = self.score_groups([handles])
+        return (*out, metrics)
+
+    def score_groups(
+        self, groups: list[list[Any]]
+    ) -> tuple[list[tuple[list[Any], list[float], list[bool]]], dict]:
+        """The groups assembled into one batch and scored by one reward-stage call (the
+        assembly and the stage's fixed costs paid once, as ``sync`` pays them for its whole
+        batch); each group's payloads hold its own rows of the scored batch (a view)."""
+        handles = [h for g in groups for h in g]
         batch = self.agents.assemble([h.output for h in handles], [h.row for h in handles])
         scored, metrics = self.reward.finish(batch, check_failures=False)
-        n = len(handles)
-        scores = scored.batch["token_level_scores"].sum(-1).tolist()[:n]
-        valid = [bool(v) for v in scored.batch["sample_valid"].tolist()[:n]]
-        payloads = [dataclasses.replace(h, scored=scored) for h in handles]
-        return payloads, scores, valid, metrics
+        scores = scored.batch["token_level_scores"].sum(-1).tolist()
+        valid = [bool(v) for v in scored.batch["sample_valid"].tolist()]
+        out, at = [], 0
+        for g in groups:
+            rows = scored if len(groups) == 1 else scored[at : at + len(g)]
+            out.append(
+                (
+                    [dataclasses.replace(h, scored=rows) for h in g],
+                    scores[at : at + len(g)],
+                    valid[at : at + len(g)],
+                )
+            )
+            at += len(g)
+        return out, metrics
 
     def collate(self, groups: list[tuple[str, int, list[Any]]], scored: bool) -> DataProto:
         """Scored groups: their group batches concatenated; unscored: the trajectories padded

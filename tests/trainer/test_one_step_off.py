@@ -348,3 +348,52 @@ def test_take_order_auto_is_the_modes_own(small_overrides):
     ):
         cfg = load_config(None, [*small_overrides, f"trainer.mode={mode}", *extra])
         assert take_order(cfg) == want, (mode, extra)
+
+
+def test_groups_that_complete_together_are_scored_in_one_call(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    """Without ``trainer.deterministic`` the groups that complete in one loop turn are scored by
+    one ``runner.score_groups`` call (the batch's groups finish together); every generated group
+    is scored once, and each trained row's score is what scoring its group alone gives."""
+    cfg = load_config(
+        None,
+        [
+            *_base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run"),
+            "trainer.total_steps=4",
+            "trainer.test_freq=0",
+        ],
+    )
+    trainer = RLTrainer(cfg)
+    runner = trainer.ctx.runner
+    calls: list[int] = []
+    alone: dict[str, list[float]] = {}
+    score_groups = runner.score_groups
+
+    def spy(groups):
+        calls.append(len(groups))
+        for g in groups:  # the same group scored by itself
+            ((_, scores, _),), _ = score_groups([g])
+            alone[g[0].row["uid"]] = scores
+        return score_groups(groups)
+
+    runner.score_groups = spy
+    trained: list[tuple[str, int, float]] = []
+    update = trainer.roles.update_actor
+
+    def seen(batch):
+        scores = batch.batch["token_level_scores"].sum(-1).tolist()
+        nt = batch.non_tensor_batch
+        trained.extend(zip(nt["uid"].tolist(), nt["sample_index"].tolist(), scores))
+        return update(batch)
+
+    trainer.roles.update_actor = seen
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert max(calls) > 1, calls  # a batch's groups were scored together
+    assert sum(calls) == len(alone)  # no group scored twice
+    assert len(trained) == 4 * 4 * 4  # 4 steps of 4 groups of 4
+    for uid, k, score in trained:
+        assert score == alone[uid][int(k)], (uid, k)

@@ -124,6 +124,7 @@ class GroupStream:
         self._scoring_group: tuple[str, int, list[Any]] | None = None  # (in _score)
         self._dropped: tuple[str, int, list[Any]] | None = None  # a filtered group's payloads
         self._scoring_scores: list[float] = []  # (in _score) the valid scores of that group
+        self._to_score: list[str] = []  # generated groups scored at the end of this loop turn
         self._error: BaseException | None = None
         self._last_failure = ""
         self._parts: list[tuple[int, dict[str, float]]] = []  # reward metrics per scored group
@@ -222,18 +223,61 @@ class GroupStream:
         self.buffer.generated((uid, k), handle, **tag)
         if not self.buffer.group(uid).generated:
             return
-        if not self.inline_scoring:
-            await self.runner.settle(self.buffer.scoring_payloads(uid))
-        self._score(uid)
+        if self.inline_scoring:
+            self._score(uid)
+            return
+        await self.runner.settle(self.buffer.scoring_payloads(uid))
+        self._queue_score(uid)
+
+    def _queue_score(self, uid: str) -> None:
+        """Score ``uid`` together with the other groups that complete in this loop turn: one
+        ``runner.score_groups`` call for all of them, from a callback scheduled once per turn
+        (the groups of a batch that decodes together finish together; scored one by one, each
+        paid the assembly's and the reward stage's fixed costs)."""
+        self._to_score.append(uid)
+        if len(self._to_score) == 1:
+            asyncio.get_running_loop().call_soon(self._score_queued)
+
+    def _score_queued(self) -> None:
+        uids, self._to_score = self._to_score, []
+        uids = [u for u in uids if u in self._rows and self.buffer.group(u).generated]
+        try:
+            if len(uids) == 1:
+                self._score(uids[0])
+            elif uids:
+                groups = [self.buffer.scoring_payloads(u) for u in uids]
+                results, metrics = self.runner.score_groups(groups)
+                self._parts.append((self.n * len(uids), metrics))
+                for uid, (payloads, scores, valid) in zip(uids, results):
+                    self._report(uid, payloads, scores, valid, metrics, len(uids))
+        except Exception as e:  # a callback's error would only reach the loop's log
+            if self._error is None:
+                self._error = e
+        self._poke()
 
     def _score(self, uid: str) -> None:
         """Score a complete group (``runner.score``) and report its trajectories to the buffer
         (which evicts it when filtered or failed)."""
         if uid not in self._rows or not self.buffer.group(uid).generated:
             return
-        g = self.buffer.group(uid)
         payloads, scores, valid, metrics = self.runner.score(self.buffer.scoring_payloads(uid))
         self._parts.append((self.n, metrics))
+        self._report(uid, payloads, scores, valid, metrics)
+
+    def _report(
+        self,
+        uid: str,
+        payloads: list[Any],
+        scores: list[float],
+        valid: list[bool],
+        metrics: dict[str, float],
+        together: int = 1,
+    ) -> None:
+        """A scored group's trajectories to the buffer (which evicts it when filtered or
+        failed); ``metrics`` are those of the ``together`` groups scored in one call."""
+        if uid not in self._rows:  # evicted meanwhile
+            return
+        g = self.buffer.group(uid)
         self._counts["groups"] += 1
         self._scoring_group = (uid, g.index, payloads)
         self._scoring_scores = [float(x) for x, v in zip(scores, valid) if v]
@@ -246,10 +290,18 @@ class GroupStream:
                         (uid, k), payloads[k], **_tag(payloads[k]), score=float(scores[k])
                     )
                 else:
-                    self._last_failure = f"group {uid}: " + ", ".join(
-                        f"{m}={int(v)}"
-                        for m, v in metrics.items()
-                        if m.startswith("reward/failed/")
+                    self._last_failure = (
+                        f"group {uid}: {valid.count(False)} of {self.n} rows failed ("
+                        + ", ".join(
+                            f"{m}={int(v)}"
+                            for m, v in metrics.items()
+                            if m.startswith("reward/failed/")
+                        )
+                        + (
+                            f"; counts over the {together} groups scored with it)"
+                            if together > 1
+                            else ")"
+                        )
                     )
                     self.buffer.fail((uid, k), "reward", payload=payloads[k])
         finally:
