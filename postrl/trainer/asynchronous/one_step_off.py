@@ -27,11 +27,14 @@ Why it pays: a sync step waits for its slowest trajectory while the batch's othe
 here the long tail of one batch overlaps the start of the next, and a trajectory waiting on a
 tool keeps waiting (the tool still runs) while the actor trains.
 
-Groups are scored as they complete (reward overlaps generation); ``filtered`` (DAPO) and
-``failed`` (``reward.max_failure_ratio``) groups are evicted and refilled at once, stale ones
-(``staleness_strategy=drop``) when an update would take them. The update must correct for the
-behaviour policy: decoupled PPO (``actor.policy_loss=decoupled``: clip on π_θ/π_prox, weight
-π_prox/μ with μ the rollout's log-probs) or rollout correction. With decoupled PPO and one
+Groups are scored as they complete (reward overlaps generation; the groups that complete in one
+loop turn by one reward call); ``filtered`` (DAPO) and ``failed`` (``reward.max_failure_ratio``)
+groups are evicted and refilled at once, stale ones (``staleness_strategy=drop``) when an update
+would take them. The update must correct for the behaviour policy: PPO clipped against it
+(``actor.policy_loss=bypass_mode``: ``r = π_θ/μ``, μ the rollout's log-probs — the two batches of
+a pair are sampled by the same weights, and only a trust region around μ stops the second update
+from pushing again what the first already pushed; docs/async.md), decoupled PPO
+(``actor.policy_loss=decoupled``: clip on π_θ/π_prox, weight π_prox/μ) or rollout correction. With decoupled PPO and one
 mini-batch per update π_prox is the update's own first forward (fused, no extra pass); a loss
 that reads old log-probs as the behaviour policy (vanilla PPO) gets them from a separate
 forward, never fused.
