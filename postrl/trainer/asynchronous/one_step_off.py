@@ -34,8 +34,8 @@ would take them. The update must correct for the behaviour policy: PPO clipped a
 (``actor.policy_loss=bypass_mode``: ``r = π_θ/μ``, μ the rollout's log-probs — the two batches of
 a pair are sampled by the same weights, and only a trust region around μ stops the second update
 from pushing again what the first already pushed; docs/async.md), decoupled PPO
-(``actor.policy_loss=decoupled``: clip on π_θ/π_prox, weight π_prox/μ) or rollout correction. With decoupled PPO and one
-mini-batch per update π_prox is the update's own first forward (fused, no extra pass); a loss
+(``actor.policy_loss=decoupled``: clip on π_θ/π_prox, weight π_prox/μ) or rollout correction.
+With decoupled PPO and one mini-batch per update π_prox is the update's own first forward (fused, no extra pass); a loss
 that reads old log-probs as the behaviour policy (vanilla PPO) gets them from a separate
 forward, never fused.
 
