@@ -35,9 +35,9 @@ would take them. The update must correct for the behaviour policy: PPO clipped a
 a pair are sampled by the same weights, and only a trust region around μ stops the second update
 from pushing again what the first already pushed; docs/async.md), decoupled PPO
 (``actor.policy_loss=decoupled``: clip on π_θ/π_prox, weight π_prox/μ) or rollout correction.
-With decoupled PPO and one mini-batch per update π_prox is the update's own first forward (fused, no extra pass); a loss
-that reads old log-probs as the behaviour policy (vanilla PPO) gets them from a separate
-forward, never fused.
+With decoupled PPO and one mini-batch per update π_prox is the update's own first forward
+(fused, no extra pass); a loss that reads old log-probs as the behaviour policy (vanilla PPO)
+gets them from a separate forward, never fused.
 
 ``trainer.deterministic=true`` fixes the interleaving: groups are scored inline, the fleet
 pauses the moment the batch is complete, and a checkpoint restarts in-flight trajectories from
