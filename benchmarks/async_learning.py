@@ -2,7 +2,8 @@
 
 Runs the quickstart task (single-digit addition, the quickstart's SFT-warmed tiny model, the
 ``examples/grpo_addition.yaml`` recipe) for the same number of GRPO steps in ``sync`` and in
-``one_step_off`` (with decoupled PPO, ``actor.policy_loss=decoupled``), for each seed,
+``one_step_off`` (with PPO clipped against the behaviour policy, ``actor.policy_loss=bypass_mode``;
+``fully_async`` with decoupled PPO), for each seed,
 interleaved (sync seed 0, one_step_off seed 0, sync seed 1, ...), and prints the held-out
 accuracy every ``--test-freq`` steps, the mean over seeds and the difference. Both modes train on
 exactly ``steps × 16 × 8`` samples; only the policy that generated them differs (one version
@@ -47,6 +48,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "benchmarks") not in sys.path:  # async_modes.py: the tail workload and the arms
     sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+OFF_POLICY_LOSS = {"one_step_off": "bypass_mode"}
+"""Each async mode's loss (``actor.policy_loss``; ``decoupled`` when not listed): ``one_step_off``
+trains two batches sampled by the same weights one after the other, and only PPO clipped against
+the behaviour policy keeps the second update from pushing again what the first already pushed
+(docs/async.md, "The collapse at the recipe's learning rate"). ``--set`` overrides it."""
 
 
 def _ensure_quickstart(run: Path, threads: int) -> None:
@@ -95,7 +103,8 @@ def _train(
     from postrl.trainer import RLTrainer
 
     mode, arm = ARM_OVERRIDES.get(mode, (mode, []))
-    extra = [f"trainer.mode={mode}", "actor.policy_loss=decoupled"] if mode != "sync" else []
+    loss = OFF_POLICY_LOSS.get(mode, "decoupled")
+    extra = [f"trainer.mode={mode}", f"actor.policy_loss={loss}"] if mode != "sync" else []
     extra += arm
     if mode == "fully_async":
         rollout = max(1, threads // 2)

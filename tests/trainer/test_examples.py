@@ -75,7 +75,8 @@ EXPECTED_KEYS: dict[str, set[str]] = {
     "one_step_off_addition": {
         "replay/staleness/mean",
         "async/interrupted_trajectories",
-        "actor/decoupled_is_mean",
+        "actor/pg_clipfrac",
+        "rollout_corr/ess",
         "health/ess_ratio",
         "health/alerts/ess",
     },
@@ -238,7 +239,7 @@ def test_examples_select_their_algorithm():
     assert cfg["remax_addition"].algorithm.adv_estimator == "remax"
     osoff = cfg["one_step_off_addition"].trainer
     assert osoff.mode == "one_step_off" and osoff.async_.max_staleness == 1
-    assert cfg["one_step_off_addition"].actor.policy_loss == "decoupled"
+    assert cfg["one_step_off_addition"].actor.policy_loss == "bypass_mode"
     fa = cfg["fully_async_addition"]
     assert fa.trainer.mode == "fully_async" and fa.trainer.async_.parameter_sync_step == 2
     assert fa.data.train_batch_size == 2 * fa.actor.ppo_mini_batch_size

@@ -41,6 +41,21 @@ def _base(tiny_model_dir, epoch_files, digits_reward, run) -> list[str]:
     ]
 
 
+def _fit_seeing(trainer: RLTrainer, see) -> None:
+    """``trainer.fit()`` with ``see(batch)`` called on every batch the actor updates on."""
+    update = trainer.roles.update_actor
+
+    def spy(batch):
+        see(batch)
+        return update(batch)
+
+    trainer.roles.update_actor = spy
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+
+
 def _each_prompt_once_per_epoch(run, epochs: int = 2, size: int = 16) -> None:
     each_prompt_once_per_epoch(run, epochs, size, steps_per_epoch=4)
 
@@ -59,19 +74,13 @@ def test_one_step_off_trains_each_prompt_once_within_the_staleness_bound(
     )
     trainer = RLTrainer(cfg)
     seen = []
-    update = trainer.roles.update_actor
 
     def spy(batch):
         v = batch.batch["rollout_policy_version"]
         mask = batch.batch["response_mask"].bool()
         seen.append((trainer.ctx.fleet.version, v[mask].min().item(), v, mask))
-        return update(batch)
 
-    trainer.roles.update_actor = spy
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    _fit_seeing(trainer, spy)
     _each_prompt_once_per_epoch(tmp_path / "run")
     rows = metric_rows(tmp_path / "run")
     assert max(r["replay/staleness/max"] for r in rows) <= 1
@@ -379,19 +388,13 @@ def test_groups_that_complete_together_are_scored_in_one_call(
 
     runner.score_groups = spy
     trained: list[tuple[str, int, float]] = []
-    update = trainer.roles.update_actor
 
     def seen(batch):
         scores = batch.batch["token_level_scores"].sum(-1).tolist()
         nt = batch.non_tensor_batch
         trained.extend(zip(nt["uid"].tolist(), nt["sample_index"].tolist(), scores))
-        return update(batch)
 
-    trainer.roles.update_actor = seen
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    _fit_seeing(trainer, seen)
     assert max(calls) > 1, calls  # a batch's groups were scored together
     assert sum(calls) == len(alone)  # no group scored twice
     assert len(trained) == 4 * 4 * 4  # 4 steps of 4 groups of 4
