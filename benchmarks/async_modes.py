@@ -130,10 +130,13 @@ MODES = (
     "fully_async_ray",
     "fully_async_ray_os",
     "one_step_off_completion",
+    "fully_async_admission",
 )
 """Every arm the benchmark knows; ``--modes`` picks (``sync`` always runs: the baseline).
 ``one_step_off_completion`` is ``one_step_off`` taking its groups in completion order
-(``trainer.async.take_order=completion``; the mode's own is admission order).
+(``trainer.async.take_order=completion``; the mode's own is admission order), and
+``fully_async_admission`` is ``fully_async`` taking them in admission order (its own is
+completion order).
 ``fully_async_switch`` is ``fully_async`` with ``trainer.async.idle_switch=auto``;
 ``fully_async_ray`` runs it on Ray (replica actors, one training worker; trajectories through
 the driver) and ``fully_async_ray_os`` adds ``trainer.async.data_plane=object_store``
@@ -150,6 +153,7 @@ ARM_OVERRIDES = {
     "fully_async_ray_os": ("fully_async", [*_RAY, "trainer.async.data_plane=object_store"]),
     # one_step_off's take in completion order (its default is admission order: verl's batches)
     "one_step_off_completion": ("one_step_off", ["trainer.async.take_order=completion"]),
+    "fully_async_admission": ("fully_async", ["trainer.async.take_order=admission"]),
 }
 """Arms that are a registered mode plus overrides: name → (trainer.mode, overrides)."""
 WORKLOADS = ("w1", "tools", "tail")

@@ -72,6 +72,13 @@ def test_the_completion_arm_is_one_step_off_in_completion_order(bench):
     assert "one_step_off_completion" in bench.parse_args(["--modes=one_step_off_completion"]).modes
 
 
+def test_the_admission_arm_is_fully_async_in_admission_order(bench):
+    base = bench.mode_overrides("fully_async", ["trainer.num_threads=2"])
+    arm = bench.mode_overrides("fully_async_admission", ["trainer.num_threads=2"])
+    assert arm == [*base, "trainer.async.take_order=admission"]
+    assert "fully_async_admission" in bench.parse_args(["--modes=fully_async_admission"]).modes
+
+
 @pytest.mark.slow
 def test_benchmark_main_writes_every_mode_for_both_workloads(bench, tiny_model_dir, tmp_path):
     out = tmp_path / "results.json"
