@@ -164,6 +164,12 @@ def parse_latency(spec: str) -> Latency:
     return Latency("lognormal", med / 1e3, sigma, lo / 1e3, hi / 1e3)
 
 
+def _max_cdf(lat: Latency, count: int, p: float, x: float) -> float:
+    """``P(max ≤ x)`` over ``count`` independent trajectories, each of which waits one draw of
+    ``lat`` with probability ``p`` (else 0): ``(1 − p + p·F(x))^count``."""
+    return (1.0 - p + p * lat.cdf(x)) ** count
+
+
 def expected_max(lat: Latency, count: int, p: float = 1.0, steps: int = 4000) -> float:
     """``E[max]`` over ``count`` independent trajectories, each of which waits one draw of
     ``lat`` with probability ``p`` (else 0): ``∫_0^upper 1 − (1 − p + p·F(x))^count dx``
@@ -175,7 +181,7 @@ def expected_max(lat: Latency, count: int, p: float = 1.0, steps: int = 4000) ->
         return lat.a * (1 - (1 - p) ** count)
     top = lat.upper
     h = top / steps
-    return sum(1 - (1 - p + p * lat.cdf((i + 0.5) * h)) ** count for i in range(steps)) * h
+    return sum(1 - _max_cdf(lat, count, p, (i + 0.5) * h) for i in range(steps)) * h
 
 
 # ---------------------------------------------------------------------------- the model
@@ -270,8 +276,7 @@ def stale_drop_fraction(p: Profile, lat: Latency, gen_s: float, deadline_s: floa
     x = deadline_s - gen_s
     if x <= 0:
         return 1.0
-    q = min(p.calls_per_traj, 1.0)
-    return 1.0 - (1.0 - q + q * lat.cdf(x)) ** p.group_size
+    return 1.0 - _max_cdf(lat, p.group_size, min(p.calls_per_traj, 1.0), x)
 
 
 def _deadline(step_s: float, train_s: float, max_staleness: int) -> float:
@@ -288,14 +293,11 @@ def kept_wait(p: Profile, lat: Latency, limit_s: float, steps: int = 2000) -> fl
     if x <= 0 or q <= 0:
         return 0.0
 
-    def cdf(y: float) -> float:
-        return (1.0 - q + q * lat.cdf(y)) ** p.group_size
-
-    top = cdf(x)
+    top = _max_cdf(lat, p.group_size, q, x)
     if top <= 0:
         return x
     h = x / steps
-    return sum(1.0 - cdf((i + 0.5) * h) / top for i in range(steps)) * h
+    return sum(1.0 - _max_cdf(lat, p.group_size, q, (i + 0.5) * h) / top for i in range(steps)) * h
 
 
 def _with_drops(

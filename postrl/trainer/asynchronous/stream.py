@@ -240,29 +240,24 @@ class GroupStream:
 
     def _score_queued(self) -> None:
         uids, self._to_score = self._to_score, []
-        uids = [u for u in uids if u in self._rows and self.buffer.group(u).generated]
         try:
-            if len(uids) == 1:
-                self._score(uids[0])
-            elif uids:
-                groups = [self.buffer.scoring_payloads(u) for u in uids]
-                results, metrics = self.runner.score_groups(groups)
-                self._parts.append((self.n * len(uids), metrics))
-                for uid, (payloads, scores, valid) in zip(uids, results):
-                    self._report(uid, payloads, scores, valid, metrics, len(uids))
+            self._score(*uids)
         except Exception as e:  # a callback's error would only reach the loop's log
             if self._error is None:
                 self._error = e
         self._poke()
 
-    def _score(self, uid: str) -> None:
-        """Score a complete group (``runner.score``) and report its trajectories to the buffer
-        (which evicts it when filtered or failed)."""
-        if uid not in self._rows or not self.buffer.group(uid).generated:
+    def _score(self, *uids: str) -> None:
+        """Score complete groups with one ``runner.score_groups`` call and report their
+        trajectories to the buffer (which evicts a group when filtered or failed); groups evicted
+        or scored meanwhile are skipped."""
+        uids = tuple(u for u in uids if u in self._rows and self.buffer.group(u).generated)
+        if not uids:
             return
-        payloads, scores, valid, metrics = self.runner.score(self.buffer.scoring_payloads(uid))
-        self._parts.append((self.n, metrics))
-        self._report(uid, payloads, scores, valid, metrics)
+        results, metrics = self.runner.score_groups([self.buffer.scoring_payloads(u) for u in uids])
+        self._parts.append((self.n * len(uids), metrics))
+        for uid, (payloads, scores, valid) in zip(uids, results):
+            self._report(uid, payloads, scores, valid, metrics, len(uids))
 
     def _report(
         self,
