@@ -31,6 +31,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 from postrl.protocol import DataProto
 
 __all__ = [
@@ -175,15 +177,24 @@ class LocalRunner:
     ) -> tuple[list[tuple[list[Any], list[float], list[bool]]], dict]:
         """The groups assembled into one batch and scored by one reward-stage call (the
         assembly and the stage's fixed costs paid once, as ``sync`` pays them for its whole
-        batch); each group's payloads hold its own rows of the scored batch (a view)."""
+        batch); each group's payloads hold its own rows of the scored batch: a view of them, or,
+        when trajectories brought ``segments`` (their rows follow all trajectories' own rows,
+        with their trajectory's ``uid``), the group's rows selected by ``uid``."""
         handles = [h for g in groups for h in g]
         batch = self.agents.assemble([h.output for h in handles], [h.row for h in handles])
         scored, metrics = self.reward.finish(batch, check_failures=False)
-        scores = scored.batch["token_level_scores"].sum(-1).tolist()
+        scores = scored.batch["token_level_scores"].sum(-1).tolist()  # own rows first
         valid = [bool(v) for v in scored.batch["sample_valid"].tolist()]
+        segmented = len(scored) != len(handles)
+        uids = scored.non_tensor_batch["uid"] if segmented and len(groups) > 1 else None
         out, at = [], 0
         for g in groups:
-            rows = scored if len(groups) == 1 else scored[at : at + len(g)]
+            if len(groups) == 1:
+                rows = scored
+            elif uids is None:
+                rows = scored[at : at + len(g)]
+            else:  # the group's own rows, then its segment rows, in batch order
+                rows = scored[np.flatnonzero(uids == g[0].row["uid"])]
             out.append(
                 (
                     [dataclasses.replace(h, scored=rows) for h in g],
