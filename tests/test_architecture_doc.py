@@ -40,7 +40,7 @@ def test_step_table_is_the_step_in_order():
 
 _LAYERS = (
     r"(?:trainer|reward|rollout|agent|engine|workers|weights|controller|data|config|tools|"
-    r"protocol|supervised|algos|envs|tracking)"
+    r"protocol|supervised|algos|envs|tracking|kernels)"
 )
 
 

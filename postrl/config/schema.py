@@ -53,6 +53,12 @@ class ModelConfig:
     """LoRA scaling numerator."""
     lora_target_modules: str = ModelSpec.lora_target_modules
     """Modules to adapt (peft ``target_modules``)."""
+    kernels: str = ModelSpec.kernels
+    """The training forward/backward's small ops: ``auto`` (default) runs RMSNorm, the SwiGLU
+    activation and the packed attention as fused C kernels on the CPU in float32 when they
+    build (``postrl/kernels/``; a C compiler is needed, ``POSTRL_KERNELS=0`` turns them off)
+    and torch's ops otherwise; ``fused`` requires them (an error names why they cannot run);
+    ``torch`` never uses them. Outputs and gradients agree with torch's ops to float rounding."""
 
 
 @dataclass

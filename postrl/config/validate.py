@@ -132,6 +132,11 @@ def validate_config(
             f"{cfg.model.path}` or fix the path"
         )
     e.extend(dtype_errors(cfg.model.dtype, cfg.model.compute_dtype))
+    if cfg.model.kernels not in ("auto", "fused", "torch"):
+        e.append(
+            f"model.kernels={cfg.model.kernels!r} is not one of ['auto', 'fused', 'torch']: "
+            "use auto (fused CPU kernels when they build), fused (required) or torch"
+        )
     rm = cfg.reward.model
     if rm.enable:
         if not rm.path:

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from postrl.engine.varlen import AttnLayout, PrefixLayout
+from postrl.kernels.train import Segments
 
 __all__ = ["Packed", "pack", "chunked_token_logprobs", "policy_logprobs", "critic_values"]
 
@@ -63,7 +64,7 @@ class Packed:
 
 
 def _prefix_layout(
-    group, g, gplen, pstart, rlen, rstart, tok_kind, tok_group, tok_row, within, n
+    group, g, gplen, pstart, rlen, rstart, tok_kind, tok_group, tok_row, within, n, segments
 ) -> PrefixLayout:
     """The two-pass prompt-shared attention layout (see
     :class:`~postrl.engine.varlen.PrefixLayout`)."""
@@ -90,6 +91,7 @@ def _prefix_layout(
         resp_k_idx=resp_k_idx,
         resp_mask=resp_mask,
         out_idx=out_idx,
+        segments=segments,
     )
 
 
@@ -153,6 +155,13 @@ def pack(
     )
     seg_start = torch.cumsum(seg_len, 0) - seg_len
     n = int(seg_len.sum())
+    segments = Segments(
+        start=seg_start,
+        length=seg_len,
+        group_off=torch.cat(
+            [seg_len.new_zeros(1), torch.bincount(seg_group, minlength=g).cumsum(0)]
+        ),
+    )
     seg_of_tok = torch.repeat_interleave(torch.arange(len(seg_len), device=dev), seg_len)  # (N,)
     within = torch.arange(n, device=dev) - seg_start[seg_of_tok]  # (N,)
     ids = input_ids[seg_row[seg_of_tok], seg_col0[seg_of_tok] + within]  # (N,)
@@ -177,6 +186,7 @@ def pack(
             seg_row[seg_of_tok],
             within,
             n,
+            segments,
         )
     else:
         # One virtual sequence per row: [its prompt, its response], causal.
@@ -195,7 +205,7 @@ def pack(
         tok_row = torch.where(
             seg_kind[seg_of_tok] == 0, owner[seg_group[seg_of_tok]], seg_row[seg_of_tok]
         )
-        layout = AttnLayout(gather_idx=gather, out_idx=tok_row * width + pos)
+        layout = AttnLayout(gather_idx=gather, out_idx=tok_row * width + pos, segments=segments)
     # Response targets and the hidden states predicting them.
     resp_valid = mask[:, p:]  # (B, R)
     r_idx = torch.arange(response_length, device=dev).unsqueeze(0).expand(b, -1)

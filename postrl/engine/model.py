@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from postrl.engine import fused
 from postrl.engine.logprob import critic_values, pack, policy_logprobs
 from postrl.engine.specs import ModelSpec
 from postrl.engine.varlen import ATTN_NAME, register_varlen_attention, varlen_calls
@@ -468,6 +469,7 @@ def load_policy(
     )
     model.config.use_cache = False
     packed = _use_varlen(model, model.base_model)
+    fused.install(model, model_cfg.kernels)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
@@ -526,6 +528,7 @@ def load_critic(model_cfg: ModelSpec, device: torch.device | str = "cpu") -> Cri
     backbone = _from_pretrained(AutoModel, path, kw).to(device)
     backbone.config.use_cache = False
     packed = _use_varlen(backbone, backbone)
+    fused.install(backbone, model_cfg.kernels)
     if model_cfg.gradient_checkpointing:
         backbone.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}

@@ -34,6 +34,8 @@ class ModelSpec:
     """LoRA alpha."""
     lora_target_modules: str = "all-linear"
     """``all-linear`` or comma-separated module names."""
+    kernels: str = "auto"
+    """Training kernels: ``auto``, ``fused`` or ``torch`` (:mod:`postrl.engine.fused`)."""
 
 
 @dataclass(frozen=True)

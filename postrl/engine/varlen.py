@@ -28,6 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from postrl.kernels.train import Segments, packed_attention
+
+FUSED_ATTENTION = "_postrl_fused_attention"
+"""Attribute (True) of an attention module whose packed attention runs the fused kernel
+(:func:`postrl.engine.fused.install` sets it)."""
+
 __all__ = [
     "ATTN_NAME",
     "AttnLayout",
@@ -49,10 +55,13 @@ class AttnLayout:
             on padding slots, whose outputs are never read).
         out_idx: (N,) long — for packed token n, the flat index ``s * L + j`` of the virtual
             sequence slot whose attention output it takes.
+        segments: the same structure as groups of contiguous segments, for the fused kernel
+            (:func:`postrl.kernels.train.packed_attention`); None: torch ops only.
     """
 
     gather_idx: torch.Tensor
     out_idx: torch.Tensor
+    segments: Segments | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,7 @@ class PrefixLayout:
         resp_mask: (B, 1, Lr, Lp + Lr) bool, True where attention is allowed.
         out_idx: (N,) for packed token n, its row in ``cat([prompt outputs (G·Lp), response
             outputs (B·Lr)])``.
+        segments: as in :class:`AttnLayout`.
     """
 
     prompt_idx: torch.Tensor
@@ -83,6 +93,7 @@ class PrefixLayout:
     resp_k_idx: torch.Tensor
     resp_mask: torch.Tensor
     out_idx: torch.Tensor
+    segments: Segments | None = None
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -176,6 +187,16 @@ def varlen_attention(
     _CALLS[0] += 1
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, h, D), token-major
     lay = postrl_layout
+    if (
+        lay.segments is not None
+        and getattr(module, FUSED_ATTENTION, False)
+        and dropout == 0.0
+        and kwargs.get("sliding_window") is None
+        and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+        and not torch.is_autocast_enabled("cpu")
+    ):
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        return packed_attention(q, k, v, lay.segments, scale).unsqueeze(0), None
     if isinstance(lay, PrefixLayout):
         pi = lay.prompt_idx
         parts = [_sdpa(_take(q, pi), _take(k, pi), _take(v, pi), scaling=scaling, causal=True)]

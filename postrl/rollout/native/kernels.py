@@ -7,25 +7,17 @@ them: ``rms_norm``, ``rope_kv`` (q/k-norm + RoPE in place + K/V cache write) and
 ``decode_attention`` (prompt prefix + own completion under one softmax, rows split over the
 OpenMP threads). The matmuls stay with torch (MKL/oneDNN).
 
-Build: ``cc -O3 -march=native -fopenmp -shared -fPIC`` (``-fopenmp`` links libgomp by its soname,
-which resolves to the copy torch already loaded, so the kernels' threads are torch's OpenMP pool;
-if it resolves to a *second* runtime instead, or without OpenMP support, a single-threaded
-``-fopenmp-simd`` build is used; other compilers get ``-mcpu=native`` or plain ``-O3``) into
-``$POSTRL_CACHE_DIR`` (default ``~/.cache/postrl``)``/kernels/<hash>.so``, keyed by the source,
-the flags and the CPU's feature flags (so a shared home directory never hands a machine code it
-cannot run). The compile takes ~1 s once per machine, under a 120 s deadline; the write is atomic
-(concurrent processes race harmlessly). No compiler, a failed build or ``POSTRL_KERNELS=0`` →
-``load()`` returns None and the engine uses its torch path (logged once, never silent).
+Build: ``postrl/kernels/build.py`` (``-O3 -march=native -fopenmp``, the kernels' threads are
+torch's OpenMP pool; single-threaded fallbacks; cached under ``$POSTRL_CACHE_DIR``
+(default ``~/.cache/postrl``)``/kernels/decode-<hash>.so``, keyed by the source, the flags and the
+CPU's feature flags; ~1 s once per machine). No compiler, a failed build or ``POSTRL_KERNELS=0``
+→ ``load()`` returns None and the engine uses its torch path (logged once, never silent).
 
 Sanitizers: ``POSTRL_KERNEL_SANITIZE=1`` builds with ``-fsanitize=address,undefined`` (any
-finding aborts, ``-fno-sanitize-recover=all``) into its own cache entry, so an out-of-bounds
-access cannot hide behind a lucky layout. An ASan library only loads into a process whose
-first library is the ASan runtime, so Python must start with ``LD_PRELOAD`` =
-``sanitizer_preload()`` (gcc: ``cc -print-file-name=libasan.so``) and
-``ASAN_OPTIONS=detect_leaks=0`` (CPython's own allocations would be reported at exit); without
-the preload ``load()`` refuses with that fix instead of letting the loader abort the process.
-``make test-sanitize`` (or the slow test ``test_kernels_under_address_and_ub_sanitizers``) runs
-the kernel tests that way.
+finding aborts) into its own cache entry; Python must start with ``LD_PRELOAD`` =
+``sanitizer_preload()`` and ``ASAN_OPTIONS=detect_leaks=0``, else ``load()`` refuses with that
+fix. ``make test-sanitize`` (or the slow test ``test_kernels_under_address_and_ub_sanitizers``)
+runs the kernel tests that way.
 
 What the fused path guarantees (tested in ``tests/rollout/test_kernels.py``), on one machine:
 
@@ -56,17 +48,16 @@ What the fused path guarantees (tested in ``tests/rollout/test_kernels.py``), on
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from postrl.kernels import build
+from postrl.kernels.build import openmp_runtimes, sanitizer_preload
 
 __all__ = [
     "DecodeKernels",
@@ -82,162 +73,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("kernels.c")
-_FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
-# Tried in order: the first that compiles is used. -fopenmp: libgomp's soname is torch's, so the
-# loader hands the kernels torch's (already loaded) runtime and thread pool. Without an OpenMP
-# toolchain (Apple clang): -fopenmp-simd, single-threaded kernels. -march=native is x86/gcc
-# spelling; arm64 compilers may want -mcpu=native; the last variant is plain -O3.
-_VARIANTS = (
-    ("-march=native", "-fopenmp"),
-    ("-march=native", "-fopenmp-simd"),
-    ("-mcpu=native", "-fopenmp-simd"),
-    ("-fopenmp-simd",),
-)
-_SERIAL = _VARIANTS[1:]  # when the OpenMP build would bring a second runtime
-# POSTRL_KERNEL_SANITIZE=1: ASan + UBSan, every finding fatal; frame pointers for readable stacks
-_SANITIZE_FLAGS = (
-    "-fsanitize=address,undefined",
-    "-fno-sanitize-recover=all",
-    "-fno-omit-frame-pointer",
-    "-g",
-)
 _MAX_HEAD_DIM = 1024  # stack buffers in kernels.c
-_BUILD_TIMEOUT_S = 120.0
 _lock = threading.Lock()
 _cached: DecodeKernels | None = None
 _error: str | None = None
 _tried = False
+_cache_dir = build.cache_dir  # (tests check the cache directory's privacy through this name)
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() + platform.machine()
-
-
-def _private_dir(path: Path) -> bool:
-    """True when ``path`` exists or was created, belongs to us and no one else can write to it
-    (a shared library is only ever loaded from such a directory)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = path.stat()
-    except OSError:
-        return False
-    return (
-        os.access(path, os.W_OK)
-        and (not hasattr(os, "getuid") or st.st_uid == os.getuid())
-        and not st.st_mode & 0o022
-    )
-
-
-def _cache_dir() -> Path:
-    """``$POSTRL_CACHE_DIR/kernels`` (default ``~/.cache/postrl/kernels``); if that is not a private
-    writable directory, a per-user one under the temp dir, else a fresh ``mkdtemp``."""
-    root = os.environ.get("POSTRL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "postrl"
-    )
-    for cand in (
-        Path(root) / "kernels",
-        Path(tempfile.gettempdir())
-        / f"postrl-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}",
-    ):
-        if _private_dir(cand):
-            return cand
-    return Path(tempfile.mkdtemp(prefix="postrl-kernels-"))
-
-
-def _sanitize() -> bool:
-    return os.environ.get("POSTRL_KERNEL_SANITIZE", "0") == "1"
-
-
-def _flags() -> list[str]:
-    return [*_FLAGS, *(_SANITIZE_FLAGS if _sanitize() else ())]
-
-
-def sanitizer_preload(cc: str | None = None) -> str | None:
-    """Path of the compiler's ASan runtime (``libasan.so``) to put in ``LD_PRELOAD`` for a
-    sanitized build (``POSTRL_KERNEL_SANITIZE=1``); None when the compiler has none."""
-    cc = cc or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None
-    try:
-        res = subprocess.run(
-            [cc, "-print-file-name=libasan.so"], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    path = res.stdout.strip()
-    return path if res.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
-
-
-def _asan_loaded() -> bool:
-    try:
-        return "libasan" in Path("/proc/self/maps").read_text()
-    except OSError:
-        return False
-
-
-def _compile(cc: str, out: Path, variants: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
-    """Build ``out`` with the first flag variant that compiles; return that variant."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".so.tmp", dir=out.parent)
-    os.close(fd)
-    errors = []
-    try:
-        for extra in variants:
-            res = subprocess.run(
-                [cc, *_flags(), *extra, str(_SRC), "-o", tmp, "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=_BUILD_TIMEOUT_S,
-            )
-            if res.returncode == 0:
-                os.replace(
-                    tmp, out
-                )  # atomic: a concurrent builder's identical file is simply replaced
-                out.with_suffix(".flags").write_text(
-                    " ".join([*extra, *(_SANITIZE_FLAGS if _sanitize() else ())])
-                )
-                return extra
-            err = res.stderr.strip()[-400:]
-            errors.append(f"{cc} {' '.join(extra)} failed (exit {res.returncode}): {err}")
-        raise RuntimeError("; ".join(errors))
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def openmp_runtimes() -> set[str]:
-    """Paths of the OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return set()
-    names = ("libgomp", "libomp", "libiomp")
-    return {ln.split()[-1] for ln in maps.splitlines() if any(n in ln.split()[-1] for n in names)}
-
-
-def _build_and_load(cc: str, variants: tuple[tuple[str, ...], ...]) -> DecodeKernels:
-    key = hashlib.sha256(
-        "\n".join([_SRC.read_text(), cc, " ".join(_flags()), repr(variants), _cpu_flags()]).encode()
-    )
-    if _sanitize() and not _asan_loaded():
-        raise RuntimeError(
-            "POSTRL_KERNEL_SANITIZE=1 needs the ASan runtime loaded first: start Python with "
-            f"LD_PRELOAD={sanitizer_preload(cc) or '<libasan.so>'} ASAN_OPTIONS=detect_leaks=0"
-        )
-    path = _cache_dir() / f"decode-{key.hexdigest()[:16]}.so"
-    if not path.exists():
-        logger.info("native engine: compiling fused CPU kernels -> %s", path)
-        _compile(cc, path, variants)
-    flags = path.with_suffix(".flags").read_text() if path.with_suffix(".flags").exists() else "?"
-    return DecodeKernels(ctypes.CDLL(str(path)), path, flags)
 
 
 class DecodeKernels:
@@ -645,12 +488,7 @@ def load() -> DecodeKernels | None:
         if os.environ.get("POSTRL_KERNELS", "1") == "0":
             _error = "disabled by POSTRL_KERNELS=0"
             return None
-        cc = (
-            os.environ.get("CC")
-            or shutil.which("cc")
-            or shutil.which("gcc")
-            or shutil.which("clang")
-        )
+        cc = build.find_cc()
         if cc is None:
             _error = "no C compiler found (cc, gcc or clang); install one or set CC"
             logger.warning(
@@ -658,18 +496,7 @@ def load() -> DecodeKernels | None:
             )
             return None
         try:
-            before = openmp_runtimes()
-            kern = _build_and_load(cc, _VARIANTS)
-            if len(openmp_runtimes()) > max(1, len(before)):
-                # the OpenMP build resolved a runtime other than torch's: two thread pools would
-                # fight for the cores (measured 10x slower), so use the single-threaded build
-                logger.warning(
-                    "native engine: the kernels' OpenMP runtime is not torch's (%s); using the "
-                    "single-threaded build",
-                    sorted(openmp_runtimes() - before),
-                )
-                kern = _build_and_load(cc, _SERIAL)
-            _cached = kern
+            _cached = DecodeKernels(*build.load_library(cc, _SRC, "decode"))
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
             _error = f"{type(e).__name__}: {e}"
             logger.warning(
