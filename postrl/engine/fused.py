@@ -10,7 +10,12 @@ original ``forward`` otherwise (bf16 autocast, GPU, …), so a model stays valid
   ``down(silu(gate(x)) · up(x))``) → the projections stay ``nn.Linear`` (LoRA adapters on them
   keep working), the activation is :func:`~postrl.kernels.train.swiglu`;
 * the attention modules are marked so that :func:`postrl.engine.varlen.varlen_attention` runs
-  :func:`~postrl.kernels.train.packed_attention` on the packed layout.
+  :func:`~postrl.kernels.train.packed_attention` on the packed layout;
+* their modeling module's ``apply_rotary_pos_emb`` (a module-level function the attention's
+  ``forward`` looks up, as Liger-Kernel patches it) is wrapped: called from a fused attention
+  module's ``forward`` with fp32 CPU inputs it runs :func:`~postrl.kernels.train.rope`, written
+  token-major as the packed attention reads it; any other call (another model in the process,
+  ``model.kernels=torch``, another dtype or device, extra arguments) goes to the original.
 
 Only classes whose formula is known to be these are touched (an allowlist by class name); any
 other model trains on torch's ops unchanged. Parameter names, ``state_dict`` and checkpoints are
@@ -19,7 +24,9 @@ unchanged: only the class of the module object changes.
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -36,6 +43,9 @@ _MLPS = {"Qwen2MLP", "Qwen3MLP", "LlamaMLP", "MistralMLP"}
 _SILUS = {"SiLU", "SiLUActivation"}
 _ATTENTIONS = {"Qwen2Attention", "Qwen3Attention", "LlamaAttention", "MistralAttention"}
 _subclasses: dict[type, type] = {}
+_IN_FUSED_ATTENTION: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "postrl_fused_attention", default=False
+)
 
 
 def _fp32_cpu(*ts: torch.Tensor) -> bool:
@@ -55,6 +65,50 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.down_proj(kernels.swiglu(a, u))
         return self.down_proj(self.act_fn(a) * u)
     return super(type(self), self).forward(x)
+
+
+def _attention_forward(self, *args, **kwargs):
+    token = _IN_FUSED_ATTENTION.set(True)
+    try:
+        return super(type(self), self).forward(*args, **kwargs)
+    finally:
+        _IN_FUSED_ATTENTION.reset(token)
+
+
+def _fused_rope(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if (
+            _IN_FUSED_ATTENTION.get()
+            and not args
+            and kwargs.get("unsqueeze_dim", 1) == 1
+            and q.dim() == 4
+            and q.shape[0] == 1
+            and cos.dim() == 3
+            and cos.shape[0] == 1
+            and cos.shape[-1] == q.shape[-1]
+            and _fp32_cpu(q, k, cos, sin)
+            and not torch.is_autocast_enabled("cpu")
+        ):
+            c, s = cos[0], sin[0]
+            return tuple(
+                kernels.rope(x[0].transpose(0, 1), c, s).transpose(0, 1).unsqueeze(0)
+                for x in (q, k)
+            )
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.__doc__ = (original.__doc__ or "") + "\n(postrl: fused on fp32 CPU.)"
+    apply_rotary_pos_emb._postrl_original = original
+    return apply_rotary_pos_emb
+
+
+def _patch_rope(cls: type) -> bool:
+    mod = sys.modules.get(cls.__module__)
+    fn = getattr(mod, "apply_rotary_pos_emb", None)
+    if fn is None:
+        return False
+    if not hasattr(fn, "_postrl_original"):
+        mod.apply_rotary_pos_emb = _fused_rope(fn)
+    return True
 
 
 def _fused_class(cls: type, forward) -> type:
@@ -77,7 +131,7 @@ def install(model: nn.Module, mode: str = "auto") -> dict[str, int]:
     """
     if mode not in ("auto", "fused", "torch"):
         raise ValueError(f"kernels={mode!r} is not one of 'auto', 'fused', 'torch'")
-    counts = {"rms_norm": 0, "swiglu": 0, "attention": 0}
+    counts = {"rms_norm": 0, "swiglu": 0, "attention": 0, "rope": 0}
     if mode == "torch":
         return counts
     if next(model.parameters()).device.type != "cpu":
@@ -92,7 +146,6 @@ def install(model: nn.Module, mode: str = "auto") -> dict[str, int]:
             )
         return counts
     for m in model.modules():
-        name = type(m).__name__
         base = type(m).__mro__[1] if type(m) in _subclasses.values() else type(m)
         if base.__name__ in _NORMS and hasattr(m, "variance_epsilon"):
             m.__class__ = _fused_class(base, _norm_forward)
@@ -104,8 +157,10 @@ def install(model: nn.Module, mode: str = "auto") -> dict[str, int]:
         ):
             m.__class__ = _fused_class(base, _mlp_forward)
             counts["swiglu"] += 1
-        elif name in _ATTENTIONS:
+        elif base.__name__ in _ATTENTIONS:
+            m.__class__ = _fused_class(base, _attention_forward)
             setattr(m, FUSED_ATTENTION, True)
             counts["attention"] += 1
+            counts["rope"] += _patch_rope(type(m))
     logger.info("fused training kernels: %s", counts)
     return counts

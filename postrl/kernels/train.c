@@ -15,6 +15,8 @@
  *             dx = r * (g - xh * mean(g * xh)),  g = dy * w,  xh = x * r;  dw = sum_rows dy * xh
  *   SwiGLU    h = silu(a) * u,  silu(a) = a * sigmoid(a)
  *             da = dh * u * sigmoid(a) * (1 + a * (1 - sigmoid(a))),  du = dh * silu(a)
+ *   RoPE      y = x * cos + rotate_half(x) * sin,  rotate_half(x) = [-x2, x1]
+ *             dx = dy * cos + rotate_half^T(dy * sin),  rotate_half^T(z) = [z2, -z1]
  *   attention o_i = sum_j p_ij v_j,  p_ij = softmax_j(scale * q_i . k_j) over the keys query i may
  *             see; lse_i = log sum_j exp(scale * q_i . k_j) is kept for the backward, which
  *             recomputes p_ij (FlashAttention-2's, Dao 2023, arXiv 2307.08691, eq. in sec. 2.2):
@@ -30,6 +32,19 @@
 
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+
+/* Denormals (fp32 below 1.2e-38: tiny probabilities times gradients) take a microcode path
+ * ~100x slower on x86. Each thread of the heavy kernels flushes them (FTZ/DAZ) for the kernel's
+ * duration and restores its own setting after, whatever torch.set_flush_denormal said when the
+ * thread was created; values that small change no result above float rounding. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define FTZ_ENTER const unsigned int mxcsr_saved_ = _mm_getcsr(); _mm_setcsr(mxcsr_saved_ | 0x8040u)
+#define FTZ_LEAVE _mm_setcsr(mxcsr_saved_)
+#else
+#define FTZ_ENTER
+#define FTZ_LEAVE
 #endif
 
 #define PAR_MIN_ELEMS 32768
@@ -107,6 +122,53 @@ void postrl_t_swiglu_bwd(const float *a, const float *u, const float *dh, float 
     }
 }
 
+/* ---------------------------------------------------------------- RoPE */
+
+/* out (N, H, D) contiguous from x (token n, head h at x + n*xt + h*xh, D contiguous) rotated by
+ * the token's cos/sin rows (N, D). */
+void postrl_t_rope_fwd(const float *x, int64_t xt, int64_t xh, const float *cos, const float *sin,
+                       float *out, int64_t N, int64_t H, int64_t D, int threads) {
+    const int64_t half = D / 2;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (N * H * D >= PAR_MIN_ELEMS)
+#endif
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = cos + n * D, *s = sin + n * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float *xi = x + n * xt + h * xh;
+            float *o = out + (n * H + h) * D;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = xi[i], b = xi[i + half];
+                o[i] = a * c[i] - b * s[i];
+                o[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* dx (N, H, D) from dy (N, H, D), both contiguous. */
+void postrl_t_rope_bwd(const float *dy, const float *cos, const float *sin, float *dx, int64_t N,
+                       int64_t H, int64_t D, int threads) {
+    const int64_t half = D / 2;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (N * H * D >= PAR_MIN_ELEMS)
+#endif
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = cos + n * D, *s = sin + n * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float *g = dy + (n * H + h) * D;
+            float *o = dx + (n * H + h) * D;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = g[i], b = g[i + half];
+                o[i] = a * c[i] + b * s[i + half];
+                o[i + half] = b * c[i + half] - a * s[i];
+            }
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- attention over packed segments
  *
  * The packed row holds G groups one after another; group g's tokens are its segments
@@ -116,9 +178,10 @@ void postrl_t_swiglu_bwd(const float *a, const float *u, const float *dh, float 
  * a group of one prompt and one response.)
  *
  * q: token t, head h at q + t*qt + h*qh (the head's D floats contiguous); k, v alike with Hkv
- * heads. o (N, H, D) and lse (N, H) contiguous. One job per (group, kv head): it owns the dk/dv
- * rows of its group's tokens for that head and the dq rows of its query heads, so jobs never
- * write the same memory.
+ * heads. o (N, H, D) and lse (N, H) contiguous. One job per group: it owns the dq, dk and dv
+ * rows of its group's tokens, so jobs never write the same memory. (Jobs per (group, kv head)
+ * were tried: two threads then write neighbouring rows of the same tokens, and the backward ran
+ * 2-4x slower on 2 threads than on one.)
  */
 
 #define INLINE static inline __attribute__((always_inline))
@@ -258,6 +321,12 @@ INLINE void attn_bwd_job(const attn_args *A, int64_t g, int64_t hk, const float 
     }
 }
 
+/* A thread's scratch buffer, on cache lines of its own (no false sharing with another thread's). */
+static float *scratch(size_t floats) {
+    void *p = NULL;
+    return posix_memalign(&p, 64, (floats * sizeof(float) + 63) / 64 * 64) ? NULL : (float *)p;
+}
+
 static int64_t max_keys(const attn_args *A, int64_t G) {
     int64_t best = 1;
     for (int64_t g = 0; g < G; g++) {
@@ -281,7 +350,8 @@ int postrl_t_attn_fwd(const float *q, const float *k, const float *v, int64_t qt
 #pragma omp parallel num_threads(threads)
 #endif
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)nk);
+        FTZ_ENTER;
+        float *s = scratch((size_t)nk);
         if (!s) {
 #ifdef _OPENMP
 #pragma omp atomic write
@@ -291,11 +361,13 @@ int postrl_t_attn_fwd(const float *q, const float *k, const float *v, int64_t qt
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t job = 0; job < G * Hkv; job++)
-            if (s && D == 64) attn_fwd_job(&A, job / Hkv, job % Hkv, o, lse, s, 64);
-            else if (s && D == 128) attn_fwd_job(&A, job / Hkv, job % Hkv, o, lse, s, 128);
-            else if (s) attn_fwd_job(&A, job / Hkv, job % Hkv, o, lse, s, D);
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t hk = 0; hk < Hkv && s; hk++)
+                if (D == 64) attn_fwd_job(&A, g, hk, o, lse, s, 64);
+                else if (D == 128) attn_fwd_job(&A, g, hk, o, lse, s, 128);
+                else attn_fwd_job(&A, g, hk, o, lse, s, D);
         free(s);
+        FTZ_LEAVE;
     }
     return failed;
 }
@@ -314,7 +386,8 @@ int postrl_t_attn_bwd(const float *q, const float *k, const float *v, int64_t qt
 #pragma omp parallel num_threads(threads)
 #endif
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)(gh * (2 * nk + D)));
+        FTZ_ENTER;
+        float *s = scratch((size_t)(gh * (2 * nk + D)));
         if (!s) {
 #ifdef _OPENMP
 #pragma omp atomic write
@@ -324,12 +397,13 @@ int postrl_t_attn_bwd(const float *q, const float *k, const float *v, int64_t qt
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t job = 0; job < G * Hkv; job++)
-            if (s && D == 64) attn_bwd_job(&A, job / Hkv, job % Hkv, o, lse, dout, dq, dk, dv, s, nk, 64);
-            else if (s && D == 128)
-                attn_bwd_job(&A, job / Hkv, job % Hkv, o, lse, dout, dq, dk, dv, s, nk, 128);
-            else if (s) attn_bwd_job(&A, job / Hkv, job % Hkv, o, lse, dout, dq, dk, dv, s, nk, D);
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t hk = 0; hk < Hkv && s; hk++)
+                if (D == 64) attn_bwd_job(&A, g, hk, o, lse, dout, dq, dk, dv, s, nk, 64);
+                else if (D == 128) attn_bwd_job(&A, g, hk, o, lse, dout, dq, dk, dv, s, nk, 128);
+                else attn_bwd_job(&A, g, hk, o, lse, dout, dq, dk, dv, s, nk, D);
         free(s);
+        FTZ_LEAVE;
     }
     return failed;
 }

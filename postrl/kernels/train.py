@@ -9,6 +9,8 @@ one pass over memory, with its backward written out (no autograd graph inside):
 
 * :func:`rms_norm` — ``w · x / sqrt(mean(x²) + eps)`` (HF's ``RMSNorm``).
 * :func:`swiglu` — ``silu(a) · u`` (the gated MLP's activation).
+* :func:`rope` — ``x · cos + rotate_half(x) · sin`` (rotary position embedding), written
+  token-major, the layout :func:`packed_attention` reads.
 * :func:`packed_attention` — softmax attention over a packed row of groups, each a prompt and
   its responses (:class:`Segments`): prompt tokens attend causally within the prompt, response
   tokens to the whole prompt and causally within their own response. The backward recomputes
@@ -92,6 +94,21 @@ class TrainKernels:
         lib.postrl_t_swiglu_fwd.restype = None
         lib.postrl_t_swiglu_bwd.argtypes = [_ptr] * 5 + [_i64, _int]
         lib.postrl_t_swiglu_bwd.restype = None
+        lib.postrl_t_rope_fwd.argtypes = [
+            _ptr,
+            _i64,
+            _i64,
+            _ptr,
+            _ptr,
+            _ptr,
+            _i64,
+            _i64,
+            _i64,
+            _int,
+        ]
+        lib.postrl_t_rope_fwd.restype = None
+        lib.postrl_t_rope_bwd.argtypes = [_ptr] * 4 + [_i64, _i64, _i64, _int]
+        lib.postrl_t_rope_bwd.restype = None
         attn = [_ptr] * 3 + [_i64] * 9 + [_f32] + [_ptr] * 3 + [_i64]
         lib.postrl_t_attn_fwd.argtypes = [*attn, _ptr, _ptr, _int]
         lib.postrl_t_attn_fwd.restype = ctypes.c_int
@@ -194,6 +211,30 @@ class _SwiGLU(torch.autograd.Function):
         return da, du
 
 
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n, h, d = x.shape
+        out = torch.empty(n, h, d, dtype=torch.float32)
+        _lib().postrl_t_rope_fwd(
+            x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+            out.data_ptr(), n, h, d, _threads(),
+        )  # fmt: skip
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        dy = dy.contiguous()
+        n, h, d = dy.shape
+        dx = torch.empty(n, h, d, dtype=torch.float32)
+        _lib().postrl_t_rope_bwd(
+            dy.data_ptr(), cos.data_ptr(), sin.data_ptr(), dx.data_ptr(), n, h, d, _threads()
+        )
+        return dx, None, None
+
+
 def _attn_args(q, k, v, segs: Segments, scale: float) -> list:
     n, h, d = q.shape
     return [
@@ -251,6 +292,23 @@ def swiglu(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if a.shape != u.shape:
         raise ValueError(f"swiglu: a {tuple(a.shape)} and u {tuple(u.shape)} differ")
     return _SwiGLU.apply(a, u)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x · cos + rotate_half(x) · sin`` for ``x`` (N, H, D) (any strides with D contiguous) and
+    the tokens' ``cos``/``sin`` rows (N, D) -> (N, H, D) contiguous. Differentiable in ``x``."""
+    _check("x", x)
+    if x.dim() != 3 or x.stride(2) != 1 or x.shape[-1] % 2:
+        raise ValueError("rope: x must be (N, heads, D) with D even and contiguous")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if cos.shape != (x.shape[0], x.shape[2]) or sin.shape != cos.shape:
+        raise ValueError(
+            f"rope: cos/sin {tuple(cos.shape)}/{tuple(sin.shape)} must be (N, D) = "
+            f"{(x.shape[0], x.shape[2])}"
+        )
+    _check("cos", cos)
+    _check("sin", sin)
+    return _Rope.apply(x, cos, sin)
 
 
 def packed_attention(

@@ -32,12 +32,13 @@ def test_a_fused_model_computes_what_torch_ops_compute(tiny_model_factory, make_
         pol = load_policy(ModelConfig(path=str(d), kernels=mode))
         attn = [m for m in pol.decoder.modules() if getattr(m, FUSED_ATTENTION, False)]
         names = {type(m).__name__ for m in pol.decoder.modules()}
+        fused_mods = [m for m in pol.decoder.modules() if type(m) in fused._subclasses.values()]
         if mode == "auto":
-            cfg = pol.causal_lm.config
-            assert len(attn) == cfg.num_hidden_layers
-            assert any(type(m) in fused._subclasses.values() for m in pol.decoder.modules())
+            layers = pol.causal_lm.config.num_hidden_layers
+            assert len(attn) == layers
+            assert len(fused_mods) == 2 * layers + 1 + layers + layers  # norms, MLPs, attention
         else:
-            assert not attn
+            assert not attn and not fused_mods
         lp, ent = policy_logprobs(
             pol.decoder,
             pol.lm_head,
@@ -56,6 +57,29 @@ def test_a_fused_model_computes_what_torch_ops_compute(tiny_model_factory, make_
     torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent1, ent0, atol=1e-5, rtol=0)
     _close(g1, g0, rel=1e-4)
+
+
+@pytest.mark.skipif(T.load() is None, reason="the training kernels did not build")
+def test_rope_is_fused_only_inside_fused_attention(tiny_model_dir, make_batch, monkeypatch):
+    """The wrapped ``apply_rotary_pos_emb`` is module-global; a ``kernels=torch`` model loaded
+    after a fused one still runs torch's RoPE."""
+    calls = []
+    real = T.rope
+    monkeypatch.setattr(T, "rope", lambda *a: calls.append(1) or real(*a))
+    batch = make_batch(num_prompts=2, n=2, seed=0)
+    for mode, fused_calls in (("auto", True), ("torch", False)):
+        pol = load_policy(ModelConfig(path=str(tiny_model_dir), kernels=mode))
+        calls.clear()
+        with torch.no_grad():
+            policy_logprobs(
+                pol.decoder,
+                pol.lm_head,
+                batch.batch["input_ids"],
+                batch.batch["attention_mask"],
+                6,
+                share_prefix=True,
+            )
+        assert bool(calls) == fused_calls, mode
 
 
 def test_kernels_fused_says_why_it_cannot_run(monkeypatch, tiny_model_dir):

@@ -52,6 +52,29 @@ def test_swiglu_forward_and_backward_equal_the_formula():
         _close(got, want)
 
 
+def test_rope_forward_and_backward_equal_the_formula():
+    """``x·cos + rotate_half(x)·sin`` on a head-major strided view, as HF's attention holds q."""
+    g = torch.Generator().manual_seed(5)
+    n, h, d = 40, 4, 64
+    proj = torch.randn(n, h * d, generator=g)
+    ang = torch.randn(n, d // 2, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+    def rotate_half(x):
+        return torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+
+    x1 = proj.clone().requires_grad_()
+    xv = x1.view(n, h, d)
+    ref = xv * cos.unsqueeze(1) + rotate_half(xv) * sin.unsqueeze(1)
+    x2 = proj.clone().requires_grad_()
+    view = x2.view(1, n, h, d).transpose(1, 2)[0].transpose(0, 1)  # (N, H, D), strided
+    out = T.rope(view, cos, sin)
+    assert out.is_contiguous()
+    _close(out, ref)
+    dy = torch.randn(ref.shape, generator=g)
+    _close(torch.autograd.grad(out, x2, dy)[0], torch.autograd.grad(ref, x1, dy)[0])
+
+
 def _packed_batch(share: bool, seed: int = 0):
     """Groups of 4 rows sharing a prompt (3..7 tokens); responses of 0..7 tokens (some empty)."""
     g = torch.Generator().manual_seed(seed)
@@ -95,11 +118,12 @@ def test_results_do_not_depend_on_the_thread_count():
     q, k, v = (torch.randn(n, h, 64, generator=g) for h in (4, 2, 2))
     x, w = torch.randn(300, 256, generator=g), torch.randn(256, generator=g)
     a, u = torch.randn(300, 512, generator=g), torch.randn(300, 512, generator=g)
+    cos, sin = torch.randn(n, 64, generator=g), torch.randn(n, 64, generator=g)
 
     def run():
         qq, kk, vv, xx, ww, aa, uu = (t.clone().requires_grad_() for t in (q, k, v, x, w, a, u))
         outs = [
-            T.packed_attention(qq, kk, vv, pk.layout.segments, 0.125),
+            T.packed_attention(T.rope(qq, cos, sin), kk, vv, pk.layout.segments, 0.125),
             T.rms_norm(xx, ww, 1e-6),
             T.swiglu(aa, uu),
         ]
