@@ -89,9 +89,9 @@ def _fused_rope(original):
             and _fp32_cpu(q, k, cos, sin)
             and not torch.is_autocast_enabled("cpu")
         ):
-            c, s = cos[0], sin[0]
+            c, s = cos.squeeze(0), sin.squeeze(0)
             return tuple(
-                kernels.rope(x[0].transpose(0, 1), c, s).transpose(0, 1).unsqueeze(0)
+                kernels.rope(x.squeeze(0).transpose(0, 1), c, s).transpose(0, 1).unsqueeze(0)
                 for x in (q, k)
             )
         return original(q, k, cos, sin, *args, **kwargs)

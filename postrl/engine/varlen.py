@@ -185,7 +185,9 @@ def varlen_attention(
             f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}"
         )
     _CALLS[0] += 1
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, h, D), token-major
+    q, k, v = (
+        t.squeeze(0).transpose(0, 1) for t in (query, key, value)
+    )  # (N, h, D); squeeze, not [0]: select's backward zero-fills the whole input
     lay = postrl_layout
     if (
         lay.segments is not None
