@@ -80,12 +80,13 @@ test-stress: $(STAMP)
 	$(BIN)/python tests/stress.py --runs $(STRESS_RUNS) --load $(STRESS_LOAD) $(PYTEST_ARGS)
 
 # The C kernel tests against a -fsanitize=address,undefined build of the kernels (any finding
-# aborts); the ASan runtime must be preloaded into Python (see postrl/rollout/native/kernels.py).
+# aborts; the decode and the training kernels); the ASan runtime must be preloaded into Python
+# (see postrl/kernels/build.py).
 test-sanitize: $(STAMP)
 	LD_PRELOAD=$$(cc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \
 	POSTRL_KERNEL_SANITIZE=1 POSTRL_CACHE_DIR=$$(mktemp -d) OMP_NUM_THREADS=2 \
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/rollout/test_kernels.py \
-	tests/rollout/test_native.py -k "not sanitizers" $(PYTEST_ARGS)
+	tests/rollout/test_native.py tests/kernels/test_train_kernels.py -k "not sanitizers" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check postrl tests benchmarks examples && $(BIN)/ruff format --check postrl tests benchmarks examples

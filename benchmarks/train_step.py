@@ -4,7 +4,8 @@ W1-shaped batch: 16 prompts × 8 responses (128 sequences), prompts ~33 tokens (
 responses up to 16 tokens (right-padded), tiny model, fp32. Plain torch = one HF forward+backward
 over the padded (128, P+R) tensors with a 2D attention mask and a full-vocab log-softmax — the
 minimum any padded trainer does. postrl = ``Actor.update_policy`` (packing, prefix sharing,
-policy loss, optimizer step) over the same tensors, with sharing on and off.
+policy loss, optimizer step) over the same tensors, with sharing on and off, and with sharing on
+but torch's ops instead of the fused training kernels (``model.kernels=torch``).
 
     python benchmarks/train_step.py [--threads 2] [--repeats 3]
 """
@@ -85,9 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         plain.zero_grad(set_to_none=True)
 
     fns = {"plain": plain_step}
-    for share in (False, True):
+    for name, share, kernels in (
+        ("postrl update (packed)            ", False, "auto"),
+        ("postrl update (shared prefix)     ", True, "auto"),
+        ("postrl update (shared, torch ops) ", True, "torch"),
+    ):
         actor = Actor(
-            load_policy(ModelSpec(path=str(d))),
+            load_policy(ModelSpec(path=str(d), kernels=kernels)),
             batch=BatchSpec(ppo_mini_batch_size=16),
             loss=PolicyLossSpec(),
             optim=OptimSpec(lr=1e-5),
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             share_prefix=share,
         )
         b = batch.union(actor.compute_log_prob(batch))
-        fns[share] = lambda b=b, a=actor: a.update_policy(b)
+        fns[name] = lambda b=b, a=actor: a.update_policy(b)
     best = _interleaved_best(fns, args.repeats)
     t_plain = best.pop("plain")
     results = best
@@ -104,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         f"threads {args.threads}"
     )
     print(f"plain torch padded fwd+bwd : {t_plain:.3f} s  {tokens / t_plain:9.0f} tok/s")
-    for share, t in results.items():
-        name = "postrl update (shared prefix)" if share else "postrl update (packed)      "
+    for name, t in results.items():
         print(
             f"{name}: {t:.3f} s  {tokens / t:9.0f} tok/s  ratio plain/postrl = {t_plain / t:.2f}x"
         )

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -322,9 +323,10 @@ k._lib.postrl_rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), 5, 8, 1e-6)  
     reason="needs Linux and a compiler with the ASan runtime (gcc/clang libasan.so)",
 )
 def test_kernels_under_address_and_ub_sanitizers(tmp_path):
-    """This file's tests again (2 threads, so the OpenMP and row-split paths run) against the
-    library built with ``-fsanitize=address,undefined`` (``POSTRL_KERNEL_SANITIZE=1``): an
-    out-of-bounds access or UB aborts them. A deliberate one-row overflow proves ASan is live."""
+    """This file's tests and the training kernels' (``tests/kernels/test_train_kernels.py``)
+    again (2 threads, so the OpenMP and row-split paths run) against the libraries built with
+    ``-fsanitize=address,undefined`` (``POSTRL_KERNEL_SANITIZE=1``): an out-of-bounds access or UB
+    aborts them. A deliberate one-row overflow proves ASan is live."""
     env = dict(
         os.environ,
         LD_PRELOAD=kernels.sanitizer_preload(),
@@ -333,14 +335,17 @@ def test_kernels_under_address_and_ub_sanitizers(tmp_path):
         POSTRL_CACHE_DIR=str(tmp_path),
         OMP_NUM_THREADS="2",
     )
-    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not sanitizers"]
+    train = str(Path(__file__).resolve().parents[1] / "kernels" / "test_train_kernels.py")
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, train]
+    args += ["-k", "not sanitizers"]
     proc = subprocess.run(
         [sys.executable, *args], env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
-    (flags,) = (tmp_path / "kernels").glob("*.flags")
-    assert "-fsanitize=address,undefined" in flags.read_text()
+    flags = sorted((tmp_path / "kernels").glob("*.flags"))
+    assert [f.name.split("-")[0] for f in flags] == ["decode", "train"], flags
+    assert all("-fsanitize=address,undefined" in f.read_text() for f in flags)
     bad = subprocess.run(
         [sys.executable, "-c", _OVERFLOW], env=env, capture_output=True, text=True, timeout=300
     )
