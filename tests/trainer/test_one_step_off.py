@@ -3,6 +3,7 @@ staleness in policy versions, nothing lost or duplicated across kills, determini
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -400,3 +401,71 @@ def test_groups_that_complete_together_are_scored_in_one_call(
     assert len(trained) == 4 * 4 * 4  # 4 steps of 4 groups of 4
     for uid, k, score in trained:
         assert score == alone[uid][int(k)], (uid, k)
+
+
+def test_groups_with_segment_rows_scored_together_keep_each_groups_rows(
+    tiny_model_dir, epoch_files, digits_reward, tmp_path
+):
+    """Trajectories that bring ``segments`` (as a ``gateway`` agent that rewrote its history
+    does) put their segment rows after all trajectories' own rows of a scoring call. Scoring
+    several such groups in one call must still give each group exactly its own rows and its own
+    segment rows, scored as when the group is scored alone (this lost the segment rows once,
+    and only a gateway test that happened to complete two groups in one loop turn saw it)."""
+    cfg = load_config(
+        None,
+        [
+            *_base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run"),
+            "trainer.total_steps=3",
+            "trainer.test_freq=0",
+        ],
+    )
+    trainer = RLTrainer(cfg)
+    runner = trainer.ctx.runner
+    run_agent = runner.agents.run
+
+    async def with_a_segment(row, sampling):  # an earlier context: the response's first half
+        out = await run_agent(row, sampling)
+        k = max(len(out.response_ids) // 2, 1)
+        seg = dataclasses.replace(
+            out,
+            response_ids=out.response_ids[:k],
+            response_mask=out.response_mask[:k],
+            response_logprobs=out.response_logprobs[:k],
+            response_versions=None,
+        )
+        return dataclasses.replace(out, segments=[seg])
+
+    runner.agents.run = with_a_segment
+    score_groups = runner.score_groups
+    calls: list[int] = []
+
+    def rows_of(scored) -> list[tuple]:
+        nt = scored.non_tensor_batch
+        return sorted(
+            zip(
+                nt["uid"].tolist(),
+                nt["sample_index"].tolist(),
+                nt["segment"].tolist(),
+                scored.batch["token_level_scores"].sum(-1).tolist(),
+                scored.batch["response_mask"].sum(-1).tolist(),
+                strict=True,
+            )
+        )
+
+    def spy(groups):
+        calls.append(len(groups))
+        out, metrics = score_groups(groups)
+        for g, (payloads, _, _) in zip(groups, out, strict=True):
+            ((alone, _, _),), _ = score_groups([g])
+            got, want = rows_of(payloads[0].scored), rows_of(alone[0].scored)
+            assert got == want, (g[0].row["uid"], got, want)
+            assert {r[2] for r in got} == {0, 1} and len(got) == 2 * len(g)
+        return out, metrics
+
+    runner.score_groups = spy
+    segment_rows: list[int] = []
+    _fit_seeing(
+        trainer, lambda b: segment_rows.append(int((b.non_tensor_batch["segment"] > 0).sum()))
+    )
+    assert max(calls) > 1, calls  # some call scored several segmented groups
+    assert segment_rows == [16, 16, 16]  # each step: 4 groups of 4, one segment row each
