@@ -34,9 +34,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 __all__ = [
+    "Once",
     "VARIANTS",
     "cache_dir",
     "find_cc",
@@ -220,3 +226,40 @@ def load_library(cc: str, src: Path, prefix: str) -> tuple[ctypes.CDLL, Path, st
         )
         out = _build_and_load(cc, src, prefix, _SERIAL)
     return out
+
+
+class Once(Generic[T]):
+    """A kernel library built and loaded at most once per process: :meth:`load` returns
+    ``wrap(library, path, flags)``, or None with the reason in :attr:`error` (logged once as a
+    warning naming ``what`` and the fallback) — ``POSTRL_KERNELS=0``, no compiler, a failed
+    build. Thread-safe."""
+
+    def __init__(self, src: Path, prefix: str, wrap: Callable[..., T], what: str) -> None:
+        self.src, self.prefix, self.wrap, self.what = src, prefix, wrap, what
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the outcome (the next :meth:`load` tries again)."""
+        self._tried, self._value, self.error = False, None, None
+
+    def load(self) -> T | None:
+        """The loaded library (built on first use), or None when unavailable."""
+        with self._lock:
+            if self._tried:
+                return self._value
+            self._tried = True
+            if os.environ.get("POSTRL_KERNELS", "1") == "0":
+                self.error = "disabled by POSTRL_KERNELS=0"
+                return None
+            cc = find_cc()
+            if cc is None:
+                self.error = "no C compiler found (cc, gcc or clang); install one or set CC"
+            else:
+                try:
+                    self._value = self.wrap(*load_library(cc, self.src, self.prefix))
+                except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+                    self.error = f"{type(e).__name__}: {e}"
+            if self._value is None:
+                logger.warning("%s unavailable (%s); using torch ops", self.what, self.error)
+            return self._value

@@ -338,20 +338,47 @@ static int64_t max_keys(const attn_args *A, int64_t G) {
     return best;
 }
 
-/* o (N, H, D), lse (N, H). Returns 0, or 1 when a thread could not allocate its score buffer. */
-int postrl_t_attn_fwd(const float *q, const float *k, const float *v, int64_t qt, int64_t qh,
-                      int64_t kt, int64_t kh, int64_t vt, int64_t vh, int64_t H, int64_t Hkv,
-                      int64_t D, float scale, const int64_t *seg_start, const int64_t *seg_len,
-                      const int64_t *grp_off, int64_t G, float *o, float *lse, int threads) {
-    attn_args A = {q, k, v, qt, qh, kt, kh, vt, vh, H, Hkv, D, scale, seg_start, seg_len, grp_off};
-    const int64_t nk = max_keys(&A, G);
+/* The tensors of one attention call: forward writes o and lse; backward reads them and dout and
+ * writes dq, dk and dv. */
+typedef struct {
+    float *o, *lse;
+    const float *dout;
+    float *dq, *dk, *dv;
+} attn_io;
+
+typedef void (*group_fn)(const attn_args *A, int64_t g, const attn_io *io, float *s, int64_t nk);
+
+static void fwd_group(const attn_args *A, int64_t g, const attn_io *io, float *s, int64_t nk) {
+    (void)nk;
+    for (int64_t hk = 0; hk < A->Hkv; hk++)
+        if (A->D == 64) attn_fwd_job(A, g, hk, io->o, io->lse, s, 64);
+        else if (A->D == 128) attn_fwd_job(A, g, hk, io->o, io->lse, s, 128);
+        else attn_fwd_job(A, g, hk, io->o, io->lse, s, A->D);
+}
+
+static void bwd_group(const attn_args *A, int64_t g, const attn_io *io, float *s, int64_t nk) {
+    for (int64_t hk = 0; hk < A->Hkv; hk++)
+        if (A->D == 64)
+            attn_bwd_job(A, g, hk, io->o, io->lse, io->dout, io->dq, io->dk, io->dv, s, nk, 64);
+        else if (A->D == 128)
+            attn_bwd_job(A, g, hk, io->o, io->lse, io->dout, io->dq, io->dk, io->dv, s, nk, 128);
+        else
+            attn_bwd_job(A, g, hk, io->o, io->lse, io->dout, io->dq, io->dk, io->dv, s, nk, A->D);
+}
+
+/* fn over every group, one group per job (dynamic schedule: which thread runs a job changes no
+ * result), each thread with a scratch buffer of floats_per_key * max_keys + extra floats and
+ * denormals flushed. Returns 0, or 1 when a thread could not allocate its buffer. */
+static int attn_groups(const attn_args *A, int64_t G, const attn_io *io, int64_t floats_per_key,
+                       int64_t extra, group_fn fn, int threads) {
+    const int64_t nk = max_keys(A, G);
     int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
     {
         FTZ_ENTER;
-        float *s = scratch((size_t)nk);
+        float *s = scratch((size_t)(floats_per_key * nk + extra));
         if (!s) {
 #ifdef _OPENMP
 #pragma omp atomic write
@@ -362,14 +389,21 @@ int postrl_t_attn_fwd(const float *q, const float *k, const float *v, int64_t qt
 #pragma omp for schedule(dynamic, 1)
 #endif
         for (int64_t g = 0; g < G; g++)
-            for (int64_t hk = 0; hk < Hkv && s; hk++)
-                if (D == 64) attn_fwd_job(&A, g, hk, o, lse, s, 64);
-                else if (D == 128) attn_fwd_job(&A, g, hk, o, lse, s, 128);
-                else attn_fwd_job(&A, g, hk, o, lse, s, D);
+            if (s) fn(A, g, io, s, nk);
         free(s);
         FTZ_LEAVE;
     }
     return failed;
+}
+
+/* o (N, H, D), lse (N, H). Returns 0, or 1 when a thread could not allocate its score buffer. */
+int postrl_t_attn_fwd(const float *q, const float *k, const float *v, int64_t qt, int64_t qh,
+                      int64_t kt, int64_t kh, int64_t vt, int64_t vh, int64_t H, int64_t Hkv,
+                      int64_t D, float scale, const int64_t *seg_start, const int64_t *seg_len,
+                      const int64_t *grp_off, int64_t G, float *o, float *lse, int threads) {
+    attn_args A = {q, k, v, qt, qh, kt, kh, vt, vh, H, Hkv, D, scale, seg_start, seg_len, grp_off};
+    attn_io io = {o, lse, NULL, NULL, NULL, NULL};
+    return attn_groups(&A, G, &io, 1, 0, fwd_group, threads);
 }
 
 /* dq (N, H, D), dk and dv (N, Hkv, D), all contiguous; dk and dv must be zeroed by the caller
@@ -380,30 +414,7 @@ int postrl_t_attn_bwd(const float *q, const float *k, const float *v, int64_t qt
                       const int64_t *grp_off, int64_t G, const float *o, const float *lse,
                       const float *dout, float *dq, float *dk, float *dv, int threads) {
     attn_args A = {q, k, v, qt, qh, kt, kh, vt, vh, H, Hkv, D, scale, seg_start, seg_len, grp_off};
-    const int64_t nk = max_keys(&A, G), gh = H / Hkv;
-    int failed = 0;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads)
-#endif
-    {
-        FTZ_ENTER;
-        float *s = scratch((size_t)(gh * (2 * nk + D)));
-        if (!s) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-            failed = 1;
-        }
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t hk = 0; hk < Hkv && s; hk++)
-                if (D == 64) attn_bwd_job(&A, g, hk, o, lse, dout, dq, dk, dv, s, nk, 64);
-                else if (D == 128) attn_bwd_job(&A, g, hk, o, lse, dout, dq, dk, dv, s, nk, 128);
-                else attn_bwd_job(&A, g, hk, o, lse, dout, dq, dk, dv, s, nk, D);
-        free(s);
-        FTZ_LEAVE;
-    }
-    return failed;
+    attn_io io = {(float *)o, (float *)lse, dout, dq, dk, dv};
+    const int64_t gh = H / Hkv;
+    return attn_groups(&A, G, &io, 2 * gh, gh * D, bwd_group, threads);
 }

@@ -31,10 +31,6 @@ torch's path for everything else.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import subprocess
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,13 +48,6 @@ __all__ = [
     "swiglu",
 ]
 
-logger = logging.getLogger(__name__)
-
-_SRC = Path(__file__).with_name("train.c")
-_lock = threading.Lock()
-_cached: TrainKernels | None = None
-_error: str | None = None
-_tried = False
 _DW_CHUNKS = 16  # RMSNorm's weight gradient: fixed row chunks, summed in order
 _i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 
@@ -117,38 +106,25 @@ class TrainKernels:
         self.lib = lib
 
 
+_ONCE: build.Once[TrainKernels] = build.Once(
+    Path(__file__).with_name("train.c"), "train", TrainKernels, "training kernels"
+)
+
+
 def build_error() -> str | None:
     """Why the kernels are unavailable (None when they loaded or were not tried yet)."""
-    return _error
+    return _ONCE.error
 
 
 def load() -> TrainKernels | None:
     """Build (once per machine) and load the training kernels; None when unavailable."""
-    global _cached, _error, _tried
-    with _lock:
-        if _tried:
-            return _cached
-        _tried = True
-        if os.environ.get("POSTRL_KERNELS", "1") == "0":
-            _error = "disabled by POSTRL_KERNELS=0"
-            return None
-        cc = build.find_cc()
-        if cc is None:
-            _error = "no C compiler found (cc, gcc or clang); install one or set CC"
-        else:
-            try:
-                _cached = TrainKernels(*build.load_library(cc, _SRC, "train"))
-            except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
-                _error = f"{type(e).__name__}: {e}"
-        if _cached is None:
-            logger.warning("training kernels unavailable (%s); using torch ops", _error)
-        return _cached
+    return _ONCE.load()
 
 
 def _lib() -> ctypes.CDLL:
     k = load()
     if k is None:
-        raise RuntimeError(f"the fused training kernels are unavailable: {_error}")
+        raise RuntimeError(f"the fused training kernels are unavailable: {build_error()}")
     return k.lib
 
 
@@ -235,15 +211,19 @@ class _Rope(torch.autograd.Function):
         return dx, None, None
 
 
-def _attn_args(q, k, v, segs: Segments, scale: float) -> list:
+def _attn_call(fn: str, q, k, v, segs: Segments, scale: float, *out: torch.Tensor) -> None:
+    """``fn`` (the attention's forward or backward) on q, k, v, the layout and ``out``'s
+    pointers."""
     n, h, d = q.shape
-    return [
+    rc = getattr(_lib(), fn)(
         q.data_ptr(), k.data_ptr(), v.data_ptr(),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         h, k.shape[1], d, scale,
         segs.start.data_ptr(), segs.length.data_ptr(), segs.group_off.data_ptr(),
-        segs.num_groups,
-    ]  # fmt: skip
+        segs.num_groups, *(t.data_ptr() for t in out), _threads(),
+    )  # fmt: skip
+    if rc:
+        raise MemoryError("packed_attention: a thread could not allocate its score buffer")
 
 
 class _PackedAttention(torch.autograd.Function):
@@ -252,11 +232,7 @@ class _PackedAttention(torch.autograd.Function):
         n, h, d = q.shape
         o = torch.empty(n, h, d, dtype=torch.float32)
         lse = torch.empty(n, h, dtype=torch.float32)
-        rc = _lib().postrl_t_attn_fwd(
-            *_attn_args(q, k, v, segs, scale), o.data_ptr(), lse.data_ptr(), _threads()
-        )
-        if rc:
-            raise MemoryError("packed_attention: a thread could not allocate its score buffer")
+        _attn_call("postrl_t_attn_fwd", q, k, v, segs, scale, o, lse)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.segs, ctx.scale = segs, scale
         return o
@@ -268,13 +244,7 @@ class _PackedAttention(torch.autograd.Function):
         dq = torch.empty(q.shape, dtype=torch.float32)
         dk = torch.zeros(k.shape, dtype=torch.float32)
         dv = torch.zeros(v.shape, dtype=torch.float32)
-        rc = _lib().postrl_t_attn_bwd(
-            *_attn_args(q, k, v, ctx.segs, ctx.scale),
-            o.data_ptr(), lse.data_ptr(), do.data_ptr(), dq.data_ptr(), dk.data_ptr(),
-            dv.data_ptr(), _threads(),
-        )  # fmt: skip
-        if rc:
-            raise MemoryError("packed_attention: a thread could not allocate its score buffer")
+        _attn_call("postrl_t_attn_bwd", q, k, v, ctx.segs, ctx.scale, o, lse, do, dq, dk, dv)
         return dq, dk, dv, None, None
 
 

@@ -83,9 +83,9 @@ def test_rope_is_fused_only_inside_fused_attention(tiny_model_dir, make_batch, m
 
 
 def test_kernels_fused_says_why_it_cannot_run(monkeypatch, tiny_model_dir):
-    monkeypatch.setattr(T, "_tried", True)
-    monkeypatch.setattr(T, "_cached", None)
-    monkeypatch.setattr(T, "_error", "disabled by POSTRL_KERNELS=0")
+    once = T._ONCE
+    monkeypatch.setattr(T, "_ONCE", type(once)(once.src, once.prefix, once.wrap, once.what))
+    monkeypatch.setenv("POSTRL_KERNELS", "0")
     with pytest.raises(RuntimeError, match="POSTRL_KERNELS=0.*model.kernels=auto or torch"):
         load_policy(ModelConfig(path=str(tiny_model_dir), kernels="fused"))
     pol = load_policy(ModelConfig(path=str(tiny_model_dir), kernels="auto"))  # falls back

@@ -276,19 +276,21 @@ def test_kernel_option_errors(tiny_model_dir):
     assert be.kernels is None  # auto: the torch path, not an error
 
 
+def _fresh_loader(monkeypatch):
+    """A loader that has not tried yet (the module's own keeps its loaded library)."""
+    once = kernels._ONCE
+    monkeypatch.setattr(kernels, "_ONCE", type(once)(once.src, once.prefix, once.wrap, once.what))
+
+
 def test_disabled_by_environment(monkeypatch):
-    monkeypatch.setattr(kernels, "_tried", False)
-    monkeypatch.setattr(kernels, "_cached", None)
-    monkeypatch.setattr(kernels, "_error", None)
+    _fresh_loader(monkeypatch)
     monkeypatch.setenv("POSTRL_KERNELS", "0")
     assert kernels.load() is None
     assert "POSTRL_KERNELS=0" in kernels.build_error()
 
 
 def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
-    monkeypatch.setattr(kernels, "_tried", False)
-    monkeypatch.setattr(kernels, "_cached", None)
-    monkeypatch.setattr(kernels, "_error", None)
+    _fresh_loader(monkeypatch)
     monkeypatch.setenv("POSTRL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert kernels.load() is None

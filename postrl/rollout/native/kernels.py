@@ -49,9 +49,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
@@ -72,12 +69,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("kernels.c")
 _MAX_HEAD_DIM = 1024  # stack buffers in kernels.c
-_lock = threading.Lock()
-_cached: DecodeKernels | None = None
-_error: str | None = None
-_tried = False
 _cache_dir = build.cache_dir  # (tests check the cache directory's privacy through this name)
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -473,37 +465,22 @@ def row_split_tolerance(cfg) -> float:
     return torch.finfo(torch.float32).eps * k_max
 
 
+_ONCE: build.Once[DecodeKernels] = build.Once(
+    Path(__file__).with_name("kernels.c"),
+    "decode",
+    DecodeKernels,
+    "native engine: fused CPU kernels",
+)
+
+
 def build_error() -> str | None:
     """Why the kernels are unavailable (None when they loaded or were not tried yet)."""
-    return _error
+    return _ONCE.error
 
 
 def load() -> DecodeKernels | None:
     """Build (once per machine) and load the kernels; None when unavailable (reason logged once)."""
-    global _cached, _error, _tried
-    with _lock:
-        if _tried:
-            return _cached
-        _tried = True
-        if os.environ.get("POSTRL_KERNELS", "1") == "0":
-            _error = "disabled by POSTRL_KERNELS=0"
-            return None
-        cc = build.find_cc()
-        if cc is None:
-            _error = "no C compiler found (cc, gcc or clang); install one or set CC"
-            logger.warning(
-                "native engine: fused CPU kernels unavailable (%s); using the torch path", _error
-            )
-            return None
-        try:
-            _cached = DecodeKernels(*build.load_library(cc, _SRC, "decode"))
-        except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
-            _error = f"{type(e).__name__}: {e}"
-            logger.warning(
-                "native engine: fused CPU kernels unavailable (%s); using the torch path", _error
-            )
-            return None
-        return _cached
+    return _ONCE.load()
 
 
 def supports(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
