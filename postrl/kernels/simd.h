@@ -30,4 +30,18 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return acc;
 }
 
+/* s[t] = exp(s[t] - max(s)) in place (softmax's numerators); returns their sum, *max = max(s). */
+static inline float exp_shifted(float *s, int64_t n, float *max) {
+    float m = s[0];
+    for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; t++) {
+        s[t] = exp_nonpos(s[t] - m);
+        sum += s[t];
+    }
+    *max = m;
+    return sum;
+}
+
 #endif

@@ -16,7 +16,8 @@
  *   SwiGLU    h = silu(a) * u,  silu(a) = a * sigmoid(a)
  *             da = dh * u * sigmoid(a) * (1 + a * (1 - sigmoid(a))),  du = dh * silu(a)
  *   RoPE      y = x * cos + rotate_half(x) * sin,  rotate_half(x) = [-x2, x1]
- *             dx = dy * cos + rotate_half^T(dy * sin),  rotate_half^T(z) = [z2, -z1]
+ *             dx = dy * cos + rotate_half^T(dy * sin),  rotate_half^T(z) = [z2, -z1], which is
+ *             the same kernel on dy with sin' = -[sin2, sin1] (train.py passes it)
  *   attention o_i = sum_j p_ij v_j,  p_ij = softmax_j(scale * q_i . k_j) over the keys query i may
  *             see; lse_i = log sum_j exp(scale * q_i . k_j) is kept for the backward, which
  *             recomputes p_ij (FlashAttention-2's, Dao 2023, arXiv 2307.08691, eq. in sec. 2.2):
@@ -147,28 +148,6 @@ void postrl_t_rope_fwd(const float *x, int64_t xt, int64_t xh, const float *cos,
     }
 }
 
-/* dx (N, H, D) from dy (N, H, D), both contiguous. */
-void postrl_t_rope_bwd(const float *dy, const float *cos, const float *sin, float *dx, int64_t N,
-                       int64_t H, int64_t D, int threads) {
-    const int64_t half = D / 2;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads) if (N * H * D >= PAR_MIN_ELEMS)
-#endif
-    for (int64_t n = 0; n < N; n++) {
-        const float *c = cos + n * D, *s = sin + n * D;
-        for (int64_t h = 0; h < H; h++) {
-            const float *g = dy + (n * H + h) * D;
-            float *o = dx + (n * H + h) * D;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = g[i], b = g[i + half];
-                o[i] = a * c[i] + b * s[i + half];
-                o[i + half] = b * c[i + half] - a * s[i];
-            }
-        }
-    }
-}
-
 /* ---------------------------------------------------------------- attention over packed segments
  *
  * The packed row holds G groups one after another; group g's tokens are its segments
@@ -248,14 +227,8 @@ INLINE void attn_fwd_job(const attn_args *A, int64_t g, int64_t hk, float *o, fl
             const int64_t nk = np + nr;
             for (int64_t h = hk * gh; h < (hk + 1) * gh; h++) {
                 scores(A, A->q + t * A->qt + h * A->qh, hk, p0, np, r0, nr, s, D);
-                float m = s[0];
-                for (int64_t j = 1; j < nk; j++) m = s[j] > m ? s[j] : m;
-                float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-                for (int64_t j = 0; j < nk; j++) {
-                    s[j] = exp_nonpos(s[j] - m);
-                    l += s[j];
-                }
+                float m;
+                const float l = exp_shifted(s, nk, &m);
                 float *ov = o + (t * H + h) * D;
                 memset(ov, 0, sizeof(float) * (size_t)D);
                 const float inv = 1.0f / l;

@@ -83,21 +83,8 @@ class TrainKernels:
         lib.postrl_t_swiglu_fwd.restype = None
         lib.postrl_t_swiglu_bwd.argtypes = [_ptr] * 5 + [_i64, _int]
         lib.postrl_t_swiglu_bwd.restype = None
-        lib.postrl_t_rope_fwd.argtypes = [
-            _ptr,
-            _i64,
-            _i64,
-            _ptr,
-            _ptr,
-            _ptr,
-            _i64,
-            _i64,
-            _i64,
-            _int,
-        ]
+        lib.postrl_t_rope_fwd.argtypes = [_ptr, _i64, _i64] + [_ptr] * 3 + [_i64] * 3 + [_int]
         lib.postrl_t_rope_fwd.restype = None
-        lib.postrl_t_rope_bwd.argtypes = [_ptr] * 4 + [_i64, _i64, _i64, _int]
-        lib.postrl_t_rope_bwd.restype = None
         attn = [_ptr] * 3 + [_i64] * 9 + [_f32] + [_ptr] * 3 + [_i64]
         lib.postrl_t_attn_fwd.argtypes = [*attn, _ptr, _ptr, _int]
         lib.postrl_t_attn_fwd.restype = ctypes.c_int
@@ -187,28 +174,28 @@ class _SwiGLU(torch.autograd.Function):
         return da, du
 
 
+def _rope_call(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    n, h, d = x.shape
+    out = torch.empty(n, h, d, dtype=torch.float32)
+    _lib().postrl_t_rope_fwd(
+        x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+        out.data_ptr(), n, h, d, _threads(),
+    )  # fmt: skip
+    return out
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n, h, d = x.shape
-        out = torch.empty(n, h, d, dtype=torch.float32)
-        _lib().postrl_t_rope_fwd(
-            x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
-            out.data_ptr(), n, h, d, _threads(),
-        )  # fmt: skip
         ctx.save_for_backward(cos, sin)
-        return out
+        return _rope_call(x, cos, sin)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        # the transposed rotation is the rotation with sin' = -[sin2, sin1] (train.c's formula)
         cos, sin = ctx.saved_tensors
-        dy = dy.contiguous()
-        n, h, d = dy.shape
-        dx = torch.empty(n, h, d, dtype=torch.float32)
-        _lib().postrl_t_rope_bwd(
-            dy.data_ptr(), cos.data_ptr(), sin.data_ptr(), dx.data_ptr(), n, h, d, _threads()
-        )
-        return dx, None, None
+        half = sin.shape[1] // 2
+        return _rope_call(dy.contiguous(), cos, -sin.roll(half, 1)), None, None
 
 
 def _attn_call(fn: str, q, k, v, segs: Segments, scale: float, *out: torch.Tensor) -> None:

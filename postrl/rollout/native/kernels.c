@@ -404,16 +404,8 @@ static void attn_rows(attn_job *j) {
                 scores_g(q, G, j->kc + own, n2, D, j->scale, sc + n1, n);
             }
             for (int64_t g = 0; g < G; g++) {
-                float *s = sc + g * n;
-                float m = s[0];
-                for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < n; t++) {
-                    s[t] = exp_nonpos(s[t] - m);
-                    sum += s[t];
-                }
-                const float inv = 1.0f / sum;
+                float *s = sc + g * n, m;
+                const float inv = 1.0f / exp_shifted(s, n, &m);
 #pragma omp simd
                 for (int64_t t = 0; t < n; t++) s[t] *= inv;
             }
