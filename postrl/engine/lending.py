@@ -6,9 +6,12 @@ between decoder layers, using the cores of idle rollout replica processes beside
 forward, and its backward (a hook on the layer's output gradient), first polls the lease: the
 thread count becomes the worker's own plus the threads of every replica that has no request in
 flight, and drops back as soon as a replica claims its cores (it then waits at most one layer).
-At the section's end everything borrowed is given back. Polling costs one ``flock`` per owner
-and a ``torch.set_num_threads`` only when the count changes (0.2 µs); a 4-layer W1 update polls
-16 times.
+At the section's end everything borrowed is given back. The polls sit at each
+layer's sub-blocks too (attention, MLP, norms: the layer's children) and at the output
+embeddings (the LM head and the loss after the last layer were 30–40 ms without a poll on a
+1-thread W1 update, so a replica that went idle there lent its cores only from the first
+backward layer on). Polling costs one ``flock`` per owner and a ``torch.set_num_threads`` only
+when the count changes (0.2 µs); a 4-layer W1 update polls ≈ 40 times.
 
 Only the thread that opened the section switches (the OpenMP thread count is per calling
 thread): a forward that runs in another thread inside the section is not touched.
@@ -56,11 +59,16 @@ class ThreadLender:
         self._handles: list[Any] = []
 
     def install(self, module: nn.Module) -> int:
-        """Hook every decoder layer of ``module`` (:func:`decoder_layers`); returns how many."""
+        """Hook every decoder layer of ``module`` (:func:`decoder_layers`), its sub-blocks and the
+        output embeddings; returns how many layers."""
         layers = decoder_layers(module)
-        for layer in layers:
-            self._handles.append(layer.register_forward_pre_hook(self._pre))
-            self._handles.append(layer.register_forward_hook(self._post))
+        points = [m for layer in layers for m in (layer, *layer.children())]
+        head = getattr(module, "get_output_embeddings", lambda: None)()
+        if isinstance(head, nn.Module):
+            points.append(head)
+        for m in points:
+            self._handles.append(m.register_forward_pre_hook(self._pre))
+            self._handles.append(m.register_forward_hook(self._post))
         return len(layers)
 
     def _pre(self, module: nn.Module, args: Any) -> None:

@@ -112,3 +112,45 @@ def test_forward_and_backward_run_on_lent_cores_and_give_them_back(tmp_path):
         lender.close()
         owner.close()
         torch.set_num_threads(base)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class _LM(nn.Module):
+    """Two blocks of two sub-blocks each, then an output head (as a HF causal LM exposes it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Block() for _ in range(2))
+        self.head = nn.Linear(4, 3)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).sum()
+
+
+def test_polls_at_sub_blocks_and_the_output_head(tmp_path):
+    """A replica that goes idle inside a layer, or during the head and the loss after the last
+    layer, lends its cores from the next sub-block on: the trainer polls before every layer,
+    every sub-block and the output head, forward and backward."""
+    model = _LM()
+    lender = ThreadLender(CoreBorrower(tmp_path, {"replica-0": 1}), torch.get_num_threads())
+    assert lender.install(model) == 2
+    try:
+        with lender.section():
+            model(torch.randn(2, 4, requires_grad=True)).backward()
+        # 1 at the start; forward: 2 layers + 4 sub-blocks + head = 7; backward: the same 7
+        assert lender.polls == 1 + 7 + 7
+    finally:
+        lender.close()
