@@ -97,6 +97,7 @@ class HTTPRolloutReplica(Liveness):
         self.last_received: dict[str, int] = {}
         """``{name: crc32}`` of the last complete update, as the replica loaded it."""
         self.busy_s = 0.0
+        self.busy_at = 0.0
         """The replica engine's seconds in steps, as of the last health ping."""
         self.core_wait_s = 0.0
         """Seconds the replica waited for its lent cores to come back (``trainer.lend_cores``),

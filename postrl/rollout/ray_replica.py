@@ -206,6 +206,7 @@ class RayRolloutReplica(Liveness):
         """Out of service without being dead (nothing is routed to it)."""
         self.last_swap: dict[str, float] = {}
         self.busy_s = 0.0
+        self.busy_at = 0.0
         """The replica engine's seconds in steps, as of the last health ping."""
         self.pid = 0
         """The actor's process id (from the first health answer)."""

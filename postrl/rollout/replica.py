@@ -78,10 +78,12 @@ class RemoteReplica(Replica, Protocol):
     :class:`~postrl.rollout.restart.ReplicaRestarter`.
 
     Extra attributes: ``busy_s`` (the engine's seconds in steps, as of the last ping),
+    ``busy_at`` (``time.perf_counter()`` when that ping's answer arrived; 0.0 before the first),
     ``local_pid`` (its process id when it runs on this machine, else None).
     """
 
     busy_s: float
+    busy_at: float
     local_pid: int | None
 
     async def health(self, timeout_s: float) -> dict[str, Any]:

@@ -78,6 +78,7 @@ class ReplicaWatchdog:
             progress = self._cpu_progress(r, now)
             if isinstance(res, dict):
                 r.busy_s = float(res.get("busy_s", r.busy_s))
+                r.busy_at = time.perf_counter()  # when busy_s was read (the pings' clock)
                 r.core_wait_s = float(res.get("core_wait_s", getattr(r, "core_wait_s", 0.0)))
                 self._last_ok[id(r)] = now
                 continue

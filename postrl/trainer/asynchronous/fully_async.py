@@ -177,7 +177,7 @@ class FullyAsyncMode:
         # the admission after the last push, running on the loop while this thread goes on (its
         # result, or error, is collected by whatever runs on the loop next)
         self._after: concurrent.futures.Future[None] | None = None
-        self._busy_mark = (time.perf_counter(), 0.0)  # (wall, replicas' engine seconds)
+        self._busy_mark = (0.0, 0.0)  # (the last ping answer's time, the replicas' busy seconds)
         self._core_wait = 0.0  # the replicas' summed waits for lent cores, as last read
 
     async def _start_watchdog(self) -> asyncio.Task[None]:
@@ -277,13 +277,20 @@ class FullyAsyncMode:
 
     def _fleet_metrics(self) -> dict[str, float]:
         reps = self.ctx.fleet.replicas
-        now, busy = time.perf_counter(), [r.busy_s for r in reps if not r.dead]
+        live = [r for r in reps if not r.dead]
+        busy = sum(r.busy_s for r in live)
+        at = max((float(getattr(r, "busy_at", 0.0)) for r in live), default=0.0)
         t0, b0 = self._busy_mark
-        self._busy_mark = (now, sum(busy))
         idle = {}
-        if busy and now > t0:  # engine time in steps since the last take, per live replica
-            frac = (sum(busy) - b0) / (len(busy) * (now - t0))
+        # The replicas' busy seconds arrive with their health pings (every
+        # trainer.async.replica_health_interval_s), so the fraction is taken between two pings'
+        # answers, on the steps a new one arrived: per step it would read 1.0 between pings and
+        # clamp the whole interval's work into one step.
+        if live and at > t0 and t0 > 0.0:
+            frac = (busy - b0) / (len(live) * (at - t0))
             idle["rollout/replica_idle_fraction"] = float(min(1.0, max(0.0, 1.0 - frac)))
+        if at > t0:
+            self._busy_mark = (at, busy)
         dead = sum(1 for r in reps if r.dead)
         wait = sum(float(getattr(r, "core_wait_s", 0.0)) for r in reps)
         wait_delta, self._core_wait = max(0.0, wait - self._core_wait), wait
