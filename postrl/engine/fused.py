@@ -111,11 +111,12 @@ def _patch_rope(cls: type) -> bool:
     return True
 
 
-def _fused_class(cls: type, forward) -> type:
-    """``cls`` with ``forward`` (one subclass per class, named after it)."""
+def _fused_class(cls: type, forward, **attrs) -> type:
+    """``cls`` with ``forward`` and class attributes ``attrs`` (one subclass per class, named
+    after it)."""
     if cls not in _subclasses:
         _subclasses[cls] = type(
-            cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__}
+            cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, **attrs}
         )
     return _subclasses[cls]
 
@@ -158,8 +159,7 @@ def install(model: nn.Module, mode: str = "auto") -> dict[str, int]:
             m.__class__ = _fused_class(base, _mlp_forward)
             counts["swiglu"] += 1
         elif base.__name__ in _ATTENTIONS:
-            m.__class__ = _fused_class(base, _attention_forward)
-            setattr(m, FUSED_ATTENTION, True)
+            m.__class__ = _fused_class(base, _attention_forward, **{FUSED_ATTENTION: True})
             counts["attention"] += 1
             counts["rope"] += _patch_rope(type(m))
     logger.info("fused training kernels: %s", counts)

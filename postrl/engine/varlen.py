@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from postrl.kernels.train import Segments, packed_attention
 
 FUSED_ATTENTION = "_postrl_fused_attention"
-"""Attribute (True) of an attention module whose packed attention runs the fused kernel
-(:func:`postrl.engine.fused.install` sets it)."""
+"""Class attribute (True) of an attention module whose packed attention runs the fused kernel
+(the subclass :func:`postrl.engine.fused.install` swaps in)."""
 
 __all__ = [
     "ATTN_NAME",

@@ -15,6 +15,12 @@ from postrl.engine.varlen import FUSED_ATTENTION
 from postrl.kernels import train as T
 
 
+def _logprobs(pol, batch, **kw):
+    """The packed, prefix-shared log-probs (and entropy) of ``batch``'s 6 response tokens."""
+    ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"]
+    return policy_logprobs(pol.decoder, pol.lm_head, ids, mask, 6, share_prefix=True, **kw)
+
+
 def _close(a, b, rel):
     scale = max(b.abs().max().item(), 1e-6)
     assert (a - b).abs().max().item() <= rel * scale, ((a - b).abs().max().item(), scale)
@@ -39,16 +45,7 @@ def test_a_fused_model_computes_what_torch_ops_compute(tiny_model_factory, make_
             assert len(fused_mods) == 2 * layers + 1 + layers + layers  # norms, MLPs, attention
         else:
             assert not attn and not fused_mods
-        lp, ent = policy_logprobs(
-            pol.decoder,
-            pol.lm_head,
-            batch.batch["input_ids"],
-            batch.batch["attention_mask"],
-            6,
-            temperature=0.7,
-            calculate_entropy=True,
-            share_prefix=True,
-        )
+        lp, ent = _logprobs(pol, batch, temperature=0.7, calculate_entropy=True)
         (lp.sum() + ent.sum()).backward()
         grads = torch.cat([p.grad.flatten() for p in pol.causal_lm.parameters()])
         results[mode] = (lp.detach(), ent.detach(), grads, names)
@@ -71,14 +68,7 @@ def test_rope_is_fused_only_inside_fused_attention(tiny_model_dir, make_batch, m
         pol = load_policy(ModelConfig(path=str(tiny_model_dir), kernels=mode))
         calls.clear()
         with torch.no_grad():
-            policy_logprobs(
-                pol.decoder,
-                pol.lm_head,
-                batch.batch["input_ids"],
-                batch.batch["attention_mask"],
-                6,
-                share_prefix=True,
-            )
+            _logprobs(pol, batch)
         assert bool(calls) == fused_calls, mode
 
 
@@ -97,12 +87,5 @@ def test_bf16_compute_keeps_torch_ops(tiny_model_dir, make_batch):
     batch = make_batch(num_prompts=2, n=2, seed=0)
     pol = load_policy(ModelConfig(path=str(tiny_model_dir), compute_dtype="bfloat16"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        lp, _ = policy_logprobs(
-            pol.decoder,
-            pol.lm_head,
-            batch.batch["input_ids"],
-            batch.batch["attention_mask"],
-            6,
-            share_prefix=True,
-        )
+        lp, _ = _logprobs(pol, batch)
     assert torch.isfinite(lp).all()
