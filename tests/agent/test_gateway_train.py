@@ -152,9 +152,12 @@ def test_gateway_trains_fully_async_on_ray(tiny_model_dir, train_file, tmp_path)
     finally:
         ray.shutdown()
     assert last["agent/gateway_failures"] == 0.0
-    assert last["agent/gateway_segments"] > 1.0
+    assert last["agent/gateway_segments"] >= 1.0
     assert last["actor/grad_norm"] > 0
     assert len(seen) == 2
+    # multi-segment runs (odd dataset rows) reach the update: in some step, not necessarily the
+    # last, since completion order may take two single-segment groups last (it did once)
+    assert any((b.non_tensor_batch["segment"] > 0).any() for b in seen)
     for batch in seen:
         b = batch.batch
         mask, versions = b["response_mask"].bool(), b["rollout_policy_version"]
