@@ -46,8 +46,10 @@ What it measures
 
     Before each repeat the benchmark measures ``s(threads)``, the speed-up of ``--threads``
     torch threads over one on the workload's model (``postrl.bench.modes.measure_speedup``),
-    so that ``postrl bench modes --from-bench OUT`` can predict each mode from the ``sync``
-    runs and set the prediction next to the measurement. ``sync`` logs
+    and the update's own (``kind="update"``: the engine's packed training pass, whose larger
+    matrices and fused kernels scale better than a decode step), so that ``postrl bench modes
+    --from-bench OUT`` can predict each mode from the ``sync`` runs and set the prediction next
+    to the measurement. ``sync`` logs
     ``timing_s/gen_engine`` (the engine's compute inside ``timing_s/gen``).
 
     Per run, the first step (warm-up: allocation, first-call costs) is skipped, and so is the
@@ -131,12 +133,15 @@ MODES = (
     "fully_async_ray_os",
     "one_step_off_completion",
     "fully_async_admission",
+    "fully_async_wait",
 )
 """Every arm the benchmark knows; ``--modes`` picks (``sync`` always runs: the baseline).
 ``one_step_off_completion`` is ``one_step_off`` taking its groups in completion order
-(``trainer.async.take_order=completion``; the mode's own is admission order), and
+(``trainer.async.take_order=completion``; the mode's own is admission order),
 ``fully_async_admission`` is ``fully_async`` taking them in admission order (its own is
-completion order).
+completion order), and ``fully_async_wait`` never drops a stale group
+(``trainer.async.staleness_strategy=wait``: a take waits for the groups it must train now to
+keep them within the bound).
 ``fully_async_switch`` is ``fully_async`` with ``trainer.async.idle_switch=auto``;
 ``fully_async_ray`` runs it on Ray (replica actors, one training worker; trajectories through
 the driver) and ``fully_async_ray_os`` adds ``trainer.async.data_plane=object_store``
@@ -154,6 +159,8 @@ ARM_OVERRIDES = {
     # one_step_off's take in completion order (its default is admission order: verl's batches)
     "one_step_off_completion": ("one_step_off", ["trainer.async.take_order=completion"]),
     "fully_async_admission": ("fully_async", ["trainer.async.take_order=admission"]),
+    # never drop a stale group: a take waits for the groups whose bound it would otherwise miss
+    "fully_async_wait": ("fully_async", ["trainer.async.staleness_strategy=wait"]),
 }
 """Arms that are a registered mode plus overrides: name → (trainer.mode, overrides)."""
 WORKLOADS = ("w1", "tools", "tail")
@@ -667,7 +674,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     }
     for name in names:
         base, overrides, desc = workload_config(name, args, work)
-        runs, speedups, contention = [], [], []
+        runs, speedups, update_speedups, contention = [], [], [], []
         fa = args.fa_threads or (
             max(1, args.threads - args.threads // 2),
             max(1, args.threads // 2),
@@ -678,8 +685,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             from postrl.bench.modes import measure_contention, measure_speedup
 
             if args.probes:  # up to every core a lending trainer may run on
-                speedups.append(measure_speedup(s_threads, _model_of(overrides)))
-                contention.append(measure_contention(fa[0], fa[1], _model_of(overrides)))
+                model = _model_of(overrides)
+                speedups.append(measure_speedup(s_threads, model))
+                if model:  # the update's own: the engine's packed training pass
+                    update_speedups.append(measure_speedup(s_threads, model, kind="update"))
+                contention.append(measure_contention(fa[0], fa[1], model))
             for mode in ("sync", *[m for m in args.modes if m != "sync"]):
                 t0 = time.perf_counter()
                 rows = run_once(base, overrides, mode, args.steps, args.fa_threads)
@@ -699,6 +709,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "overrides": overrides,
             "runs": runs,
             "speedup": speedups,
+            "update_speedup": update_speedups,
             "speedup_threads": s_threads,
             "contention": contention,
             "loadavg": list(os.getloadavg()),

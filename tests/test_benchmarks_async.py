@@ -77,6 +77,9 @@ def test_the_admission_arm_is_fully_async_in_admission_order(bench):
     arm = bench.mode_overrides("fully_async_admission", ["trainer.num_threads=2"])
     assert arm == [*base, "trainer.async.take_order=admission"]
     assert "fully_async_admission" in bench.parse_args(["--modes=fully_async_admission"]).modes
+    wait = bench.mode_overrides("fully_async_wait", ["trainer.num_threads=2"])
+    assert wait[-1] == "trainer.async.staleness_strategy=wait"
+    assert "trainer.num_threads=1" in wait  # fully_async's own split still applies
 
 
 @pytest.mark.slow

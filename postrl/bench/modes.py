@@ -24,10 +24,13 @@ the async modes' measurements):
   pauses while the actor trains). It admits ``k = min(batches_ahead, max_staleness + 1)``
   batches at once (``batches_ahead = 2 + trainer.async.num_warmup_batches``); they generate
   together and are trained one after another. In the default admission order
-  (``trainer.async.take_order``) a step waits for the batch admitted first, so the ``k`` batches
-  generate for ``X = max(k·(G + O), G + O + W_kB)`` — the larger of two bounds: their compute on
-  the shared cores, and one batch's own path with the slowest wait of all ``k·B`` trajectories
-  (the other batches' compute hides in the waits) — and a step costs ``U + X / k``. The first of
+  (``trainer.async.take_order``) a step waits for the batch admitted first: it is complete after
+  ``X₁ = max(k·(G + O), G + O + W_B)`` — the larger of two bounds: the ``k`` batches' compute
+  on the shared cores, and its own path with its own slowest wait (the other batches' compute
+  hides in the waits). The last batch needs ``X_k = max(k·(G + O), G + O + W_kB)``, the slowest
+  of all ``k·B`` trajectories; what it waits beyond ``X₁`` runs on while the batches before it
+  train (a paused fleet stops decoding, not the tool calls in flight). A cycle of ``k`` steps
+  is ``X₁ + max(0, X_k − X₁ − (k − 1)·U) + k·U``. The first of
   the ``k`` batches trains at staleness 0, the last at ``k − 1``: mean ``(k − 1) / 2``. In
   completion order a step takes the first complete groups, so a group holds its slot for its
   own slowest wait ``W_g`` (the max over its ``n`` trajectories), not the batch's:
@@ -45,7 +48,9 @@ the async modes' measurements):
   latency bounds divide by ``1 − d`` (the trainer's does not: it trains a full batch
   anyway). Thread counts convert through the measured speed-up ``s(n)`` of ``n`` threads
   over one (:func:`thread_time`; ``--speedup``,
-  or timed now on the model's forward and backward), and the trainer's work is slowed by the
+  or timed now on the model's forward and backward) — the trainer's through the update's own
+  ``s_U(n)`` (``--update-speedup``, or timed now on the engine's packed training pass,
+  :func:`measure_speedup` with ``kind="update"``) —, and the trainer's work is slowed by the
   measured contention ``c`` of a replica computing beside it, for the share of the step the
   replicas compute (:func:`contended_time`, :func:`measure_contention`; ``--contention``; ~1
   on cores of its own). With core lending (``trainer.lend_cores``, the default for replica
@@ -333,7 +338,8 @@ def predict_one_step_off(
 ) -> Prediction:
     """``one_step_off`` (module docstring): ``k = min(batches_ahead, max_staleness + 1)``
     batches generate together and train one after another. ``take_order="admission"`` (the
-    mode's default): ``U + max(k·(G + O), G + O + W_kB) / k``, staleness ``(k − 1) / 2``;
+    mode's default): ``(X₁ + max(0, X_k − X₁ − (k − 1)·U) + k·U) / k`` with ``X₁ = max(k·(G +
+    O), G + O + W_B)`` and ``X_k = max(k·(G + O), G + O + W_kB)``, staleness ``(k − 1) / 2``;
     ``"completion"``: ``max((G + O) / (1 − d) + U, (G + O + W_g + U) / ((max_staleness + 1)·(1
     − d)))`` with ``d`` the stale drops (:func:`stale_drop_fraction`)."""
     if take_order not in ("admission", "completion"):
@@ -342,15 +348,23 @@ def predict_one_step_off(
     w = _wait(p, lat, p.trajectories)
     gen = p.gen_compute_s + gen_overhead(p, w)
     if take_order == "admission":
+        # the k batches' compute shares the engine; the first batch is complete after its own
+        # slowest wait W_B, the last after the slowest of all k·B, W_kB. The later batches'
+        # extra wait elapses while the batches before them train: a paused fleet stops
+        # decoding, not the tool calls in flight. A cycle of k steps: the first batch's
+        # generation, whatever of the last one's is left after k − 1 updates, k updates.
         w_k = _wait(p, lat, k * p.trajectories)
-        compute, path = k * gen, gen + w_k
-        step = p.after_gen_s + max(compute, path) / k
-        bound = "compute (G + U)" if compute >= path else "latency (slowest of k batches)"
+        u = p.after_gen_s
+        first, last = max(k * gen, gen + w), max(k * gen, gen + w_k)
+        late = max(0.0, last - first - (k - 1) * u)
+        step = (first + late + k * u) / k
+        bound = "compute (G + U)" if k * gen >= gen + w else "latency (slowest of a batch)"
         parts = {
-            "G+U": gen + p.after_gen_s,
-            "W": w_k,
+            "G+U": gen + u,
+            "W": w,
+            "W_kB": w_k,
             "k": float(k),
-            "generation": max(compute, path),
+            "generation": first + late,
         }
         return Prediction("one_step_off", step, p.trajectories / step, (k - 1) / 2, bound, parts)
     w_g = _wait(p, lat, p.group_size)
@@ -393,6 +407,7 @@ def predict_fully_async(
     max_staleness: int = 1,
     contention: float = 1.0,
     lend_cores: bool = True,
+    update_speedup: Callable[[float], float] | None = None,
 ) -> Prediction:
     """The slowest of three pipelines (module docstring): trainer ``U(t) + push`` slowed by
     ``c`` while the replicas compute (:func:`contended_time`; with ``lend_cores`` the update
@@ -402,14 +417,18 @@ def predict_fully_async(
     its slot for its own wait; ``d`` the stale drops, :func:`stale_drop_fraction`, whose refills
     the rollout repeats); ``c`` the measured slow-down of the
     trainer's work while a replica computes beside it on the same machine
-    (:func:`measure_contention`; 1 on cores of its own)."""
-    base = thread_time(p.after_gen_s, p.threads, trainer_threads, speedup)
+    (:func:`measure_contention`; 1 on cores of its own). ``speedup`` converts the rollout's
+    compute between thread counts, ``update_speedup`` the trainer's (the update's own ``s(n)``,
+    :func:`measure_speedup` with ``kind="update"``: the engine's packed training pass scales
+    better than a decode step; None: ``speedup``)."""
+    s_upd = update_speedup or speedup
+    base = thread_time(p.after_gen_s, p.threads, trainer_threads, s_upd)
     gen = thread_time(p.gen_compute_s, p.threads, replicas * rollout_threads, speedup)
     w_group = _wait(p, lat, p.group_size)
     w_batch = _wait(p, lat, p.trajectories)
     if lend_cores:  # a replica holds its cores while its requests trickle in: G + O
         lent = thread_time(
-            p.after_gen_s, p.threads, trainer_threads + replicas * rollout_threads, speedup
+            p.after_gen_s, p.threads, trainer_threads + replicas * rollout_threads, s_upd
         )
         busy = gen + gen_overhead(p, w_batch)
         train = lent_time(base, lent, busy, contention) + p.push_s
@@ -487,10 +506,12 @@ def predict_all(
     lend_cores: bool = True,
     take_order: str = "admission",
     batches_ahead: int = 2,
+    update_speedup: Callable[[float], float] | None = None,
 ) -> dict[str, Prediction]:
     """Every mode's :class:`Prediction` on the measured machine (``lend_cores``: the
     ``fully_async`` trainer borrows idle replicas' cores, ``trainer.lend_cores``;
-    ``take_order`` and ``batches_ahead``: ``one_step_off``'s, :func:`predict_one_step_off`)."""
+    ``take_order`` and ``batches_ahead``: ``one_step_off``'s, :func:`predict_one_step_off`;
+    ``update_speedup``: the trainer's ``s(n)``, :func:`predict_fully_async`)."""
     return {
         "sync": predict_sync(p, lat),
         "one_step_off": predict_one_step_off(p, lat, max_staleness, take_order, batches_ahead),
@@ -504,6 +525,7 @@ def predict_all(
             max_staleness=max_staleness,
             contention=contention,
             lend_cores=lend_cores,
+            update_speedup=update_speedup,
         ),
     }
 
@@ -583,9 +605,9 @@ def profile_from_rows(
 
 
 def _work(model: str | None, rows: int = 32, length: int = 64) -> Callable[[], None]:
-    """The update's kind of work: with ``model`` (an HF directory) its forward and backward on
-    ``rows × length`` random tokens; without, an fp32 256 → 512 → 256 MLP block's on 2048 rows
-    (the tiny models' shapes)."""
+    """The generation's kind of work: with ``model`` (an HF directory) its forward and backward
+    on ``rows × length`` random tokens; without, an fp32 256 → 512 → 256 MLP block's on 2048
+    rows (the tiny models' shapes)."""
     import torch
 
     if model:
@@ -609,14 +631,60 @@ def _work(model: str | None, rows: int = 32, length: int = 64) -> Callable[[], N
     return mlp
 
 
-_WORK: dict[str | None, Callable[[], None]] = {}
-
-
-def measure_work_time(threads: int, model: str | None = None, reps: int = 3) -> float:
-    """Median seconds of one :func:`_work` call on ``threads`` torch threads (after a warm-up)."""
+def _update_work(
+    model: str, groups: int = 8, n: int = 4, prompt: int = 16, response: int = 32
+) -> Callable[[], None]:
+    """The update's kind of work on ``model`` as the engine runs it: loaded by
+    :func:`postrl.engine.model.load_policy` (its packed varlen attention and, where they build,
+    the fused training kernels), one micro-batch of ``groups × n`` rows whose ``n`` responses
+    share a prompt (packed with the prefix shared: ``groups × prompt + groups × n × response``
+    tokens, ≈ 1 150 by default, a W1 batch's size), log-probs and entropy forward and backward.
+    Its thread speed-up is the update's own: larger matrices and fused kernels scale better
+    across threads than :func:`_work`'s padded forward."""
     import torch
 
-    work = _WORK.get(model) or _WORK.setdefault(model, _work(model))
+    from postrl.engine.model import load_policy
+    from postrl.engine.specs import ModelSpec
+
+    pol = load_policy(ModelSpec(path=model, dtype="float32"))
+    vocab = int(pol.causal_lm.config.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    heads = torch.randint(1, vocab, (groups, prompt), generator=gen).repeat_interleave(n, 0)
+    ids = torch.cat([heads, torch.randint(1, vocab, (groups * n, response), generator=gen)], 1)
+    mask = torch.ones_like(ids)
+
+    def work() -> None:
+        lp, ent = pol.logprobs(ids, mask, response, calculate_entropy=True, share_prefix=True)
+        (lp.mean() + ent.mean()).backward()
+
+    return work
+
+
+_WORK: dict[tuple[str | None, str], Callable[[], None]] = {}
+WORK_KINDS = ("generation", "update")
+"""What :func:`measure_speedup` times: ``generation`` the padded forward and backward of
+:func:`_work` (the speed-up the planner applies to the rollout's compute), ``update`` the engine's
+packed training pass of :func:`_update_work` (the one it applies to the trainer's; needs a
+model)."""
+
+
+def _work_of(model: str | None, kind: str) -> Callable[[], None]:
+    if kind not in WORK_KINDS:
+        raise ValueError(f"work kind {kind!r}: choose one of {WORK_KINDS}")
+    key = (model, kind if model else "generation")  # no model: the MLP block stands for both
+    if key not in _WORK:
+        _WORK[key] = _update_work(model) if key[1] == "update" and model else _work(model)
+    return _WORK[key]
+
+
+def measure_work_time(
+    threads: int, model: str | None = None, reps: int = 3, kind: str = "generation"
+) -> float:
+    """Median seconds of one call of the ``kind`` of work (:data:`WORK_KINDS`) on ``threads``
+    torch threads (after a warm-up)."""
+    import torch
+
+    work = _work_of(model, kind)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -631,14 +699,16 @@ def measure_work_time(threads: int, model: str | None = None, reps: int = 3) -> 
         torch.set_num_threads(old)
 
 
-def measure_speedup(threads: int, model: str | None = None, reps: int = 3) -> float:
-    """Time on 1 thread / time on ``threads`` threads of the update's kind of work
-    (:func:`_work`), medians of ``reps``: this machine's ``s(threads)`` under whatever load it
-    has now (on a loaded machine a team of threads waits for its slowest member at every op,
+def measure_speedup(
+    threads: int, model: str | None = None, reps: int = 3, kind: str = "generation"
+) -> float:
+    """Time on 1 thread / time on ``threads`` threads of the ``kind`` of work
+    (:data:`WORK_KINDS`), medians of ``reps``: this machine's ``s(threads)`` under whatever load
+    it has now (on a loaded machine a team of threads waits for its slowest member at every op,
     and ``s`` can fall below 1)."""
     if threads <= 1:
         return 1.0
-    return measure_work_time(1, model, reps) / measure_work_time(threads, model, reps)
+    return measure_work_time(1, model, reps, kind) / measure_work_time(threads, model, reps, kind)
 
 
 _CONTENDER = """
@@ -653,9 +723,13 @@ while time.monotonic() < end:
 
 
 def measure_contention(
-    threads: int, other_threads: int = 1, model: str | None = None, reps: int = 3
+    threads: int,
+    other_threads: int = 1,
+    model: str | None = None,
+    reps: int = 3,
+    kind: str = "update",
 ) -> float:
-    """How much slower the update's kind of work (as in :func:`measure_speedup`) runs on
+    """How much slower the update's kind of work (``kind``, as in :func:`measure_speedup`) runs on
     ``threads`` threads while another process computes on ``other_threads`` threads beside it
     (a rollout replica generating), than alone: median time with / median time without. On
     cores of its own it is ~1; on a machine whose cores the two share, or that other jobs
@@ -663,7 +737,7 @@ def measure_contention(
     import subprocess
 
     def median_time() -> float:
-        return measure_work_time(threads, model, reps)
+        return measure_work_time(threads, model, reps, kind)
 
     alone = median_time()
     proc = subprocess.Popen(
@@ -723,7 +797,8 @@ def validate_bench(
 ) -> dict[str, Any]:
     """Predictions from the ``sync`` runs of ``workload`` in an ``async_modes.py`` output,
     next to each mode's measured median samples/s; ``speedup`` None: the median ``s(threads)``
-    the benchmark measured beside its runs."""
+    the benchmark measured beside its runs. The update's own ``s(threads)`` is the benchmark's
+    ``update_speedup`` where it measured one (older outputs: ``speedup`` for both)."""
     w = results["workloads"][workload]
     settings = results["settings"]
     s_measured = None
@@ -735,6 +810,11 @@ def validate_bench(
         at = int(w.get("speedup_threads") or settings.get("threads", 2))
         s_measured = statistics.median(w["speedup"]) if at > 1 else 1.0
         speedup = power_speedup(s_measured, at)
+    s_update, update_speedup = None, None
+    if w.get("update_speedup"):  # the update's own s(threads), when the benchmark measured it
+        at = int(w.get("speedup_threads") or settings.get("threads", 2))
+        s_update = statistics.median(w["update_speedup"]) if at > 1 else 1.0
+        update_speedup = power_speedup(s_update, at)
     contention = statistics.median(w["contention"]) if w.get("contention") else 1.0
     if lat is None:  # the workload's own latency, from the benchmark's settings
         lat = bench_latency(settings, workload)
@@ -746,7 +826,13 @@ def validate_bench(
     prof = profile_from_rows(rows, traj, int(round(traj / groups)), threads)
     fa = settings.get("fa_threads") or [max(1, threads - threads // 2), max(1, threads // 2)]
     preds = predict_all(
-        prof, lat, speedup, trainer_threads=fa[0], rollout_threads=fa[1], contention=contention
+        prof,
+        lat,
+        speedup,
+        trainer_threads=fa[0],
+        rollout_threads=fa[1],
+        contention=contention,
+        update_speedup=update_speedup,
     )
     if "one_step_off_completion" in w["median"]:  # the benchmark's arm in completion order
         preds["one_step_off_completion"] = predict_one_step_off(prof, lat, take_order="completion")
@@ -756,6 +842,7 @@ def validate_bench(
         "workload": workload,
         "latency": asdict(lat),
         "speedup_measured": s_measured,
+        "update_speedup_measured": s_update,
         "contention_measured": contention,
         "profile": asdict(prof),
         "predicted": {m: asdict(p) for m, p in preds.items()},
@@ -822,6 +909,13 @@ def main(argv: list[str] | None = None) -> int:
         default=_parse_workers("1,1;4,4;8,8;12,4"),
         help="N,M rollout/trainer worker pairs to extrapolate to ('1,1;4,4;8,8;12,4')",
     )
+    ap.add_argument(
+        "--update-speedup",
+        type=float,
+        default=0.0,
+        help="--metrics: the update's own speed-up (default: timed now on --model's packed "
+        "training pass; without --model, --speedup's)",
+    )
     ap.add_argument("--model", default="", help="time s(threads) on this model's fwd+bwd")
     ap.add_argument(
         "--contention",
@@ -858,7 +952,8 @@ def main(argv: list[str] | None = None) -> int:
             out["validation"].append(v)
             text += [
                 f"== {name}: predicted from its sync runs vs measured (latency "
-                f"{v['latency']}, s({args.threads}) {v['speedup_measured'] or s_at:.2f}, "
+                f"{v['latency']}, s({args.threads}) {v['speedup_measured'] or s_at:.2f}, the "
+                f"update's {v['update_speedup_measured'] or v['speedup_measured'] or s_at:.2f}, "
                 f"contention {v['contention_measured']:.2f}) ==",
                 v["table"],
             ]
@@ -878,6 +973,10 @@ def main(argv: list[str] | None = None) -> int:
             else [max(1, args.threads - args.threads // 2), max(1, args.threads // 2)]
         )
         c = args.contention or measure_contention(fa[0], fa[1], args.model or None)
+        s_upd = args.update_speedup or (
+            measure_speedup(args.threads, args.model, kind="update") if args.model else s_at
+        )
+        out["update_speedup"] = s_upd
         preds = predict_all(
             prof,
             lat,
@@ -888,12 +987,14 @@ def main(argv: list[str] | None = None) -> int:
             contention=c,
             take_order=args.take_order,
             batches_ahead=2 + args.num_warmup_batches,
+            update_speedup=power_speedup(s_upd, args.threads),
         )
         out["profile"], out["predicted"] = asdict(prof), {m: asdict(p) for m, p in preds.items()}
         out["contention"] = c
         text += [
             f"profile: B={prof.trajectories:g} G={prof.gen_compute_s:.3f}s gen={prof.gen_s:.3f}s "
-            f"U={prof.after_gen_s:.3f}s calls/traj={prof.calls_per_traj:.2f}; contention {c:.2f}",
+            f"U={prof.after_gen_s:.3f}s calls/traj={prof.calls_per_traj:.2f}; contention {c:.2f}"
+            f"; the update's speed-up {s_upd:.2f}x",
             format_predictions(preds),
         ]
     text.append("extrapolated (each worker = this machine's cores, linear, no comm cost):")

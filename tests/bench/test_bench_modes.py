@@ -97,6 +97,26 @@ def test_sync_and_one_step_off():
         predict_one_step_off(P, HALF_S, take_order="lifo")
 
 
+def test_admission_order_hides_the_later_batches_extra_wait_behind_the_updates():
+    """The first of a pair waits for its own slowest call (W_B); the second's longer wait
+    (W_2B) runs on while the first trains: a paused fleet stops decoding, not the calls."""
+    u4 = Latency("uniform", lo=0.0, hi=4.0)  # E[max of n] = 4n / (n + 1)
+    w_b, w_2b = 4 * 4 / 5, 4 * 8 / 9
+    p = Profile(**{**P.__dict__, "trajectories": 4, "gen_s": 1.0 + w_b})  # G 1 s, O 0
+    o = predict_one_step_off(p, u4)
+    assert o.parts["W"] == pytest.approx(w_b, rel=1e-3)
+    assert o.parts["W_kB"] == pytest.approx(w_2b, rel=1e-3)
+    # W_2B − W_B = 0.36 s < U = 0.5 s: hidden; (G + W_B + 2U) / 2
+    assert o.step_s == pytest.approx((1 + w_b + 2 * 0.5) / 2, rel=1e-3)
+    assert o.bound.startswith("latency")
+    # a shorter update hides only 0.1 s of it; the rest is waited for
+    short = Profile(**{**p.__dict__, "after_gen_s": 0.1})
+    late = w_2b - w_b - 0.1
+    assert predict_one_step_off(short, u4).step_s == pytest.approx(
+        (1 + w_b + late + 2 * 0.1) / 2, rel=1e-3
+    )
+
+
 def test_completion_order_holds_a_slot_for_the_groups_own_wait_and_drops_stragglers():
     # every call waits 3 s; Little's law over the two batches' slots: (1 + 3 + 0.5) / 2 = 2.25
     # s a step, and a group admitted as an update ends is complete 4 s later, just by the take
@@ -186,6 +206,36 @@ def test_fully_async_on_lent_cores():
     assert f.parts["trainer"] == pytest.approx(0.7 + 0.3 * 0.5)
 
 
+def test_the_trainer_converts_threads_with_the_updates_own_speedup():
+    """The update and the generation scale differently across threads: the trainer's time on
+    lent cores uses ``update_speedup``, the replica's busy time ``speedup``."""
+    gen_s, upd = power_speedup(1.5), power_speedup(2.0)
+    light = Profile(**{**P.__dict__, "gen_compute_s": 0.2, "gen_s": 0.2})
+    f = predict_fully_async(light, Latency("const", 0.0), gen_s, update_speedup=upd)
+    # the replica busy 0.2 × 1.5 = 0.3 s; the update 0.5 s × 2 = 1 s on its own thread, 0.5 s
+    # on both
+    assert f.parts["rollout"] == pytest.approx(0.3)
+    assert f.parts["trainer"] == pytest.approx(0.3 + (1 - 0.3 / 1.0) * 0.5)
+    same = predict_fully_async(light, Latency("const", 0.0), gen_s, update_speedup=gen_s)
+    assert same.parts == predict_fully_async(light, Latency("const", 0.0), gen_s).parts
+    # an update that scales better loses more while it runs on one thread
+    assert f.parts["trainer"] > same.parts["trainer"]
+
+
+def test_the_updates_speedup_is_timed_on_the_engines_training_pass(tiny_model_dir):
+    """``kind="update"`` times the engine's packed forward and backward (its own loader, so
+    the fused kernels where they build); an unknown kind is refused by name."""
+    from postrl.bench import modes
+
+    t = modes.measure_work_time(1, str(tiny_model_dir), reps=1, kind="update")
+    assert t > 0
+    work = modes._WORK[(str(tiny_model_dir), "update")]
+    assert work is not modes._work_of(str(tiny_model_dir), "generation")
+    assert modes.measure_speedup(2, str(tiny_model_dir), reps=1, kind="update") > 0
+    with pytest.raises(ValueError, match="work kind 'decode'"):
+        modes.measure_speedup(2, str(tiny_model_dir), kind="decode")
+
+
 def test_extrapolate_splits_workers():
     e = extrapolate(P, HALF_S, rollout_workers=3, trainer_workers=1)
     assert e["sync"].step_s == pytest.approx(1 / 4 + 0.5 + 0.5 / 4)  # G, U over 4 workers
@@ -273,3 +323,11 @@ def test_validate_against_a_benchmark_output():
     assert v["error"]["sync"] == pytest.approx(0.0, abs=1e-3)
     # trainer 1 s, rollout 2 s (linear speed-up, 1 + 1 threads): 32/s against 40 measured
     assert v["error"]["fully_async"] == pytest.approx(32 / 40 - 1, abs=1e-3)
+    assert v["update_speedup_measured"] is None  # an older output: `speedup` for both
+    # the update's own speed-up, where the benchmark measured it, sets the trainer's time
+    results["workloads"]["tail"]["update_speedup"] = [1.5]
+    u = validate_bench(results, "tail", None)
+    assert u["update_speedup_measured"] == pytest.approx(1.5)
+    # U 0.5 s on 2 threads is 0.75 s on the trainer's one (the replica never rests to lend)
+    assert u["predicted"]["fully_async"]["parts"]["trainer"] == pytest.approx(0.75)
+    assert u["predicted"]["fully_async"]["parts"]["rollout"] == pytest.approx(2.0)
