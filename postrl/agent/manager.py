@@ -133,11 +133,12 @@ class AgentLoopManager:
 
     async def run(self, row: dict[str, Any], sampling: Any) -> AgentLoopOutput:
         """Run one trajectory row (from :meth:`rows`) through its agent loop."""
-        sp = (
-            replace(sampling, seed=row["seed"])
-            if getattr(sampling, "temperature", 0) > 0
-            else sampling
-        )
+        if getattr(sampling, "temperature", 0) <= 0:
+            sp = sampling
+        elif hasattr(sampling, "evolve"):  # postrl's SamplingParams: the per-request fast copy
+            sp = sampling.evolve(seed=row["seed"])
+        else:
+            sp = replace(sampling, seed=row["seed"])
         return await self._loop(row.get("agent_name")).run(sp, **row)
 
     async def aclose(self) -> None:

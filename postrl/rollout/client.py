@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import logging
 import os
@@ -507,8 +506,7 @@ class RolloutClient:
                     await _await_restart(lb, e)
                     continue
                 replica = lb.replicas[idx]
-                sp = dataclasses.replace(
-                    sampling,
+                sp = sampling.evolve(
                     max_new_tokens=sampling.max_new_tokens - len(tokens),
                     seed=_segment_seed(sampling.seed, seg),
                     continued=sampling.continued + len(tokens),

@@ -173,8 +173,8 @@ class HTTPRolloutReplica(Liveness):
         for attempt in range(_RETRIES + 1):
             try:
                 if self.stream_port:
-                    d = await asyncio.wait_for(
-                        self._stream().call({"op": "generate", **body}), self.request_timeout_s
+                    d = await self._stream().call(
+                        {"op": "generate", **body}, timeout_s=self.request_timeout_s
                     )
                     if "error" in d:
                         raise RolloutError(f"replica {self.replica_id}: {d['error']}")

@@ -78,19 +78,26 @@ class ReplicaChannel:
             if not fut.done():
                 fut.set_exception(err)
 
-    async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Send ``msg`` and await its answer."""
-        await self._ensure()
+    async def call(self, msg: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """Send ``msg`` and await its answer; ``asyncio.TimeoutError`` when none came within
+        ``timeout_s`` (the connection's opening, on the first call, has a deadline of its own of
+        the same length). The deadline is a timer on the answer's future, not
+        ``asyncio.wait_for``: no task and no waiter of its own per request (W1 sends 128 a step)."""
+        if self._writer is None:
+            await asyncio.wait_for(self._ensure(), timeout_s)
         if self.broken or self._writer is None:
             raise ConnectionError("replica stream closed")
         self._next += 1
         rid, fut = self._next, self.loop.create_future()
         self._pending[rid] = fut
         self._writer.write(json.dumps({"id": rid, **msg}).encode() + b"\n")
+        timer = None if timeout_s is None else self.loop.call_later(timeout_s, _expire, fut)
         try:
             return await fut
         finally:
             self._pending.pop(rid, None)
+            if timer is not None:
+                timer.cancel()
 
     async def send(self, msg: dict[str, Any]) -> None:
         """Send ``msg`` without waiting for an answer (abort). Waits for the connection to
@@ -178,3 +185,9 @@ async def serve_replica_stream(
         for t in tasks:
             t.cancel()
         writer.close()
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    """A call's deadline passed: its answer's future fails with ``asyncio.TimeoutError``."""
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())

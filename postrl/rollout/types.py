@@ -17,9 +17,10 @@ truncation). Rollout-correction (truncated IS) absorbs the remaining mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -126,6 +127,30 @@ class SamplingParams:
             raise ValueError("invalid SamplingParams: " + "; ".join(errors))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
+
+    def evolve(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes``, as ``dataclasses.replace`` — for the per-request hot path
+        (every trajectory sets its seed and priority): ``self`` when nothing changes, and the
+        checks of ``__post_init__`` only when a field they cover changes (an unknown field is a
+        ``TypeError`` either way)."""
+        unknown = changes.keys() - _SAMPLING_FIELDS
+        if unknown:
+            raise TypeError(f"SamplingParams has no field {sorted(unknown)}")
+        diff = {k: v for k, v in changes.items() if getattr(self, k) != v}
+        if not diff:
+            return self
+        if diff.keys() & _SAMPLING_CHECKED:
+            return dataclasses.replace(self, **diff)
+        new = object.__new__(SamplingParams)
+        new.__dict__.update(self.__dict__, **diff)  # frozen: filled like __init__ does
+        return new
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_SAMPLING_CHECKED = frozenset(
+    {"continued", "temperature", "top_p", "max_new_tokens", "stop", "stop_token_ids"}
+)
+"""The fields ``SamplingParams.__post_init__`` checks or normalizes."""
 
 
 @dataclass

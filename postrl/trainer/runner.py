@@ -162,7 +162,8 @@ class LocalRunner:
     async def settle(self, handles: list[Any]) -> None:
         """Await the streamed rule scores of the group."""
         keys = [(h.row["uid"], int(h.row["sample_index"])) for h in handles]
-        futures = self.reward.streamed(keys)
+        # an inline rule has scored before submit returned: only a worker's scores are awaited
+        futures = [f for f in self.reward.streamed(keys) if not f.done()]
         if futures:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
 

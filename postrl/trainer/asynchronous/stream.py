@@ -34,7 +34,6 @@ again, so each prompt of an epoch is trained exactly once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -206,9 +205,7 @@ class GroupStream:
         self.buffer.start((uid, k))
         try:
             # older dispatch steps first: an interrupted trajectory resumes before fresh ones
-            sampling = dataclasses.replace(
-                self._sampling, priority=self.buffer.group(uid).dispatch_step
-            )
+            sampling = self._sampling.evolve(priority=self.buffer.group(uid).dispatch_step)
             handle = await self.runner.run(row, sampling)
         finally:
             self._tasks.pop((uid, k), None)

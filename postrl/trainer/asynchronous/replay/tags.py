@@ -95,8 +95,15 @@ class TrajectoryTag:
         return (self.group_uid, self.sample_index)
 
     def replace(self, **changes: Any) -> TrajectoryTag:
-        """A copy with ``changes`` applied (tags are immutable)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied (tags are immutable; an unknown field is a
+        ``TypeError``). Three per trajectory: a field copy, not ``dataclasses.replace``'s
+        ``__init__`` (no field has a check to rerun)."""
+        unknown = changes.keys() - _TAG_FIELDS
+        if unknown:
+            raise TypeError(f"TrajectoryTag has no field {sorted(unknown)}")
+        new = object.__new__(TrajectoryTag)
+        new.__dict__.update(self.__dict__, **changes)
+        return new
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict (``status`` as its string value)."""
@@ -219,3 +226,6 @@ class Eviction:
 def sort_oldest_first(groups: Sequence[GroupTags]) -> list[GroupTags]:
     """Groups ordered by (oldest token version, dispatch step, admission order)."""
     return sorted(groups, key=lambda g: (g.oldest_version, g.dispatch_step, g.seq))
+
+
+_TAG_FIELDS = frozenset(f.name for f in dataclasses.fields(TrajectoryTag))
