@@ -133,12 +133,8 @@ class AgentLoopManager:
 
     async def run(self, row: dict[str, Any], sampling: Any) -> AgentLoopOutput:
         """Run one trajectory row (from :meth:`rows`) through its agent loop."""
-        if getattr(sampling, "temperature", 0) <= 0:
-            sp = sampling
-        elif hasattr(sampling, "evolve"):  # postrl's SamplingParams: the per-request fast copy
-            sp = sampling.evolve(seed=row["seed"])
-        else:
-            sp = replace(sampling, seed=row["seed"])
+        greedy = getattr(sampling, "temperature", 0) <= 0
+        sp = sampling if greedy else sampling.evolve(seed=row["seed"])
         return await self._loop(row.get("agent_name")).run(sp, **row)
 
     async def aclose(self) -> None:

@@ -671,9 +671,11 @@ model)."""
 def _work_of(model: str | None, kind: str) -> Callable[[], None]:
     if kind not in WORK_KINDS:
         raise ValueError(f"work kind {kind!r}: choose one of {WORK_KINDS}")
-    key = (model, kind if model else "generation")  # no model: the MLP block stands for both
+    if not model:  # no model: the MLP block stands for both kinds
+        kind = "generation"
+    key = (model, kind)
     if key not in _WORK:
-        _WORK[key] = _update_work(model) if key[1] == "update" and model else _work(model)
+        _WORK[key] = _update_work(model) if model and kind == "update" else _work(model)
     return _WORK[key]
 
 
@@ -801,20 +803,24 @@ def validate_bench(
     ``update_speedup`` where it measured one (older outputs: ``speedup`` for both)."""
     w = results["workloads"][workload]
     settings = results["settings"]
+    at = int(w.get("speedup_threads") or settings.get("threads", 2))
+
+    def measured(key: str) -> tuple[float, Callable[[float], float]]:
+        """The median ``s(at)`` the benchmark recorded under ``key`` beside its runs."""
+        s = statistics.median(w[key]) if at > 1 else 1.0
+        return s, power_speedup(s, at)
+
     s_measured = None
-    if speedup is None:  # the s(threads) the benchmark measured beside its runs
+    if speedup is None:
         if not w.get("speedup"):
             raise ValueError(
                 f"{workload}: the benchmark output records no speed-up: pass --speedup"
             )
-        at = int(w.get("speedup_threads") or settings.get("threads", 2))
-        s_measured = statistics.median(w["speedup"]) if at > 1 else 1.0
-        speedup = power_speedup(s_measured, at)
-    s_update, update_speedup = None, None
-    if w.get("update_speedup"):  # the update's own s(threads), when the benchmark measured it
-        at = int(w.get("speedup_threads") or settings.get("threads", 2))
-        s_update = statistics.median(w["update_speedup"]) if at > 1 else 1.0
-        update_speedup = power_speedup(s_update, at)
+        s_measured, speedup = measured("speedup")
+    # the update's own, when the benchmark measured it
+    s_update, update_speedup = (
+        measured("update_speedup") if w.get("update_speedup") else (None, None)
+    )
     contention = statistics.median(w["contention"]) if w.get("contention") else 1.0
     if lat is None:  # the workload's own latency, from the benchmark's settings
         lat = bench_latency(settings, workload)
