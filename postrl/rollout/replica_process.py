@@ -192,6 +192,7 @@ def replica_main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
+    from postrl.protocol.heap import freeze_now
     from postrl.rollout.base import create_rollout_backend
     from postrl.rollout.client import RolloutClient, RolloutReplica
     from postrl.rollout.server import create_app
@@ -204,6 +205,7 @@ def replica_main(argv: list[str] | None = None) -> int:
 
         cores = CoreOwner(a.shared_dir, a.core_lease)
     replica = RolloutReplica(backend, cores=cores, shared_dir=a.shared_dir or None)
+    freeze_now()  # the loaded engine lives as long as the process: off the collector's walks
     app = create_app(replica)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

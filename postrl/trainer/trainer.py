@@ -227,7 +227,16 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
-        """Train for ``total_steps`` (resuming if configured); returns the last step's metrics."""
+        """Train for ``total_steps`` (resuming if configured); returns the last step's metrics.
+
+        The objects alive at the start are kept off the garbage collector for the run
+        (``trainer.freeze_gc``, :func:`postrl.protocol.heap.frozen_heap`)."""
+        from postrl.protocol.heap import frozen_heap
+
+        with frozen_heap(self.cfg.trainer.freeze_gc):
+            return self._fit()
+
+    def _fit(self) -> dict[str, float]:
         from postrl.tracking import Tracker, make_plots, summarize
 
         start = self._maybe_resume()

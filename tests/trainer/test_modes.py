@@ -139,3 +139,31 @@ def test_on_policy_metadata_drives_old_log_prob_fusion(small_overrides):
                 None, [*base, "trainer.mode=toy_offpolicy_test", "actor.fuse_old_log_prob=true"]
             )
         )
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_fit_keeps_the_startup_heap_off_the_collector_only_while_it_trains(small_overrides, freeze):
+    """``trainer.freeze_gc``: the objects alive when ``fit`` starts are frozen during the steps
+    (no full collection walks the model) and handed back to the collector when it returns."""
+    import gc
+
+    from postrl.trainer.hooks import install, uninstall
+
+    seen: list[int] = []
+    hook = install(
+        lambda point: seen.append(gc.get_freeze_count()) if point.endswith(":end") else None
+    )
+    try:
+        trainer = RLTrainer(load_config(None, [*small_overrides, f"trainer.freeze_gc={freeze}"]))
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+    finally:
+        uninstall(hook)
+    assert len(seen) == 2
+    if freeze:
+        assert min(seen) > 10_000  # torch's and transformers' modules, the model, the data
+    else:
+        assert seen == [0, 0]
+    assert gc.get_freeze_count() == 0
