@@ -552,6 +552,17 @@ class AsyncConfig:
     """``drop``: evict complete groups older than the bound (whole groups; each prompt is
     generated again on the current weights, so it is still trained once in its epoch);
     ``wait``: never drop — the update waits for groups it can train within the bound."""
+    score_on_completion: bool | None = None
+    """Score each group as it completes (true) or the taken batch at once in the step's reward
+    stage, as ``sync`` does (false). At completion the reward stage runs once per set of groups
+    that finish together, beside the generation: what a batch reward function or a reward
+    model costs is hidden behind it, and a group past ``reward.max_failure_ratio`` is evicted
+    and generated again. At the take it runs once per step (on W1 it cost ``one_step_off`` ≈ 3 %
+    of its step to score group by group, docs/async.md), and reward failures are ``sync``'s: the
+    failed rows are masked and a batch past the ratio stops the run. None (auto): at completion
+    with ``algorithm.filter_groups.enable`` (DAPO needs the scores to evict), a reward model, or
+    a batch reward function (``reward.custom_function.batch`` or a registered one); at the take
+    otherwise. A data plane whose replicas score the groups always scores at completion."""
     take_order: str = "auto"
     """Which complete groups a take may choose. ``completion``: any complete group within the
     bound (``trainer.sampler`` picks): what finishes first trains first, so on a workload whose

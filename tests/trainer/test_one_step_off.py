@@ -233,6 +233,7 @@ def test_filtered_and_failed_groups_are_evicted_and_refilled_exactly(
         "data.val_files=[]",
         "reward.max_failure_ratio=0.0",
         f"algorithm.filter_groups.enable={evicted == 'filtered'}",
+        "trainer.async.score_on_completion=true",  # (a failed group is evicted only then)
     ]
     trainer = RLTrainer(load_config(None, ov))
     seen = _spy_updates(trainer)
@@ -251,7 +252,16 @@ def test_filtered_and_failed_groups_are_evicted_and_refilled_exactly(
     )  # one refill per evicted group
 
 
-def test_a_reward_that_always_fails_stops_the_run(tiny_model_dir, epoch_files, tmp_path):
+@pytest.mark.parametrize(
+    "at_completion, message",
+    [(True, "evicted for reward failures"), (None, "samples failed to score")],
+)
+def test_a_reward_that_always_fails_stops_the_run(
+    tiny_model_dir, epoch_files, tmp_path, at_completion, message
+):
+    """Scored at completion, the failed groups are evicted until more fail than a batch holds;
+    scored at the take (the default without filtering), the step's reward stage stops the run
+    as ``sync``'s does."""
     from postrl.reward import RewardFailureError
 
     fn = tmp_path / "broken.py"
@@ -259,13 +269,37 @@ def test_a_reward_that_always_fails_stops_the_run(tiny_model_dir, epoch_files, t
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    raise ValueError('x')\n"
     )
-    ov = [*_base(tiny_model_dir, epoch_files, fn, tmp_path / "run"), "data.val_files=[]"]
+    ov = [
+        *_base(tiny_model_dir, epoch_files, fn, tmp_path / "run"),
+        "data.val_files=[]",
+        f"trainer.async.score_on_completion={'null' if at_completion is None else at_completion}",
+    ]
     trainer = RLTrainer(load_config(None, ov))
     try:
-        with pytest.raises(RewardFailureError, match="evicted for reward failures"):
+        with pytest.raises(RewardFailureError, match=message):
             trainer.fit()
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_score_on_completion_resolves_to_where_the_scores_are_needed(mode):
+    """Unset, ``trainer.async.score_on_completion`` scores at completion only for DAPO's
+    filter, a reward model or a batch reward function; an explicit value wins."""
+    from postrl.trainer.asynchronous.feed import score_on_completion
+
+    def resolved(*over: str) -> bool:
+        return score_on_completion(load_config(None, [f"trainer.mode={mode}", *over]))
+
+    assert resolved() is False
+    assert resolved("algorithm.filter_groups.enable=true") is True
+    assert resolved("reward.model.enable=true", "reward.model.path=/x") is True
+    assert resolved("reward.custom_function.batch=true") is True
+    assert resolved("trainer.async.score_on_completion=true") is True
+    assert (
+        resolved("algorithm.filter_groups.enable=true", "trainer.async.score_on_completion=false")
+        is False
+    )
 
 
 def test_a_step_that_generates_itself_runs_while_the_next_batch_is_paused(
@@ -372,6 +406,7 @@ def test_groups_that_complete_together_are_scored_in_one_call(
             *_base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run"),
             "trainer.total_steps=4",
             "trainer.test_freq=0",
+            "trainer.async.score_on_completion=true",
         ],
     )
     trainer = RLTrainer(cfg)
@@ -417,6 +452,7 @@ def test_groups_with_segment_rows_scored_together_keep_each_groups_rows(
             *_base(tiny_model_dir, epoch_files, digits_reward, tmp_path / "run"),
             "trainer.total_steps=3",
             "trainer.test_freq=0",
+            "trainer.async.score_on_completion=true",
         ],
     )
     trainer = RLTrainer(cfg)

@@ -37,7 +37,25 @@ from postrl.trainer.modes import refill_limit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncFeed"]
+__all__ = ["AsyncFeed", "score_on_completion"]
+
+
+def score_on_completion(cfg: Any) -> bool:
+    """``trainer.async.score_on_completion`` resolved (its docstring): when unset, groups are
+    scored as they complete only where that buys something — DAPO's filter needs the scores to
+    evict, and a reward model or a batch reward function is hidden behind the generation —
+    and otherwise the taken batch is scored at once, as ``sync`` scores it."""
+    from postrl.reward.registry import REWARD_FNS
+
+    explicit = cfg.trainer.async_.score_on_completion
+    if explicit is not None:
+        return bool(explicit)
+    return bool(
+        cfg.algorithm.filter_groups.enable
+        or cfg.reward.model.enable
+        or cfg.reward.custom_function.batch
+        or any(REWARD_FNS.meta(name).get("batch") for name in REWARD_FNS.names())
+    )
 
 
 class AsyncFeed:
@@ -73,7 +91,7 @@ class AsyncFeed:
         self.stream = GroupStream(
             ctx,
             buffer,
-            score_on_completion=True,
+            score_on_completion=score_on_completion(cfg),
             inline_scoring=inline_scoring,
             max_refills=refill_limit(cfg) if fg.enable else None,
         )

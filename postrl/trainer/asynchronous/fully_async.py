@@ -12,7 +12,8 @@ trainer's event loop runs in a background thread, so agent loops, tool calls, re
 and the traffic to the replicas go on while the main thread trains.
 
 One step trains **one PPO mini-batch** (``actor.ppo_mini_batch_size`` groups: one optimizer
-step), taken from the replay buffer as soon as that many groups are complete and scored;
+step), taken from the replay buffer as soon as that many groups are complete (and scored, where
+``trainer.async.score_on_completion`` resolves true; else the step's reward stage scores it);
 weights are pushed every ``trainer.async.parameter_sync_step`` steps
 (``data.train_batch_size = parameter_sync_step × ppo_mini_batch_size``: the samples between two
 pushes, and the unit of the staleness bound). An epoch is ``parameter_sync_step`` × as many

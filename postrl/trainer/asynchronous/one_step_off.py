@@ -27,10 +27,13 @@ Why it pays: a sync step waits for its slowest trajectory while the batch's othe
 here the long tail of one batch overlaps the start of the next, and a trajectory waiting on a
 tool keeps waiting (the tool still runs) while the actor trains.
 
-Groups are scored as they complete (reward overlaps generation; the groups that complete in one
-loop turn by one reward call); ``filtered`` (DAPO) and ``failed`` (``reward.max_failure_ratio``)
-groups are evicted and refilled at once, stale ones (``staleness_strategy=drop``) when an update
-would take them. The update must correct for the behaviour policy: PPO clipped against it
+Where the scores are needed early (``trainer.async.score_on_completion``: DAPO's filter, a
+reward model or a batch reward function) groups are scored as they complete (the reward
+overlaps generation; the groups that complete in one loop turn by one reward call), and
+``filtered`` (DAPO) and ``failed`` (``reward.max_failure_ratio``) groups are evicted and
+refilled at once; otherwise the taken batch is scored whole by the step's reward stage, as in
+``sync`` (a per-sample rule still scores each trajectory as it finishes). Stale groups
+(``staleness_strategy=drop``) are evicted when an update would take them. The update must correct for the behaviour policy: PPO clipped against it
 (``actor.policy_loss=bypass_mode``: ``r = π_θ/μ``, μ the rollout's log-probs — the two batches of
 a pair are sampled by the same weights, and only a trust region around μ stops the second update
 from pushing again what the first already pushed; docs/async.md), decoupled PPO

@@ -11,13 +11,14 @@ what differs between the planes. A prompt admitted into the buffer becomes ``rol
 the context's event loop; each trajectory reports to the buffer as it starts and finishes, and a
 complete group is either
 
-* **scored at completion** (``score_on_completion``: DAPO filtering and the async modes) — the
+* **scored at completion** (``score_on_completion``: DAPO filtering, and the async modes where
+  ``trainer.async.score_on_completion`` resolves true) — the
   reward stage scores the group's n rows as one batch (streamed rule scores, reward model, tool
   rewards, shaping: the same code as a whole batch), and the buffer decides from the scores:
   ``filtered`` (no signal) or ``failed`` (failures past ``reward.max_failure_ratio``) groups are
   evicted and one refill prompt is admitted for each, at once; or
 * **kept unscored** — the trainer's reward stage scores the taken batch (``sync`` without
-  filtering: the same batch, scored the same way, as before the buffer existed).
+  filtering, and the async modes otherwise: the same batch, scored the same way).
 
 :meth:`take` runs the loop until the buffer's sampler hands out ``k`` complete groups within the
 staleness bound (event-driven: a group's completion wakes it) and returns them as one batch in
