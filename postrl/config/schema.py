@@ -711,9 +711,9 @@ class TrainerConfig:
     """Keep Python's cyclic garbage collector off the objects that exist when training starts
     (the models, torch's and transformers' modules, the dataset): collect once, then
     ``gc.freeze`` them for the run (``postrl.protocol.heap``) in the trainer's process (a
-    rollout replica process always freezes its loaded engine). Without it, each full collection walked ≈ 430 000 objects
-    for 157-173 ms on W1, stalling one step in fifteen (docs/benchmarks.md). False: CPython's
-    default collector."""
+    rollout replica process always freezes its loaded engine). Without it, each full
+    collection walked ≈ 430 000 objects for 157-173 ms on W1, stalling one step in fifteen
+    (docs/async.md). False: CPython's default collector."""
     lend_cores: bool = True
     """Rollout replica processes on this machine (``fully_async``'s, a ``vllm`` replica's;
     ``trainer.backend=local``, ``trainer.device=cpu``, and ``trainer.num_threads`` plus the

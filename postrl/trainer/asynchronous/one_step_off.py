@@ -33,7 +33,8 @@ overlaps generation; the groups that complete in one loop turn by one reward cal
 ``filtered`` (DAPO) and ``failed`` (``reward.max_failure_ratio``) groups are evicted and
 refilled at once; otherwise the taken batch is scored whole by the step's reward stage, as in
 ``sync`` (a per-sample rule still scores each trajectory as it finishes). Stale groups
-(``staleness_strategy=drop``) are evicted when an update would take them. The update must correct for the behaviour policy: PPO clipped against it
+(``staleness_strategy=drop``) are evicted when an update would take them. The update must
+correct for the behaviour policy: PPO clipped against it
 (``actor.policy_loss=bypass_mode``: ``r = π_θ/μ``, μ the rollout's log-probs — the two batches of
 a pair are sampled by the same weights, and only a trust region around μ stops the second update
 from pushing again what the first already pushed; docs/async.md), decoupled PPO
