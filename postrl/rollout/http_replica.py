@@ -112,6 +112,7 @@ class HTTPRolloutReplica(Liveness):
         buffers, core leases; None: none)."""
         self._shared: Any = None  # the SharedWeightBuffer pushes are packed into
         self._channel: ReplicaChannel | None = None
+        self.on_dead(self._fail_channel)
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._wsock: Any = None  # the blocking connection weight frames travel on
         self._wfile: Any = None
@@ -160,6 +161,9 @@ class HTTPRolloutReplica(Liveness):
         }
         self._inflight += 1
         try:
+            if self.stream_port:  # the channel fails its calls when the replica is declared
+                self.check_alive()  # dead (_fail_channel): no race task per request
+                return await self._post_generate(body)
             return await self.race(self._post_generate(body))
         finally:
             self._inflight -= 1
@@ -212,7 +216,21 @@ class HTTPRolloutReplica(Liveness):
         ch = self._channel
         if ch is None or ch.loop is not loop or ch.broken:
             ch = self._channel = ReplicaChannel(loop, self.stream_port)
+            if self.dead_reason is not None:  # declared dead before this channel existed
+                ch.failed = ReplicaDeadError(self.replica_id, self.dead_reason)
         return ch
+
+    def _fail_channel(self) -> None:
+        """The replica was declared dead (on whichever thread declared it): the requests
+        waiting on its channel fail with :class:`ReplicaDeadError` at once."""
+        ch = self._channel
+        if ch is None or ch.loop.is_closed():
+            return
+        err = ReplicaDeadError(self.replica_id, self.dead_reason or "declared dead")
+        try:
+            ch.loop.call_soon_threadsafe(ch.fail_all, err)
+        except RuntimeError:  # the loop closed meanwhile: nothing waits on it
+            pass
 
     # ------------------------------------------------------------------ control
     def _post(self, route: str, **kw: Any) -> dict[str, Any]:

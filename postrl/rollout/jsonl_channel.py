@@ -41,6 +41,9 @@ class ReplicaChannel:
         self.loop = loop
         self.port = port
         self.broken = False
+        self.failed: BaseException | None = None
+        """The error every call raises once :meth:`fail_all` ran (the replica was declared
+        dead): pending calls fail with it at once, later ones before they send."""
         self._next = 0
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -85,6 +88,8 @@ class ReplicaChannel:
         ``asyncio.wait_for``: no task and no waiter of its own per request (W1 sends 128 a step)."""
         if self._writer is None:
             await asyncio.wait_for(self._ensure(), timeout_s)
+        if self.failed is not None:
+            raise self.failed
         if self.broken or self._writer is None:
             raise ConnectionError("replica stream closed")
         self._next += 1
@@ -98,6 +103,18 @@ class ReplicaChannel:
             self._pending.pop(rid, None)
             if timer is not None:
                 timer.cancel()
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every pending call with ``error``, and every later one before it sends (on the
+        channel's loop; from another thread use ``loop.call_soon_threadsafe``). A replica
+        handle calls it when the replica is declared dead, so a request waiting on a process
+        that hangs fails at once without a task of its own racing the death (W1 sends 128
+        requests a step)."""
+        self.failed = error
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(error)
 
     async def send(self, msg: dict[str, Any]) -> None:
         """Send ``msg`` without waiting for an answer (abort). Waits for the connection to

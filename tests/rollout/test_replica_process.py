@@ -122,6 +122,45 @@ def test_a_killed_replica_is_detected_and_its_requests_reissued(replicas, tiny_m
         asyncio.run(dead.generate(PROMPTS[0], sp, "late"))
 
 
+def test_a_hung_replica_declared_dead_fails_its_waiting_requests_at_once(tiny_model_dir, tmp_path):
+    """A replica whose process hangs (SIGSTOP) answers nothing; declaring it dead from another
+    thread (what the watchdog does) fails the requests waiting on its stream at once with
+    ``ReplicaDeadError``, and a later request fails before it is sent."""
+    import threading
+
+    from postrl.rollout.replica_process import spawn_replica
+
+    rep = spawn_replica(
+        tiny_model_dir,
+        options={"max_num_seqs": 8, "max_model_len": 128},
+        log_path=tmp_path / "hung.log",
+    )
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
+    try:
+        assert rep.stream_port
+
+        async def run() -> float:
+            await rep.generate(PROMPTS[0], sp, "warm")  # the stream is open
+            os.kill(rep.process.pid, signal.SIGSTOP)
+            waiting = asyncio.ensure_future(rep.generate(PROMPTS[1], sp, "stuck"))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            threading.Thread(target=rep.mark_dead, args=("no answer to /health",)).start()
+            with pytest.raises(ReplicaDeadError, match="no answer"):
+                await asyncio.wait_for(waiting, 30)
+            took = loop.time() - t0
+            with pytest.raises(ReplicaDeadError):
+                await rep.generate(PROMPTS[2], sp, "later")
+            return took
+
+        assert asyncio.run(run()) < 5.0
+    finally:
+        os.kill(rep.process.pid, signal.SIGCONT)
+        rep.close()
+
+
 def test_raw_weight_frames_are_checked_and_the_process_runs_at_its_niceness(
     tiny_model_dir, tmp_path
 ):
