@@ -8,7 +8,9 @@ One build path for every C kernel library (the native engine's decode kernels,
   (``-fopenmp`` links libgomp by its soname, which resolves to the copy torch already loaded, so
   the kernels' threads are torch's OpenMP pool), then single-threaded ``-fopenmp-simd`` builds
   (``-mcpu=native`` for arm64 compilers, then plain). ``-I`` this folder, so a source may include
-  :file:`simd.h` (the shared vector math).
+  :file:`simd.h` (the shared vector math). ``POSTRL_KERNELS_MARCH=x86-64-v3`` builds for that
+  ISA level instead of the host's (an AVX-512 machine then runs an AVX2-only CPU's code: no
+  zmm, ymm16-31 or mask registers; its own cache entry).
 * **Cache.** ``$POSTRL_CACHE_DIR`` (default ``~/.cache/postrl``)``/kernels/<prefix>-<hash>.so``,
   keyed by the source, the headers of this folder, the compiler, the flags and the CPU's feature
   flags (so a shared home directory never hands a machine code it cannot run). Only a private
@@ -42,6 +44,7 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 __all__ = [
+    "MARCH_ENV",
     "Once",
     "VARIANTS",
     "cache_dir",
@@ -49,6 +52,7 @@ __all__ = [
     "load_library",
     "openmp_runtimes",
     "sanitizer_preload",
+    "variants",
 ]
 
 logger = logging.getLogger(__name__)
@@ -61,8 +65,30 @@ VARIANTS: tuple[tuple[str, ...], ...] = (
     ("-mcpu=native", "-fopenmp-simd"),
     ("-fopenmp-simd",),
 )
-"""Flag variants tried in order; the first that compiles is used."""
+"""Flag variants tried in order; the first that compiles is used (``-march=native`` becomes
+``-march=$POSTRL_KERNELS_MARCH`` when that is set: :func:`variants`)."""
 _SERIAL = VARIANTS[1:]  # when the OpenMP build would bring a second runtime
+MARCH_ENV = "POSTRL_KERNELS_MARCH"
+"""Environment variable: build the kernels for this ``-march`` instead of the host's, e.g.
+``x86-64-v3`` (AVX2 and FMA, no AVX-512) on an AVX-512 machine, to reproduce an AVX2-only
+CPU's code and rounding (docs/learning.md, "The AVX2 kind on an AVX-512 machine")."""
+
+
+def variants(base: tuple[tuple[str, ...], ...] = VARIANTS) -> tuple[tuple[str, ...], ...]:
+    """``base`` with ``-march=native`` replaced by ``-march=$POSTRL_KERNELS_MARCH`` when that
+    is set (a value with anything but letters, digits, ``-``, ``_`` and ``.`` is refused)."""
+    march = os.environ.get(MARCH_ENV, "").strip()
+    if not march:
+        return base
+    if not all(c.isalnum() or c in "-_." for c in march):
+        raise ValueError(f"{MARCH_ENV}={march!r}: expected a -march name such as x86-64-v3")
+    return tuple(
+        tuple(f"-march={march}" if f == "-march=native" else f for f in v)
+        for v in base
+        if "-mcpu=native" not in v  # the arm64 fallback does not apply to a named x86 level
+    )
+
+
 _SANITIZE_FLAGS = (
     "-fsanitize=address,undefined",
     "-fno-sanitize-recover=all",
@@ -216,7 +242,7 @@ def load_library(cc: str, src: Path, prefix: str) -> tuple[ctypes.CDLL, Path, st
     variant used)``. Raises ``OSError``, ``RuntimeError`` or ``subprocess.TimeoutExpired`` when it
     cannot; the caller reports that and falls back."""
     before = openmp_runtimes()
-    out = _build_and_load(cc, src, prefix, VARIANTS)
+    out = _build_and_load(cc, src, prefix, variants())
     if len(openmp_runtimes()) > max(1, len(before)):
         logger.warning(
             "fused CPU kernels %s: their OpenMP runtime is not torch's (%s); using the "
@@ -224,7 +250,7 @@ def load_library(cc: str, src: Path, prefix: str) -> tuple[ctypes.CDLL, Path, st
             src.name,
             sorted(openmp_runtimes() - before),
         )
-        out = _build_and_load(cc, src, prefix, _SERIAL)
+        out = _build_and_load(cc, src, prefix, variants(_SERIAL))
     return out
 
 
