@@ -71,7 +71,7 @@ _SERIAL = VARIANTS[1:]  # when the OpenMP build would bring a second runtime
 MARCH_ENV = "POSTRL_KERNELS_MARCH"
 """Environment variable: build the kernels for this ``-march`` instead of the host's, e.g.
 ``x86-64-v3`` (AVX2 and FMA, no AVX-512) on an AVX-512 machine, to reproduce an AVX2-only
-CPU's code and rounding (docs/learning.md, "The AVX2 kind on an AVX-512 machine")."""
+CPU's code and rounding (docs/learning.md, "The quickstart on AVX2 code")."""
 
 
 def variants(base: tuple[tuple[str, ...], ...] = VARIANTS) -> tuple[tuple[str, ...], ...]:

@@ -11,9 +11,9 @@ allocates afterwards (one full collection of ≈1.4 ms in 30 steps). Nothing is 
 end the objects go back to the collector (:func:`gc.unfreeze`), so a process that builds
 several trainers in turn (a test suite) still frees the earlier ones' cycles.
 
-Reference: the CPython docs of ``gc.freeze`` ("avoid copy-on-write ... and to improve
-performance of garbage collection") and Instagram's account of disabling the collector
-(engineering.fb.com, 2017).
+Reference: the CPython documentation of ``gc.freeze`` (the permanent generation; meant for a
+process's long-lived start-up objects), and Instagram Engineering, "Dismissing Python Garbage
+Collection at Instagram" (2017), on what full collections over a large start-up heap cost.
 """
 
 from __future__ import annotations
