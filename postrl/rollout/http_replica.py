@@ -217,8 +217,11 @@ class HTTPRolloutReplica(Liveness):
         if ch is None or ch.loop is not loop or ch.broken:
             ch = self._channel = ReplicaChannel(loop, self.stream_port)
             if self.dead_reason is not None:  # declared dead before this channel existed
-                ch.failed = ReplicaDeadError(self.replica_id, self.dead_reason)
+                ch.fail_all(self._dead_error)
         return ch
+
+    def _dead_error(self) -> ReplicaDeadError:
+        return ReplicaDeadError(self.replica_id, self.dead_reason or "declared dead")
 
     def _fail_channel(self) -> None:
         """The replica was declared dead (on whichever thread declared it): the requests
@@ -226,9 +229,8 @@ class HTTPRolloutReplica(Liveness):
         ch = self._channel
         if ch is None or ch.loop.is_closed():
             return
-        err = ReplicaDeadError(self.replica_id, self.dead_reason or "declared dead")
         try:
-            ch.loop.call_soon_threadsafe(ch.fail_all, err)
+            ch.loop.call_soon_threadsafe(ch.fail_all, self._dead_error)
         except RuntimeError:  # the loop closed meanwhile: nothing waits on it
             pass
 

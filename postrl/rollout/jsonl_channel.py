@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["LINE_LIMIT", "ReplicaChannel", "serve_replica_stream"]
@@ -41,9 +42,10 @@ class ReplicaChannel:
         self.loop = loop
         self.port = port
         self.broken = False
-        self.failed: BaseException | None = None
-        """The error every call raises once :meth:`fail_all` ran (the replica was declared
-        dead): pending calls fail with it at once, later ones before they send."""
+        self.failed: Callable[[], BaseException] | None = None
+        """Once :meth:`fail_all` ran (the replica was declared dead): what makes the error every
+        call raises — pending calls at once, later ones before they send (a fresh instance each,
+        so their tracebacks do not pile onto one object)."""
         self._next = 0
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -89,7 +91,7 @@ class ReplicaChannel:
         if self._writer is None:
             await asyncio.wait_for(self._ensure(), timeout_s)
         if self.failed is not None:
-            raise self.failed
+            raise self.failed()
         if self.broken or self._writer is None:
             raise ConnectionError("replica stream closed")
         self._next += 1
@@ -104,8 +106,8 @@ class ReplicaChannel:
             if timer is not None:
                 timer.cancel()
 
-    def fail_all(self, error: BaseException) -> None:
-        """Fail every pending call with ``error``, and every later one before it sends (on the
+    def fail_all(self, error: Callable[[], BaseException]) -> None:
+        """Fail every pending call with ``error()``, and every later one before it sends (on the
         channel's loop; from another thread use ``loop.call_soon_threadsafe``). A replica
         handle calls it when the replica is declared dead, so a request waiting on a process
         that hangs fails at once without a task of its own racing the death (W1 sends 128
@@ -114,7 +116,7 @@ class ReplicaChannel:
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():
-                fut.set_exception(error)
+                fut.set_exception(error())
 
     async def send(self, msg: dict[str, Any]) -> None:
         """Send ``msg`` without waiting for an answer (abort). Waits for the connection to

@@ -88,24 +88,24 @@ def test_fail_all_fails_the_pending_calls_at_once_and_every_later_one():
     """A replica declared dead fails its channel: a call waiting on an answer that will never
     come raises the error at once, and a later call raises it before sending."""
 
-    async def run() -> None:
+    async def main() -> None:
         server, port = await _server({"hang": 3600.0})
+        loop = asyncio.get_running_loop()
+        ch = ReplicaChannel(loop, port)
         try:
-            loop = asyncio.get_running_loop()
-            ch = ReplicaChannel(loop, port)
             assert (await ch.call({"echo": "ok"}))["echo"] == "ok"
             waiting = loop.create_task(ch.call({"echo": "hang"}))
             await asyncio.sleep(0.05)
             assert not waiting.done()
             t0 = loop.time()
-            loop.call_soon_threadsafe(ch.fail_all, RuntimeError("replica 0 declared dead"))
+            loop.call_soon_threadsafe(ch.fail_all, lambda: RuntimeError("replica 0 declared dead"))
             with pytest.raises(RuntimeError, match="declared dead"):
                 await waiting
             assert loop.time() - t0 < 1.0 and ch._pending == {}
             with pytest.raises(RuntimeError, match="declared dead"):
                 await ch.call({"echo": "later"})
-            ch.close()
         finally:
+            ch.close()
             server.close()
 
-    asyncio.run(run())
+    asyncio.run(main())
