@@ -6,7 +6,8 @@ STAMP := $(VENV)/.postrl-installed
 RUN ?= runs/quickstart
 PYTEST_ARGS ?=
 
-.PHONY: quickstart test test-fast test-stress test-sanitize lint install clean vllm-venv verifiers-venv
+.PHONY: quickstart test test-fast test-stress test-sanitize lint install clean vllm-venv verifiers-venv \
+	trl-venv acceptance
 
 install: $(STAMP)
 
@@ -59,6 +60,28 @@ $(VERIFIERS_STAMP):
 	$(VERIFIERS_VENV)/bin/python -m pip install -q verifiers==$(VERIFIERS_VERSION) uv
 	PATH=$(VERIFIERS_VENV)/bin:$$PATH $(VERIFIERS_VENV)/bin/python postrl/agent/verifiers/worker.py --prepare
 	touch $(VERIFIERS_STAMP)
+
+# TRL's venv, for the side-by-side benchmarks (benchmarks/trl_step.py, benchmarks/acceptance.py);
+# TRL is not a dependency of postrl. Cached per user like the vLLM one.
+TRL_VERSION := 1.16.0
+TRL_VENV ?= $(HOME)/.cache/postrl/venv-trl-$(TRL_VERSION)
+TRL_STAMP := $(TRL_VENV)/.postrl-trl-installed
+trl-venv: $(TRL_STAMP)
+
+$(TRL_STAMP):
+	test -x $(TRL_VENV)/bin/python || $(PY) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(TRL_VENV)/bin/python -m pip install -q trl==$(TRL_VERSION) pandas pyarrow
+	$(TRL_VENV)/bin/python -c "import trl, torch; assert torch.__version__.startswith('2.13.0')"
+	touch $(TRL_STAMP)
+
+# Issue 37's acceptance in one run (~1 hour on 2 cores): TRL side by side, the async modes on
+# the latency workload and W1, the planner against them, the quickstart's band, the recipe at
+# 10 minutes; the report in runs/acceptance/report.md (benchmarks/acceptance.py).
+ACCEPTANCE_ARGS ?=
+acceptance: $(STAMP) trl-venv
+	TRL_VENV=$(TRL_VENV) $(BIN)/python benchmarks/acceptance.py $(ACCEPTANCE_ARGS)
 
 quickstart: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m postrl.recipes.quickstart --run-dir $(RUN)

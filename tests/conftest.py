@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 # Before torch loads its OpenMP runtime: a thread that waits for its team sleeps instead of
 # spinning. The suite runs two xdist workers of two torch threads each on two cores; spinning
@@ -93,6 +94,7 @@ def load_benchmark():
             f"bench_{name}", root / "benchmarks" / f"{name}.py"
         )
         mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses resolve string annotations through it
         spec.loader.exec_module(mod)
         return mod
 
