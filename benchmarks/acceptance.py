@@ -29,9 +29,10 @@ stage               what runs, and the goal it is checked against
 About 60 minutes on 2 cores (the recipe alone is 3 × 10 minutes). ``--only`` picks stages;
 a stage whose output is already in ``--work-dir`` is read, not run again, unless ``--rerun``
 (so an interrupted run resumes where it stopped). Each stage's log is ``WORK/<stage>.log``;
-the report is printed and written to ``WORK/report.md`` and ``WORK/report.json``. The exit
-status is 0 when every stage ran, whatever the verdicts: a missed goal is a finding, reported as
-``MISS``, not a crash.
+the report is printed and written to ``WORK/report.md`` and ``WORK/report.json``. A stage
+that fails (a benchmark exits non-zero, an input is missing) is a ``FAILED`` row and the other
+stages still run. The exit status is 0 when every stage ran, whatever the verdicts (a missed goal
+is a finding, reported as ``MISS``), and 1 when a stage failed.
 """
 
 from __future__ import annotations
@@ -408,9 +409,17 @@ def main(argv: list[str] | None = None) -> int:
         "recipe": recipe,
         "async-learning": learning,
     }
+    failed = []
     for name in STAGES:
-        if name in only:
+        if name not in only:
+            continue
+        try:
             rows += add[name]()
+        except Exception as e:  # noqa: BLE001 - reported as the stage's row; the others still run
+            failed.append(name)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            rows.append(Row("-", f"stage {name}", f"FAILED: {first}", "runs", False))
+            sys.stderr.write(f"stage {name} failed: {e}\n")
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
@@ -430,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(text)
     print(f"report: {work / 'report.md'}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -100,16 +100,21 @@ def _bench_output(workload: str, sync: float, osoff: float, fa: float) -> dict:
     }
 
 
+def _quickstart_metrics(work: Path) -> None:
+    """The quickstart stage's output, in its place under ``work``: 0.30 → 0.60."""
+    qs = work / "quickstart" / "grpo"
+    qs.mkdir(parents=True)
+    qs.joinpath("metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": s, "val/acc/mean": a}) for s, a in [(0, 0.3), (150, 0.6)])
+    )
+
+
 def test_the_report_from_existing_outputs_without_running_a_stage(acc, tmp_path, capsys):
     """Every stage's output is in the work dir: main reads them all (no stage runs: a run
     would fail here, TRL's python does not exist), prints the table and writes the report."""
     (tmp_path / "async_tail.json").write_text(json.dumps(_bench_output("tail", 32.0, 40.0, 52.0)))
     (tmp_path / "async_w1.json").write_text(json.dumps(_bench_output("w1", 32.0, 31.0, 29.0)))
-    qs = tmp_path / "quickstart" / "grpo"
-    qs.mkdir(parents=True)
-    qs.joinpath("metrics.jsonl").write_text(
-        "\n".join(json.dumps({"step": s, "val/acc/mean": a}) for s, a in [(0, 0.3), (150, 0.6)])
-    )
+    _quickstart_metrics(tmp_path)
     rc = acc.main(["--only", "async-tail,async-w1,planner,quickstart", "--work-dir", str(tmp_path)])
     assert rc == 0
     report = json.loads((tmp_path / "report.json").read_text())
@@ -126,8 +131,13 @@ def test_the_report_from_existing_outputs_without_running_a_stage(acc, tmp_path,
 
 
 def test_a_stage_that_needs_a_missing_output_or_tool_says_which(acc, tmp_path):
-    with pytest.raises(RuntimeError, match="async_tail.json is missing"):
-        acc.main(["--only", "planner", "--work-dir", str(tmp_path)])
+    _quickstart_metrics(tmp_path)
+    assert acc.main(["--only", "planner,quickstart", "--work-dir", str(tmp_path)]) == 1
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert rows[0]["what"] == "stage planner" and rows[0]["verdict"] == "MISS"
+    assert "async_tail.json is missing: run the async-tail stage" in rows[0]["measured"]
+    # the quickstart stage still ran after it (here: it read the metrics already there)
+    assert [r["item"] for r in rows[1:]] == ["4", "4"]
     with pytest.raises(SystemExit):  # argparse: TRL's python named, and how to make it
         acc.main(["--only", "trl", "--trl-python", str(tmp_path / "nope"), "--work-dir", "x"])
     with pytest.raises(SystemExit):
