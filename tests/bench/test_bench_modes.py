@@ -204,6 +204,15 @@ def test_fully_async_on_lent_cores():
     slow = Profile(**{**light.__dict__, "gen_s": 0.5})
     f = predict_fully_async(slow, Latency("const", 0.0), lin)
     assert f.parts["trainer"] == pytest.approx(0.7 + 0.3 * 0.5)
+    # latency-bound (every call waits 3.5 s): the update that frees a slot runs on both
+    # threads, 0.5 s, since nothing new generates until it ends (the replicas' own pipeline
+    # still pays the contended 1 s, as a trainer bound would)
+    waits = predict_fully_async(P, Latency("const", 3.5), lin)
+    assert waits.bound == "latency (in-flight cap)" and waits.parts["trainer"] == pytest.approx(1.0)
+    assert waits.parts["latency"] == pytest.approx((2.0 + 3.5 + 0.5) / 2)
+    # on its own cores it lends nothing, and the slot holds the 1 s update
+    alone = predict_fully_async(P, Latency("const", 3.5), lin, lend_cores=False)
+    assert alone.parts["latency"] == pytest.approx((2.0 + 3.5 + 1.0) / 2)
 
 
 def test_the_trainer_converts_threads_with_the_updates_own_speedup():
