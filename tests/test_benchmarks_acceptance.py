@@ -63,14 +63,19 @@ def test_each_verdict_can_miss(acc):
 
 
 def test_learning_per_sample_against_sync_at_the_last_step(acc):
-    def runs(*finals):
-        return {str(i): {"acc": {"0": 0.2, "15": 0.7, "30": f}} for i, f in enumerate(finals)}
+    def runs(*finals, early=0.7):
+        return {str(i): {"acc": {"0": 0.2, "15": early, "30": f}} for i, f in enumerate(finals)}
 
-    res = {"runs": {"sync": runs(0.88, 0.86), "one_step_off": runs(0.87, 0.84),
+    res = {"args": {"set": ["actor.optim.lr=1e-4"]},
+           "runs": {"sync": runs(0.88, 0.86), "one_step_off": runs(0.87, 0.84, early=0.6),
                     "fully_async": runs(0.0, 0.84)}}  # fmt: skip
     rows = acc.learning_rows(res)
     assert [r.ok for r in rows] == [None, True, False]  # fa's collapsed seed: mean 0.42
-    assert "step 30" in rows[1].what and "0.855" in rows[1].measured
+    assert rows[1].what == "tail learning (actor.optim.lr=1e-4): one_step_off held-out at step 30"
+    assert rows[1].measured == "0.855 (0.87, 0.84); worst step's mean -0.100 against sync"
+    assert "worst step's mean -0.450" in rows[2].measured
+    res["args"]["set"] = []
+    assert "(the defaults)" in acc.learning_rows(res)[0].what
 
 
 def _bench_output(workload: str, sync: float, osoff: float, fa: float) -> dict:
