@@ -635,6 +635,9 @@ class HealthConfig:
     staleness_alert_steps: int = 3
     """Alert when the mean staleness sits at ``trainer.async.max_staleness`` for this many
     steps in a row (0 = off)."""
+    no_signal_alert_steps: int = 3
+    """Alert when every trained token's advantage is 0 (every group's rewards equal: no policy
+    gradient) for this many steps in a row (0 = off): a collapsed policy, or a solved task."""
 
 
 @dataclass

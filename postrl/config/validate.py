@@ -397,6 +397,10 @@ def async_errors(cfg: PostRLConfig) -> list[str]:
         e.append(f"trainer.health.min_ess_ratio={h.min_ess_ratio} must be in [0, 1] (0 = off)")
     if h.staleness_alert_steps < 0:
         e.append(f"trainer.health.staleness_alert_steps={h.staleness_alert_steps} must be >= 0")
+    if h.no_signal_alert_steps < 0:
+        e.append(
+            f"trainer.health.no_signal_alert_steps={h.no_signal_alert_steps} must be >= 0 (0 = off)"
+        )
     facts = mode_facts(cfg)
     if ac.idle_switch != "never" and not facts.get("idle_switch"):
         e.append(

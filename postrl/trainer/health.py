@@ -13,6 +13,12 @@ replay buffer); :class:`HealthMonitor` only reads the step's reduced metrics:
   design — and the step reported staleness); the
   warning line is logged once, at the step the streak reaches K; a step below the bound resets
   the streak. The streak is checkpointed (:meth:`HealthMonitor.state_dict`).
+* ``health/alerts/no_signal`` — 1.0 while every trained token's advantage has been 0
+  (``critic/advantages/max`` and ``/min`` within 1e-6 of 0: every group's rewards equal, so the
+  policy gradient is 0) for ``trainer.health.no_signal_alert_steps`` steps in a row, in any
+  mode. With the score at 0 this is a collapse that GRPO cannot leave by itself (seen in the
+  async modes at a learning rate too large for their staleness, docs/async.md); at 1 the task
+  is solved. One warning line when the streak reaches K; checkpointed like the staleness streak.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ __all__ = ["HealthMonitor"]
 
 ESS_METRIC = "health/ess_ratio"
 STALENESS_METRIC = "replay/staleness/mean"
+ADV_MAX, ADV_MIN, SCORE = "critic/advantages/max", "critic/advantages/min", "critic/score/mean"
+NO_SIGNAL_EPS = 1e-6
 
 
 class HealthMonitor:
@@ -50,6 +58,8 @@ class HealthMonitor:
         if self.max_staleness <= designed:
             self.max_staleness = 0
         self.streak = 0  # consecutive steps with mean staleness at the bound
+        self.no_signal_steps = int(tc.health.no_signal_alert_steps)
+        self.no_signal_streak = 0  # consecutive steps whose advantages were all 0
 
     def check(self, metrics: dict[str, float], step: int) -> dict[str, float]:
         """The ``health/alerts/*`` metrics of ``step`` (a key only for a check that ran)."""
@@ -88,12 +98,39 @@ class HealthMonitor:
                     self.streak,
                     self.alert_steps,
                 )
+        hi, lo = metrics.get(ADV_MAX), metrics.get(ADV_MIN)
+        if self.no_signal_steps >= 1 and hi is not None and lo is not None:
+            flat = max(abs(hi), abs(lo)) <= NO_SIGNAL_EPS
+            self.no_signal_streak = self.no_signal_streak + 1 if flat else 0
+            out["health/alerts/no_signal"] = float(self.no_signal_streak >= self.no_signal_steps)
+            if self.no_signal_streak == self.no_signal_steps:
+                score = metrics.get(SCORE, math.nan)
+                logger.warning(
+                    "health alert (step %d): every trained token's advantage has been 0 for %d "
+                    "steps in a row (%s=%.3g, %s=%.3g; trainer.health.no_signal_alert_steps=%d): "
+                    "every group's rewards are equal, so the policy gets no gradient. %s=%.4g: "
+                    "%s; or set trainer.health.no_signal_alert_steps=0 to silence this",
+                    step,
+                    self.no_signal_streak,
+                    ADV_MAX,
+                    hi,
+                    ADV_MIN,
+                    lo,
+                    self.no_signal_steps,
+                    SCORE,
+                    score,
+                    "if it fell to 0 the policy has collapsed and GRPO cannot bring it back: "
+                    "resume from an earlier checkpoint with a smaller actor.optim.lr (an async "
+                    "mode needs about half of sync's, docs/async.md); if every answer is right, "
+                    "the prompts are too easy (data.sampler=difficulty, or harder data)",
+                )
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain JSON: the consecutive-steps counter."""
-        return {"staleness_streak": int(self.streak)}
+        """Plain JSON: the consecutive-steps counters."""
+        return {"staleness_streak": int(self.streak), "no_signal_streak": self.no_signal_streak}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore :meth:`state_dict` (None or missing keys: a fresh monitor)."""
         self.streak = int((state or {}).get("staleness_streak", 0))
+        self.no_signal_streak = int((state or {}).get("no_signal_streak", 0))
