@@ -95,10 +95,10 @@ def test_no_signal_alert_fires_after_k_steps_of_zero_advantages_in_any_mode(capl
     for part in ("step 4", "for 2 steps", "critic/score/mean=0", "actor.optim.lr",
                  "trainer.health.no_signal_alert_steps=2"):  # fmt: skip
         assert part in lines[0], (part, lines[0])
-    from postrl.config import ConfigError
+    from postrl.config import ConfigError, validate_config
 
     with pytest.raises(ConfigError, match=r"trainer.health.no_signal_alert_steps=-1 must be >= 0"):
-        load_config(None, ["trainer.health.no_signal_alert_steps=-1"])
+        validate_config(load_config(None, ["trainer.health.no_signal_alert_steps=-1"]))
     off = HealthMonitor(load_config(None, ["trainer.health.no_signal_alert_steps=0"]))
     assert off.check({"critic/advantages/max": 0.0, "critic/advantages/min": 0.0}, 1) == {}
     assert mon.check({"actor/pg_loss": 0.0}, 8) == {}  # no advantages measured, no check
