@@ -127,6 +127,11 @@ def test_the_report_from_existing_outputs_without_running_a_stage(acc, tmp_path,
     assert verdicts[("2", "tail: fully_async / sync samples/s (sync 32.0/s)")] == "ok"  # 1.62x
     assert verdicts[("2", "tail: one_step_off / sync samples/s (sync 32.0/s)")] == "MISS"  # 1.25x
     assert verdicts[("2", "w1: fully_async / sync samples/s (sync 32.0/s)")] == "MISS"  # 0.91x
+    # repeats that disagree (another process took the cores during one): not judged ok
+    noisy = _bench_output("w1", 32.0, 32.0, 32.0)
+    noisy["workloads"]["w1"]["ratios"]["one_step_off"]["samples_per_s_per_repeat"] = [0.8, 2.5, 1]
+    (row, _) = acc.async_rows(noisy, "w1")
+    assert row.verdict == "MISS" and "NOISY" in row.measured and "--only async-w1" in row.measured
     planner = [r for r in report["rows"] if r["item"] == "3"]
     assert {r["what"].split(":")[0] for r in planner} == {"planner, tail", "planner, w1"}
     assert len(planner) == 6  # three modes on each workload
