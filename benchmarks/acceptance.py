@@ -357,9 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     py, kind = sys.executable, cpu_kind()
     t_all = time.perf_counter()
 
+    ran: list[str] = []
+
     def stage(name: str, out: Path, cmd: list[str]) -> Path:
         if a.rerun or not out.exists():
             _run(cmd, work / f"{name}.log", a.threads)
+            ran.append(name)
         return out
 
     rows: list[Row] = []
@@ -462,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit or '?'}, "
         f"{cpu_model()} ({kind}), {os.cpu_count()} cores, {a.threads} threads; stages "
-        f"{', '.join(only)}; {(time.perf_counter() - t_all) / 60:.0f} min.",
+        f"{', '.join(only)}; run now: {', '.join(ran) or 'none'} "
+        f"({(time.perf_counter() - t_all) / 60:.0f} min); the others read from {work}.",
     ]
     text = render(rows, header)
     (work / "report.md").write_text(text)
