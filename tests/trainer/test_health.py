@@ -109,6 +109,18 @@ def test_no_signal_alert_fires_after_k_steps_of_zero_advantages_in_any_mode(capl
     assert _flat(again, [0.0], start=8) == [1.0]
 
 
+def _fit_rows(cfg, caplog) -> list[dict]:
+    """Train ``cfg`` with the monitor's warnings captured; the metrics rows of the steps."""
+    trainer = RLTrainer(cfg)
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            trainer.fit()
+    finally:
+        trainer.close()
+    rows = [json.loads(ln) for ln in (Path(cfg.trainer.run_dir) / "metrics.jsonl").open()]
+    return [r for r in rows if "actor/pg_loss" in r]
+
+
 def test_a_run_whose_rewards_are_all_equal_raises_the_no_signal_alert(
     small_overrides, tmp_path, caplog
 ):
@@ -130,14 +142,7 @@ def test_a_run_whose_rewards_are_all_equal_raises_the_no_signal_alert(
             f"trainer.run_dir={tmp_path / 'run'}",
         ],
     )
-    trainer = RLTrainer(cfg)
-    try:
-        with caplog.at_level(logging.WARNING, logger=LOGGER):
-            trainer.fit()
-    finally:
-        trainer.close()
-    rows = [json.loads(ln) for ln in (Path(cfg.trainer.run_dir) / "metrics.jsonl").open()]
-    rows = [r for r in rows if "actor/pg_loss" in r]
+    rows = _fit_rows(cfg, caplog)
     assert [r["critic/advantages/max"] for r in rows] == [0.0, 0.0, 0.0]
     assert [r["health/alerts/no_signal"] for r in rows] == [0.0, 1.0, 1.0]
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
@@ -177,14 +182,7 @@ def test_one_step_off_run_logs_health_metrics_and_alerts_and_checkpoints_the_str
             f"trainer.run_dir={tmp_path / 'run'}",
         ],
     )
-    trainer = RLTrainer(cfg)
-    try:
-        with caplog.at_level(logging.WARNING, logger=LOGGER):
-            trainer.fit()
-    finally:
-        trainer.close()
-    rows = [json.loads(ln) for ln in (Path(cfg.trainer.run_dir) / "metrics.jsonl").open()]
-    rows = [r for r in rows if "actor/pg_loss" in r]
+    rows = _fit_rows(cfg, caplog)
     assert len(rows) == 2
     for r in rows:
         assert 0.0 < r["health/ess_ratio"] <= 1.0
