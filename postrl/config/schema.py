@@ -626,8 +626,8 @@ class AsyncConfig:
 
 @dataclass
 class HealthConfig:
-    """``trainer.health.*``: alerts on off-policy health (one warning line each, plus
-    ``health/alerts/*`` metrics)."""
+    """``trainer.health.*``: alerts on a run's health — off-policy weights, staleness, and
+    batches without learning signal (one warning line each, plus ``health/alerts/*`` metrics)."""
 
     min_ess_ratio: float = 0.0
     """Alert when the effective sample size of the token-level importance weights over N

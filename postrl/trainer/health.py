@@ -1,5 +1,6 @@
-"""Off-policy health alerts (``trainer.health.*``): one warning line and a ``health/alerts/*``
-metric when the step's importance weights degenerate or its batches sit at the staleness bound.
+"""Health alerts (``trainer.health.*``): one warning line and a ``health/alerts/*`` metric when
+the step's importance weights degenerate, its batches sit at the staleness bound, or its batches
+carry no learning signal.
 
 The step measures (``postrl/trainer/stages.py``, :func:`postrl.algos.off_policy_health` and the
 replay buffer); :class:`HealthMonitor` only reads the step's reduced metrics:
