@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+from learning import accuracy_at  # noqa: E402  (benchmarks/learning.py: the first point at a mark)
 
 STAGES = ("trl", "async-tail", "async-w1", "planner", "quickstart", "recipe", "async-learning")
 """The stages, in the order they run (``--only`` picks a subset)."""
@@ -105,31 +106,18 @@ class Row:
 
 
 def cpu_kind(cpuinfo: str | None = None) -> str:
-    """``AVX-512``, ``AVX2`` or ``other``, from the ``flags`` line of ``/proc/cpuinfo``."""
+    """``AVX-512``, ``AVX2`` or ``other``, from the ``flags`` line of ``cpuinfo`` (default this
+    CPU's, :func:`postrl.kernels.build.cpu_flags`)."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return "other"
+        from postrl.kernels.build import cpu_flags
+
+        cpuinfo = cpu_flags()
     flags = next(
         (ln.split(":", 1)[1].split() for ln in cpuinfo.splitlines() if ln.startswith("flags")), []
     )
     if "avx512f" in flags:
         return "AVX-512"
     return "AVX2" if "avx2" in flags else "other"
-
-
-def cpu_model(cpuinfo: str | None = None) -> str:
-    """The ``model name`` line of ``/proc/cpuinfo`` (``platform.processor()`` if none)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    for ln in cpuinfo.splitlines():
-        if ln.startswith("model name"):
-            return ln.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 # ---------------------------------------------------------------------------- verdicts
@@ -232,15 +220,10 @@ def quickstart_rows(metrics: list[dict[str, Any]], kind: str) -> list[Row]:
     ]
 
 
-def first_at(curve: list[list[float]], mark: float) -> float:
-    """Accuracy of the first validation at or after ``mark`` seconds (the last if none)."""
-    return next((acc for t, acc in curve if t >= mark), curve[-1][1])
-
-
 def recipe_rows(results: dict[str, Any], kind: str, mark: float = 600.0) -> list[Row]:
     """Item 5 from ``learning.py``'s ``results.json``: the mean held-out accuracy at ``mark``."""
     seeds = results["runs"]["recipe"]
-    accs = {s: first_at(r["curve"], mark) for s, r in seeds.items()}
+    accs = {s: accuracy_at(r["curve"], mark) for s, r in seeds.items()}
     steps = statistics.mean(r["steps"] for r in seeds.values())
     mean = statistics.mean(accs.values())
     goal = RECIPE_GOAL.get(kind)
@@ -366,7 +349,6 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     rows: list[Row] = []
-    add: dict[str, Callable[[], list[Row]]] = {}
 
     def trl() -> list[Row]:
         out = stage(
@@ -437,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         return learning_rows(json.loads(out.read_text()))
 
-    add = {
+    add: dict[str, Callable[[], list[Row]]] = {
         "trl": trl,
         "async-tail": lambda: async_stage("tail"),
         "async-w1": lambda: async_stage("w1"),
@@ -457,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             rows.append(Row("-", f"stage {name}", f"FAILED: {first}", "runs", False))
             sys.stderr.write(f"stage {name} failed: {e}\n")
+    from postrl.trainer.determinism import cpu_model
+
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()

@@ -252,7 +252,7 @@ def _run(arm: str, seed: int, a: argparse.Namespace, train: Path, test: Path) ->
     }
 
 
-def _at(curve: list[tuple[float, float]], mark: float) -> float:
+def accuracy_at(curve: list[tuple[float, float]], mark: float) -> float:
     """Accuracy of the first validation at or after ``mark`` seconds of training."""
     return next((acc for t, acc in curve if t >= mark), curve[-1][1])
 
@@ -364,7 +364,7 @@ def _table(results: dict, marks: list[float]) -> None:
         cells = []
         for m in marks:
             have = [r for r in seeds.values() if r["curve"][-1][0] >= m - 1.0]
-            acc = sum(_at(r["curve"], m) for r in have) / len(have) if have else None
+            acc = sum(accuracy_at(r["curve"], m) for r in have) / len(have) if have else None
             cells.append(f"{acc:>7.3f}" if acc is not None else f"{'-':>7}")
         steps = sum(r["steps"] for r in seeds.values()) / len(seeds)
         kept = [r["kept_group_share"] for r in seeds.values() if r["kept_group_share"]]

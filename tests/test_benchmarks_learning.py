@@ -41,8 +41,8 @@ def test_every_quickstart_arm_is_a_valid_config(bench, tmp_path, tiny_model_dir)
 
 def test_accuracy_at_a_mark_is_the_first_validation_past_it(bench):
     curve = [(0.0, 0.05), (61.0, 0.07), (119.0, 0.08), (121.0, 0.09)]
-    assert bench._at(curve, 60) == 0.07 and bench._at(curve, 120) == 0.09
-    assert bench._at(curve, 900) == 0.09  # past the end: the last one
+    assert bench.accuracy_at(curve, 60) == 0.07 and bench.accuracy_at(curve, 120) == 0.09
+    assert bench.accuracy_at(curve, 900) == 0.09  # past the end: the last one
 
 
 @pytest.mark.slow

@@ -48,6 +48,7 @@ __all__ = [
     "Once",
     "VARIANTS",
     "cache_dir",
+    "cpu_flags",
     "find_cc",
     "load_library",
     "openmp_runtimes",
@@ -105,7 +106,9 @@ def find_cc() -> str | None:
     )
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature-flags line of ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on arm64;
+    the platform's processor and machine names where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -221,7 +224,7 @@ def _build_and_load(
     headers = "\n".join(p.read_text() for p in sorted(HERE.glob("*.h")))
     key = hashlib.sha256(
         "\n".join(
-            [src.read_text(), headers, cc, " ".join(_flags()), repr(variants), _cpu_flags()]
+            [src.read_text(), headers, cc, " ".join(_flags()), repr(variants), cpu_flags()]
         ).encode()
     )
     if _sanitize() and not _asan_loaded():

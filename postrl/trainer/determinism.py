@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["determinism_info"]
+__all__ = ["cpu_model", "determinism_info"]
 
 _SCOPE = (
     "bit for bit across runs and across kill-and-resume on the same machine (CPU model), with "
@@ -49,7 +49,9 @@ _SCOPE = (
 )
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """This CPU's ``model name`` from ``/proc/cpuinfo`` (the platform's processor name where
+    there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -105,7 +107,7 @@ def determinism_info(cfg: Any) -> dict[str, Any]:
         "scope": _SCOPE,
         "caveats": caveats,
         "num_threads": torch.get_num_threads(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "blas": "mkl" if torch.backends.mkl.is_available() else "other",
         "mkl_cbwr": os.environ.get("MKL_CBWR"),
