@@ -352,3 +352,67 @@ def test_kernels_under_address_and_ub_sanitizers(tmp_path):
         [sys.executable, "-c", _OVERFLOW], env=env, capture_output=True, text=True, timeout=300
     )
     assert bad.returncode != 0 and "heap-buffer-overflow" in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_shared_prefix_trunk_equals_whole_prompt_prefill(tiny_model_factory, arch):
+    """``share_prefix``: prompts that open with the same 16 tokens (a chat template's head) get
+    those positions' K/V copied from the trunk and prefill only their tails. Against the torch
+    path, which prefills every prompt whole: the same tokens and log-probs to float rounding —
+    through a lone first prompt (the trunk seeded from it, then cut to what the family shares),
+    waves larger than the slots, prompts no longer than the trunk, a weight update (the trunk's
+    K/V recomputed under the new weights) and a second family of prompts (the trunk re-seeded)."""
+    from transformers import AutoModelForCausalLM
+
+    d = tiny_model_factory(arch)
+    g = torch.Generator().manual_seed(5)
+
+    def rand(n):
+        return torch.randint(0, 256, (n,), generator=g).tolist()
+
+    head, other = rand(16), rand(12)
+    family = [head + rand(int(torch.randint(1, 9, (1,), generator=g))) for _ in range(9)]
+    family += [head[:10] + rand(3), head[:16], head[:9]]  # shorter than the trunk, or equal
+    strangers = [other + rand(4), other + rand(6)]
+    model = AutoModelForCausalLM.from_pretrained(d)
+    new_weights = [
+        (k, p.detach() + 0.02 * torch.randn(p.shape, generator=g))
+        for k, p in model.named_parameters()
+    ]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7, logprobs=True)
+    waves = [family[:1], family[1:], "update", family[:6] + strangers, strangers + family[6:]]
+    outs, shared = {}, {}
+    for mode in ("fused", "torch"):
+        be = create_rollout_backend("native", d, max_num_seqs=8, max_model_len=64, kernels=mode)
+        assert be.share_prefix == (mode == "fused")
+        outs[mode] = []
+        for wave in waves:
+            if wave == "update":
+                be.update_weights(iter(new_weights))
+            else:
+                outs[mode] += _run(be, wave, sp)
+        shared[mode] = be.prefill_tokens_shared
+        be.close()
+    assert shared["torch"] == 0 and shared["fused"] >= 16 * 10, shared
+    assert len(outs["fused"]) == len(outs["torch"]) == 1 + 11 + 8 + 8
+    for a, b in zip(outs["fused"], outs["torch"]):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(
+            torch.tensor(a.log_probs), torch.tensor(b.log_probs), rtol=0, atol=1e-5
+        )
+
+
+def test_shared_prefix_off_prefills_whole_prompts(tiny_model_factory):
+    """``share_prefix=False``: nothing copied, every prompt position prefilled."""
+    d = tiny_model_factory("qwen2")
+    head = list(range(20, 40))
+    prompts = [head + [i, i + 1] for i in range(4)]
+    be = create_rollout_backend("native", d, max_num_seqs=8, max_model_len=64, share_prefix=False)
+    _run(be, prompts, SamplingParams(temperature=0.0, max_new_tokens=2))
+    assert be.prefill_tokens_shared == 0 and be.prefill_tokens == 4 * 22
+    be.close()
+    be = create_rollout_backend("native", d, max_num_seqs=8, max_model_len=64)
+    _run(be, prompts, SamplingParams(temperature=0.0, max_new_tokens=2))
+    # the trunk (the 20 shared positions) once, then each prompt's own 2
+    assert (be.prefill_tokens, be.prefill_tokens_shared) == (20 + 4 * 2, 4 * 20)
+    be.close()

@@ -58,6 +58,7 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 _MAX_STOP = 8
+_MIN_TRUNK = 8  # shortest shared prefix worth a copy (see NativeBackend._shared_lengths)
 _SWAP_KV = ("recompute", "keep")
 
 
@@ -98,6 +99,11 @@ class NativeBackend:
             (``kernels.py``: RMSNorm, RoPE + cache write, attention) when the model runs in fp32
             on CPU and a C compiler is available, else the torch ops; ``"fused"``: require them
             (error naming the reason otherwise); ``"torch"``: torch ops only.
+        share_prefix: prefill the longest prefix shared by the prompts (a chat template's
+            opening, a system prompt, a tool schema) once per weight version and copy its K/V
+            into each new prompt's row, so only each prompt's own tail is prefilled (the
+            *trunk*, below). With the fused kernels only; the torch path prefills whole prompts.
+            Default True.
         swap_kv: what ``end_weight_swap`` does with the K/V of running requests.
             ``"recompute"`` (default): re-prefill every live prompt and replay every slot's
             generated tokens under the new weights, so every token sampled after the swap has
@@ -122,6 +128,7 @@ class NativeBackend:
         threaded: bool = False,
         kernels: str = "auto",
         swap_kv: str = "recompute",
+        share_prefix: bool = True,
     ) -> None:
         if swap_kv not in _SWAP_KV:
             raise ValueError(f"swap_kv={swap_kv!r} is not one of {_SWAP_KV}")
@@ -141,6 +148,13 @@ class NativeBackend:
             self.kernels is not None
         )  # whole-step C decode (per-op kernels if unavailable)
         self._step_fn: _kernels.DecodeStep | None = None
+        self.share_prefix = bool(share_prefix) and self.kernels is not None
+        self._trunk: tuple[int, ...] = ()  # the shared prompt prefix (see _prefill)
+        self._trunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # its K/V, these weights
+        self.prefill_tokens = 0
+        """Prompt positions prefilled so far (rows × their length, padding excluded)."""
+        self.prefill_tokens_shared = 0
+        """Of the prompt positions admitted, those copied from the trunk instead."""
         self._sample_scratch = torch.empty(0)  # C sampler workspace (B, V), reused across steps
         self.cos, self.sin = rope_tables(self.cfg, self.max_model_len, self.dtype, self.device)
         half = self.cfg.head_dim // 2
@@ -320,6 +334,8 @@ class NativeBackend:
                     )
                 dst.copy_(tensor)
                 n += 1
+            if n:
+                self._trunk_kv = None  # computed by the old weights: recomputed on next use
         return n
 
     def begin_weight_swap(self) -> None:
@@ -661,50 +677,110 @@ class NativeBackend:
     def _prefill(self, rows: list[int]) -> None:
         """Prefill prefix rows ``rows`` of the KV store (their prompts ``kv.keys[r]``): K/V into
         ``kv.pk``/``kv.pv`` and last-position logits into ``kv.logits``, in chunks of similar
-        length padded under ``max_num_batched_tokens``."""
-        kv, dev = self.kv, self.device
-        order = sorted(rows, key=lambda r: len(kv.keys[r]))  # chunk by length under the budget
+        length padded under ``max_num_batched_tokens``.
+
+        With ``share_prefix`` a row whose prompt starts with the trunk — the prefix the prompts
+        admitted so far share — gets the trunk's K/V copied in and prefills only the rest
+        (``_shared_lengths``). Each position's K/V is the same function of the same tokens
+        either way: the trunk's K/V come from a prefill of the trunk itself, once per weight
+        version."""
+        kv = self.kv
+        prompts = [kv.keys[r] for r in rows]
+        shared = self._shared_lengths(prompts, rows[0]) if self.share_prefix else [0] * len(rows)
+        self.prefill_tokens += sum(len(p) - c for p, c in zip(prompts, shared, strict=True))
+        self.prefill_tokens_shared += sum(shared)
+        # chunk by shared length, then by length under the budget
+        order = sorted(range(len(rows)), key=lambda i: (shared[i], len(prompts[i])))
         start = 0
         while start < len(order):
+            c0 = shared[order[start]]
             end = start + 1
             while (
                 end < len(order)
-                and (end - start + 1) * len(kv.keys[order[end]]) <= self.max_num_batched_tokens
+                and shared[order[end]] == c0
+                and (end - start + 1) * (len(prompts[order[end]]) - c0)
+                <= self.max_num_batched_tokens
             ):
                 end += 1
             chunk = order[start:end]
-            P = len(kv.keys[chunk[-1]])
-            toks = torch.zeros(len(chunk), P, dtype=torch.int64)
-            for j, r in enumerate(chunk):
-                toks[j, : len(kv.keys[r])] = torch.tensor(kv.keys[r])
-            lens = torch.tensor([len(kv.keys[r]) for r in chunk], device=dev)
-            rows_t = torch.tensor(chunk, device=dev)
-            if self.kernels is not None:
-                kv.logits[rows_t] = prefill_fused(
-                    self.weights,
-                    self.cfg,
-                    self.kernels,
-                    toks.to(dev),
-                    lens,
-                    self.cos,
-                    self.sin,
-                    kv.pk,
-                    kv.pv,
-                    rows_t,
-                )
-            else:
-                kv.logits[rows_t] = prefill(
-                    self.weights,
-                    self.cfg,
-                    toks.to(dev),
-                    lens,
-                    self.cos,
-                    self.sin_signed,
-                    kv.pk,
-                    kv.pv,
-                    rows_t,
-                )
+            self._prefill_chunk([rows[i] for i in chunk], [prompts[i] for i in chunk], c0)
             start = end
+
+    def _prefill_chunk(self, rows: list[int], prompts: list[tuple[int, ...]], c: int) -> None:
+        """One padded prefill forward of ``prompts`` into prefix rows ``rows``, all of whose
+        first ``c`` positions are the trunk's (copied in first, not computed)."""
+        kv, dev = self.kv, self.device
+        rows_t = torch.tensor(rows, device=dev)
+        if c:
+            tk, tv = self._trunk_kv
+            kv.pk[:, rows_t, :, :c] = tk[:, None, :, :c]
+            kv.pv[:, rows_t, :, :c] = tv[:, None, :, :c]
+        P = max(len(p) for p in prompts) - c
+        toks = torch.zeros(len(rows), P, dtype=torch.int64)
+        for j, p in enumerate(prompts):
+            toks[j, : len(p) - c] = torch.tensor(p[c:])
+        lens = torch.tensor([len(p) - c for p in prompts], device=dev)
+        if self.kernels is not None:
+            kv.logits[rows_t] = prefill_fused(
+                self.weights,
+                self.cfg,
+                self.kernels,
+                toks.to(dev),
+                lens,
+                self.cos,
+                self.sin,
+                kv.pk,
+                kv.pv,
+                rows_t,
+                torch.full((len(rows),), c, dtype=torch.int64, device=dev) if c else None,
+            )
+        else:
+            kv.logits[rows_t] = prefill(
+                self.weights,
+                self.cfg,
+                toks.to(dev),
+                lens,
+                self.cos,
+                self.sin_signed,
+                kv.pk,
+                kv.pv,
+                rows_t,
+            )
+
+    def _shared_lengths(self, prompts: list[tuple[int, ...]], scratch: int) -> list[int]:
+        """How many leading positions of each prompt to copy from the trunk (0: prefill it all).
+
+        The trunk is a token prefix; a prompt shares ``min(LCP(prompt, trunk), len − 1)`` of it
+        (its last position is always computed: its logits sample the first token). The trunk
+        shrinks to what every prompt of this call shares while that is at least ``_MIN_TRUNK``
+        positions; when no prompt of a call shares that much, or there is none yet, it is set to
+        these prompts' common prefix (one prompt: all of it but the last position). Its K/V are
+        computed by prefilling the trunk alone into row ``scratch`` (one this call prefills
+        next) — once per weight version (``_copy_weights`` drops them) — and kept apart from the
+        store, so prefix rows come and go without touching it.
+        """
+        share = [min(_common_prefix(p, self._trunk), len(p) - 1) for p in prompts]
+        top = max(share, default=0)
+        if top < _MIN_TRUNK:  # none yet, or another family of prompts: start from these
+            self._trunk = _common_prefix_all(prompts)
+            if len(prompts) == 1:
+                self._trunk = prompts[0][:-1]
+            self._trunk_kv = None
+            share = [min(len(self._trunk), len(p) - 1) for p in prompts]
+        elif min(share) >= _MIN_TRUNK and min(share) < len(self._trunk):
+            self._trunk = self._trunk[: min(share)]  # its K/V's first positions stay valid
+        c = len(self._trunk)
+        if c < _MIN_TRUNK:
+            self._trunk, self._trunk_kv = (), None
+            return [0] * len(prompts)
+        share = [s if s >= _MIN_TRUNK else 0 for s in share]
+        if self._trunk_kv is None or self._trunk_kv[0].shape[2] < c:
+            # the trunk alone, prefilled into a row this call rewrites after; its K/V copied out
+            self._prefill_chunk([scratch], [self._trunk], 0)
+            self.prefill_tokens += c
+            kv = self.kv
+            self._trunk_kv = (kv.pk[:, scratch, :, :c].clone(), kv.pv[:, scratch, :, :c].clone())
+        return share
 
     def _decode(self) -> slice:
         B = len(self._slots)
@@ -938,3 +1014,21 @@ def _resolve(req: _Request, out: TokenOutput) -> None:
         _set_res(req.future, out)
     elif not req.loop.is_closed():
         req.loop.call_soon_threadsafe(_set_res, req.future, out)
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the longest common prefix of two token tuples."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _common_prefix_all(prompts: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The longest prefix every prompt starts with (the first one's, cut)."""
+    if not prompts:
+        return ()
+    head = prompts[0]
+    n = min((_common_prefix(head, p) for p in prompts[1:]), default=len(head))
+    return head[:n]
