@@ -402,6 +402,30 @@ def test_shared_prefix_trunk_equals_whole_prompt_prefill(tiny_model_factory, arc
         )
 
 
+def test_a_request_joining_a_live_prompt_prefills_nothing(tiny_model_factory):
+    """Two slots, three samples of one prompt: the third is admitted when the short first one
+    finishes, while the second still runs — its prompt's row is live, so the admission has
+    nothing to prefill. Same tokens as the torch path."""
+    d = tiny_model_factory("qwen2")
+    prompt = list(range(30, 52))
+    outs = {}
+    for mode in ("fused", "torch"):
+        be = create_rollout_backend("native", d, max_num_seqs=2, max_model_len=64, kernels=mode)
+
+        async def go(be=be):
+            sps = [SamplingParams(temperature=1.0, max_new_tokens=m, seed=3) for m in (2, 10, 4)]
+            return await asyncio.gather(
+                *(be.generate(prompt, sp, f"r{i}") for i, sp in enumerate(sps))
+            )
+
+        outs[mode] = asyncio.run(go())
+        tokens = be.prefill_tokens
+        be.close()
+        assert tokens == len(prompt), (mode, tokens)  # one prefill of the prompt, no other
+    assert [o.token_ids for o in outs["fused"]] == [o.token_ids for o in outs["torch"]]
+    assert [len(o.token_ids) for o in outs["fused"]] == [2, 10, 4]
+
+
 def test_shared_prefix_off_prefills_whole_prompts(tiny_model_factory):
     """``share_prefix=False``: nothing copied, every prompt position prefilled."""
     d = tiny_model_factory("qwen2")

@@ -684,6 +684,8 @@ class NativeBackend:
         (``_shared_lengths``). Each position's K/V is the same function of the same tokens
         either way: the trunk's K/V come from a prefill of the trunk itself, once per weight
         version."""
+        if not rows:  # every admitted prompt is live already
+            return
         kv = self.kv
         prompts = [kv.keys[r] for r in rows]
         shared = self._shared_lengths(prompts, rows[0]) if self.share_prefix else [0] * len(rows)
