@@ -360,8 +360,9 @@ def test_shared_prefix_trunk_equals_whole_prompt_prefill(tiny_model_factory, arc
     those positions' K/V copied from the trunk and prefill only their tails. Against the torch
     path, which prefills every prompt whole: the same tokens and log-probs to float rounding —
     through a lone first prompt (the trunk seeded from it, then cut to what the family shares),
-    waves larger than the slots, prompts no longer than the trunk, a weight update (the trunk's
-    K/V recomputed under the new weights) and a second family of prompts (the trunk re-seeded)."""
+    waves larger than the slots, prompts no longer than the trunk, weight updates (the trunk's
+    K/V recomputed under the new weights, once right before the trunk is cut, so prompts share
+    more with it than it then holds) and a second family of prompts (the trunk re-seeded)."""
     from transformers import AutoModelForCausalLM
 
     d = tiny_model_factory(arch)
@@ -373,6 +374,8 @@ def test_shared_prefix_trunk_equals_whole_prompt_prefill(tiny_model_factory, arc
     head, other = rand(16), rand(12)
     family = [head + rand(int(torch.randint(1, 9, (1,), generator=g))) for _ in range(9)]
     family += [head[:10] + rand(3), head[:16], head[:9]]  # shorter than the trunk, or equal
+    family[0] = head + rand(6)  # the lone first prompt: the trunk is all of it but its last
+    family[1] = family[0][:20] + rand(2)  # shares 20 with that trunk, the rest 16 or fewer
     strangers = [other + rand(4), other + rand(6)]
     model = AutoModelForCausalLM.from_pretrained(d)
     new_weights = [
@@ -380,7 +383,8 @@ def test_shared_prefix_trunk_equals_whole_prompt_prefill(tiny_model_factory, arc
         for k, p in model.named_parameters()
     ]
     sp = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7, logprobs=True)
-    waves = [family[:1], family[1:], "update", family[:6] + strangers, strangers + family[6:]]
+    waves = [family[:1], "update", family[1:], "update", family[:6] + strangers]
+    waves += [strangers + family[6:], family[1:5]]
     outs, shared = {}, {}
     for mode in ("fused", "torch"):
         be = create_rollout_backend("native", d, max_num_seqs=8, max_model_len=64, kernels=mode)
@@ -394,7 +398,7 @@ def test_shared_prefix_trunk_equals_whole_prompt_prefill(tiny_model_factory, arc
         shared[mode] = be.prefill_tokens_shared
         be.close()
     assert shared["torch"] == 0 and shared["fused"] >= 16 * 10, shared
-    assert len(outs["fused"]) == len(outs["torch"]) == 1 + 11 + 8 + 8
+    assert len(outs["fused"]) == len(outs["torch"]) == 1 + 11 + 8 + 8 + 4
     for a, b in zip(outs["fused"], outs["torch"]):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(

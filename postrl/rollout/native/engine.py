@@ -775,7 +775,8 @@ class NativeBackend:
         if c < _MIN_TRUNK:
             self._trunk, self._trunk_kv = (), None
             return [0] * len(prompts)
-        share = [s if s >= _MIN_TRUNK else 0 for s in share]
+        # a prompt may share more with the trunk before it was cut than the trunk now holds
+        share = [min(s, c) if s >= _MIN_TRUNK else 0 for s in share]
         if self._trunk_kv is None or self._trunk_kv[0].shape[2] < c:
             # the trunk alone, prefilled into a row this call rewrites after; its K/V copied out
             self._prefill_chunk([scratch], [self._trunk], 0)
