@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     params = [(k, p.detach().clone()) for k, p in model.named_parameters()]
     per_step = args.first + args.refills * args.refill_size
     waves = [args.first] + [args.refill_size] * args.refills
-    longest = max(len(p) for p in _prompts(tok, 64, args.system_prompt_tokens, 0))
+    sample = _prompts(tok, 64, args.system_prompt_tokens, 0)
+    longest = max(len(p) for p in sample)
     engines = {
         share: create_rollout_backend(
             "native",
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             t = _step(engines[share], prompts, args.n, waves, f"s{step}")
             if step:
                 times[share].append(t)
-    plen = statistics.mean(len(p) for p in _prompts(tok, 64, args.system_prompt_tokens, 0))
+    plen = statistics.mean(len(p) for p in sample)
     print(
         f"{per_step} prompts × {args.n} a step ({args.first} + {args.refills} × "
         f"{args.refill_size}), prompts ≈ {plen:.0f} tokens, {args.threads} threads, "

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from os.path import commonprefix  # element-wise: token tuples too
 
 import torch
 
@@ -734,7 +735,7 @@ class NativeBackend:
                 kv.pk,
                 kv.pv,
                 rows_t,
-                torch.full((len(rows),), c, dtype=torch.int64, device=dev) if c else None,
+                c,
             )
         else:
             kv.logits[rows_t] = prefill(
@@ -756,19 +757,16 @@ class NativeBackend:
         (its last position is always computed: its logits sample the first token). The trunk
         shrinks to what every prompt of this call shares while that is at least ``_MIN_TRUNK``
         positions; when no prompt of a call shares that much, or there is none yet, it is set to
-        these prompts' common prefix (one prompt: all of it but the last position). Its K/V are
+        these prompts' common prefix, short of the shortest one's last position. Its K/V are
         computed by prefilling the trunk alone into row ``scratch`` (one this call prefills
         next) — once per weight version (``_copy_weights`` drops them) — and kept apart from the
         store, so prefix rows come and go without touching it.
         """
-        share = [min(_common_prefix(p, self._trunk), len(p) - 1) for p in prompts]
-        top = max(share, default=0)
-        if top < _MIN_TRUNK:  # none yet, or another family of prompts: start from these
-            self._trunk = _common_prefix_all(prompts)
-            if len(prompts) == 1:
-                self._trunk = prompts[0][:-1]
+        share = [min(len(commonprefix([p, self._trunk])), len(p) - 1) for p in prompts]
+        if max(share, default=0) < _MIN_TRUNK:  # none yet, or another family: start from these
+            self._trunk = commonprefix(prompts)[: min(len(p) for p in prompts) - 1]
             self._trunk_kv = None
-            share = [min(len(self._trunk), len(p) - 1) for p in prompts]
+            share = [len(self._trunk)] * len(prompts)
         elif min(share) >= _MIN_TRUNK and min(share) < len(self._trunk):
             self._trunk = self._trunk[: min(share)]  # its K/V's first positions stay valid
         c = len(self._trunk)
@@ -777,7 +775,7 @@ class NativeBackend:
             return [0] * len(prompts)
         # a prompt may share more with the trunk before it was cut than the trunk now holds
         share = [min(s, c) if s >= _MIN_TRUNK else 0 for s in share]
-        if self._trunk_kv is None or self._trunk_kv[0].shape[2] < c:
+        if self._trunk_kv is None:
             # the trunk alone, prefilled into a row this call rewrites after; its K/V copied out
             self._prefill_chunk([scratch], [self._trunk], 0)
             self.prefill_tokens += c
@@ -1017,21 +1015,3 @@ def _resolve(req: _Request, out: TokenOutput) -> None:
         _set_res(req.future, out)
     elif not req.loop.is_closed():
         req.loop.call_soon_threadsafe(_set_res, req.future, out)
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Length of the longest common prefix of two token tuples."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def _common_prefix_all(prompts: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """The longest prefix every prompt starts with (the first one's, cut)."""
-    if not prompts:
-        return ()
-    head = prompts[0]
-    n = min((_common_prefix(head, p) for p in prompts[1:]), default=len(head))
-    return head[:n]

@@ -247,7 +247,7 @@ def prefill_fused(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     rows: torch.Tensor,
-    start: torch.Tensor | None = None,
+    start: int = 0,
 ) -> torch.Tensor:
     """``prefill`` with the fused kernels (same inputs, ``sin`` plain; same logits up to float
     rounding). Tokens are flattened to ``U·P`` rows; RoPE and the prefix-cache writes are one
@@ -257,24 +257,20 @@ def prefill_fused(
     prompt's *last* position (for the logits), so its attention, o projection and MLP run on
     ``U`` rows instead of ``U·P``.
 
-    ``start`` (U,): the prompts' first ``start[u]`` positions are already in their rows (a
-    shared prefix copied in, ``NativeBackend``'s trunk); ``tokens``/``lens`` are then the rest of
-    each prompt, placed at positions ``start[u] ..``, and attend the whole row.
+    ``start``: the prompts' first ``start`` positions are already in their rows (a shared prefix
+    copied in, ``NativeBackend``'s trunk); ``tokens``/``lens`` are then the rest of each prompt,
+    placed at positions ``start ..``, and attend the whole row.
     """
     U, P = tokens.shape
     H, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
     L, scale, threads = len(w.layers), D**-0.5, torch.get_num_threads()
     dev = tokens.device
-    pos = torch.arange(P, device=dev).repeat(U)  # (U·P,)
-    if start is not None:
-        pos += start.to(torch.int64).repeat_interleave(P)
+    pos = torch.arange(start, start + P, device=dev).repeat(U)  # (U·P,)
     slot = rows.repeat_interleave(P)
     last = torch.arange(U, device=dev) * P + lens - 1  # flat index of each prompt's last token
     # causal attention as decode attention with an empty "own" part: query (u, t) attends the
     # prefix row it just wrote, positions 0..t (plen = t + 1, pos = t -> no completion keys)
-    plen_all, plen_last = pos + 1, lens.to(torch.int64)
-    if start is not None:
-        plen_last = plen_last + start.to(torch.int64)
+    plen_all, plen_last = pos + 1, lens.to(torch.int64) + start
     x = F.embedding(tokens.reshape(-1), w.embed)  # (U·P, hidden)
     for li, lw in enumerate(w.layers):
         qkv = F.linear(kern.rms_norm(x, lw.ln1, eps), lw.w_qkv, lw.b_qkv)  # (U·P, (H + 2·Hkv)·D)
