@@ -5,7 +5,8 @@ one, nothing woke the take and the step waited forever)."""
 from __future__ import annotations
 
 import pytest
-from trainer_helpers import metric_rows
+import torch
+from trainer_helpers import checkpoint_weights, metric_rows
 
 from postrl.config import load_config
 from postrl.trainer.trainer import RLTrainer
@@ -170,6 +171,14 @@ def test_oversampling_kill_and_resume_loses_no_prompt(tiny_model_dir, epoch_file
     assert train_subprocess(args, threads=1, kill_at=f"step{surplus[0] + 1}:after_gen") == -9
     assert train_subprocess(args, threads=1) == 0
     _odd_rows_once_per_epoch(run, epochs=2)
+    # and exactly the uninterrupted run: the groups scored per event-loop turn, their filtered
+    # refills and the surplus carried in the checkpoint replay in the same order
+    ra, rb = metric_rows(ref), metric_rows(run)
+    assert [r["step"] for r in rb] == [r["step"] for r in ra]
+    for x, y in zip(ra, rb, strict=True):
+        assert x == y, f"step {x['step']}: {[k for k in x if x[k] != y.get(k)]}"
+    wa, wb = checkpoint_weights(ref, 6), checkpoint_weights(run, 6)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 @pytest.mark.ray
