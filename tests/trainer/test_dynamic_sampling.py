@@ -20,25 +20,30 @@ HALF_FILTERED = (
 )
 
 
+def _half_filtered(small_overrides, tmp_path, steps: int, *extra: str) -> RLTrainer:
+    """A ``sync`` trainer with dynamic sampling on ``HALF_FILTERED`` (odd sums filtered)."""
+    reward = tmp_path / "half.py"
+    reward.write_text(HALF_FILTERED)
+    overrides = [
+        f"reward.custom_function.path={reward}",
+        "algorithm.filter_groups.enable=true",
+        f"trainer.total_steps={steps}",
+        "trainer.test_freq=0",
+        "trainer.val_before_train=false",
+        *extra,
+    ]
+    return RLTrainer(load_config(None, small_overrides + overrides))
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("gen_batches", [1, 2])
 def test_exhausted_refills_train_on_the_kept_groups(small_overrides, tmp_path, gen_batches):
-    reward = tmp_path / "half.py"
-    reward.write_text(HALF_FILTERED)
     steps = 12
-    trainer = RLTrainer(
-        load_config(
-            None,
-            small_overrides
-            + [
-                f"reward.custom_function.path={reward}",
-                "algorithm.filter_groups.enable=true",
-                f"algorithm.filter_groups.max_num_gen_batches={gen_batches}",
-                f"trainer.total_steps={steps}",
-                "trainer.test_freq=0",
-                "trainer.val_before_train=false",
-            ],
-        )
+    trainer = _half_filtered(
+        small_overrides,
+        tmp_path,
+        steps,
+        f"algorithm.filter_groups.max_num_gen_batches={gen_batches}",
     )
     try:
         trainer.fit()
@@ -60,24 +65,10 @@ def test_exhausted_refills_train_on_the_kept_groups(small_overrides, tmp_path, g
 def test_sync_scores_the_groups_of_one_loop_turn_with_one_call(small_overrides, tmp_path):
     """``sync`` with dynamic sampling scores a group at the end of the event-loop turn it
     completes in, together with the other groups completing then: one ``score_groups`` call
-    for all of them (each paid the assembly's and the reward stage's fixed costs when scored
-    alone: 12 % fewer steps in the recipe's 90 s). No group is scored twice, and every group
+    for all of them (scored alone, each group paid the assembly's and the reward stage's fixed
+    costs: the recipe ran 12 % fewer steps in 90 s). No group is scored twice, and every group
     the filter saw was scored."""
-    reward = tmp_path / "half.py"
-    reward.write_text(HALF_FILTERED)
-    trainer = RLTrainer(
-        load_config(
-            None,
-            small_overrides
-            + [
-                f"reward.custom_function.path={reward}",
-                "algorithm.filter_groups.enable=true",
-                "trainer.total_steps=3",
-                "trainer.test_freq=0",
-                "trainer.val_before_train=false",
-            ],
-        )
-    )
+    trainer = _half_filtered(small_overrides, tmp_path, 3)
     runner = trainer.ctx.runner
     calls: list[list[str]] = []
     score_groups = runner.score_groups
