@@ -156,7 +156,7 @@ class SyncMode:
             ctx,
             buffer,
             score_on_completion=fg.enable,
-            inline_scoring=True,  # scored per loop turn, refills in a fixed order: reproducible
+            inline_scoring=True,  # refills in a fixed order: a filtered run stays reproducible
             max_refills=refill_limit(cfg),
             oversample=over,
         )

@@ -67,9 +67,8 @@ class AsyncFeed:
         groups_per_step: groups one step trains (``one_step_off``: ``data.train_batch_size``;
             ``fully_async``: ``actor.ppo_mini_batch_size``); the run's budget is
             ``ctx.total_steps ×`` this.
-        inline_scoring: score a completed group at the end of the loop turn it completed in
-            (deterministic interleaving), else after its streamed reward futures, while
-            generation continues.
+        inline_scoring: score a completed group before the loop runs on (deterministic
+            interleaving), else as a task while generation continues.
     """
 
     def __init__(self, ctx: Any, *, groups_per_step: int, inline_scoring: bool) -> None:

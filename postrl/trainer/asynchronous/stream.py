@@ -77,9 +77,8 @@ class GroupStream:
         score_on_completion: score each group as it completes (needed to filter or evict by
             score); else the taken batch is returned unscored (unless the runner's trajectories
             come back scored: ``runner.scores_groups``).
-        inline_scoring: score a completed group at the end of the event-loop turn it
-            completed in, with the other groups completing in that turn (one reward call; a
-            deterministic interleaving); else its streamed reward futures are awaited first, so
+        inline_scoring: score a completed group before the loop runs on (deterministic
+            interleaving); else the group's streamed reward futures are awaited as a task, so
             generation continues meanwhile.
         max_refills: most refill prompts per :meth:`take` (None: no limit); past it the batch
             is made of the groups kept.
@@ -222,8 +221,10 @@ class GroupStream:
         self.buffer.generated((uid, k), handle, **tag)
         if not self.buffer.group(uid).generated:
             return
-        if not self.inline_scoring:
-            await self.runner.settle(self.buffer.scoring_payloads(uid))
+        if self.inline_scoring:
+            self._score(uid)
+            return
+        await self.runner.settle(self.buffer.scoring_payloads(uid))
         self._queue_score(uid)
 
     def _queue_score(self, uid: str) -> None:
