@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from trainer_helpers import checkpoint_weights, metric_rows, train_subprocess
+from trainer_helpers import assert_same_run, checkpoint_weights, train_subprocess
 
 from postrl.config import load_config
 from postrl.data import generate_addition, write_parquet
@@ -146,18 +146,6 @@ def _train(overrides: list[str], kill_at: str | None = None) -> int:
     return train_subprocess([recipe, *overrides], threads=THREADS, kill_at=kill_at, timeout=900)
 
 
-_rows, _weights = metric_rows, checkpoint_weights
-
-
-def _assert_same_run(a: Path, b: Path, steps: int) -> None:
-    ra, rb = _rows(a), _rows(b)
-    assert len(ra) == steps and [r["step"] for r in ra] == list(range(1, steps + 1))
-    for x, y in zip(ra, rb, strict=True):
-        assert x == y, f"step {x['step']}: {[k for k in x if x[k] != y.get(k)]}"
-    wa, wb = _weights(a, steps), _weights(b, steps)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-
-
 STEPS = 8
 
 
@@ -182,7 +170,7 @@ def two_thread_runs(tiny_model_dir, tmp_path_factory, digits_reward):
     runs = [d / "a", d / "b"]
     for run in runs:
         assert _train([*base, f"trainer.run_dir={run}"]) == 0
-    first, last = _weights(runs[0], 4), _weights(runs[0], STEPS)
+    first, last = checkpoint_weights(runs[0], 4), checkpoint_weights(runs[0], STEPS)
     assert any(not torch.equal(first[k], last[k]) for k in first), "training must move weights"
     return base, d, runs
 
@@ -190,7 +178,7 @@ def two_thread_runs(tiny_model_dir, tmp_path_factory, digits_reward):
 @pytest.mark.slow
 def test_two_runs_at_two_threads_are_bit_equal(two_thread_runs):
     _, _, (a, b) = two_thread_runs
-    _assert_same_run(a, b, STEPS)
+    assert_same_run(a, b, STEPS)
 
 
 @pytest.mark.slow
@@ -202,4 +190,4 @@ def test_kill_and_resume_at_two_threads_is_exact(two_thread_runs):
     args = [*base, f"trainer.run_dir={run}"]
     assert _train(args, kill_at="step6:after_gen") == -9
     assert _train(args) == 0
-    _assert_same_run(run, ref, STEPS)
+    assert_same_run(run, ref, STEPS)

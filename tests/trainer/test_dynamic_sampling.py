@@ -5,8 +5,7 @@ one, nothing woke the take and the step waited forever)."""
 from __future__ import annotations
 
 import pytest
-import torch
-from trainer_helpers import checkpoint_weights, metric_rows
+from trainer_helpers import assert_same_run, metric_rows
 
 from postrl.config import load_config
 from postrl.trainer.trainer import RLTrainer
@@ -20,30 +19,25 @@ HALF_FILTERED = (
 )
 
 
-def _half_filtered(small_overrides, tmp_path, steps: int, *extra: str) -> RLTrainer:
-    """A ``sync`` trainer with dynamic sampling on ``HALF_FILTERED`` (odd sums filtered)."""
-    reward = tmp_path / "half.py"
-    reward.write_text(HALF_FILTERED)
-    overrides = [
-        f"reward.custom_function.path={reward}",
-        "algorithm.filter_groups.enable=true",
-        f"trainer.total_steps={steps}",
-        "trainer.test_freq=0",
-        "trainer.val_before_train=false",
-        *extra,
-    ]
-    return RLTrainer(load_config(None, small_overrides + overrides))
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("gen_batches", [1, 2])
 def test_exhausted_refills_train_on_the_kept_groups(small_overrides, tmp_path, gen_batches):
+    reward = tmp_path / "half.py"
+    reward.write_text(HALF_FILTERED)
     steps = 12
-    trainer = _half_filtered(
-        small_overrides,
-        tmp_path,
-        steps,
-        f"algorithm.filter_groups.max_num_gen_batches={gen_batches}",
+    trainer = RLTrainer(
+        load_config(
+            None,
+            small_overrides
+            + [
+                f"reward.custom_function.path={reward}",
+                "algorithm.filter_groups.enable=true",
+                f"algorithm.filter_groups.max_num_gen_batches={gen_batches}",
+                f"trainer.total_steps={steps}",
+                "trainer.test_freq=0",
+                "trainer.val_before_train=false",
+            ],
+        )
     )
     try:
         trainer.fit()
@@ -178,12 +172,7 @@ def test_oversampling_kill_and_resume_loses_no_prompt(tiny_model_dir, epoch_file
     _odd_rows_once_per_epoch(run, epochs=2)
     # and exactly the uninterrupted run: the groups scored as they complete, their filtered
     # refills and the surplus carried in the checkpoint replay in the same order
-    ra, rb = metric_rows(ref), metric_rows(run)
-    assert [r["step"] for r in rb] == [r["step"] for r in ra]
-    for x, y in zip(ra, rb, strict=True):
-        assert x == y, f"step {x['step']}: {[k for k in x if x[k] != y.get(k)]}"
-    wa, wb = checkpoint_weights(ref, 6), checkpoint_weights(run, 6)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_same_run(ref, run, 6)
 
 
 @pytest.mark.ray

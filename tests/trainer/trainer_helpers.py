@@ -50,6 +50,17 @@ def checkpoint_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_same_run(a: Path, b: Path, steps: int) -> None:
+    """Runs ``a`` and ``b`` logged the same metric rows (wall clock aside) for steps ``1 ..
+    steps`` and saved bit-identical actor weights at checkpoint ``steps``."""
+    ra, rb = metric_rows(a), metric_rows(b)
+    assert len(ra) == steps and [r["step"] for r in ra] == list(range(1, steps + 1))
+    for x, y in zip(ra, rb, strict=True):
+        assert x == y, f"step {x['step']}: {[k for k in x if x[k] != y.get(k)]}"
+    wa, wb = checkpoint_weights(a, steps), checkpoint_weights(b, steps)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def actor_params(trainer: Any) -> dict[str, torch.Tensor]:
     """A detached copy of the actor's weights (HF names)."""
     return {k: v.detach().clone() for k, v in trainer.roles.actor.get_per_tensor_param()}
