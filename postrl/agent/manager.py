@@ -144,6 +144,13 @@ class AgentLoopManager:
             if close is not None:
                 await close()
 
+    def check(self, outputs: list[AgentLoopOutput], rows: list[dict[str, Any]]) -> None:
+        """Raise what :meth:`assemble` raises for these trajectories (per-token fields of unequal
+        lengths, version segments that do not cover the response), without padding them."""
+        outputs, rows, _ = _expand_segments(outputs, rows)
+        _check_lengths(outputs, rows)
+        _version_segments(outputs, rows)
+
     def assemble(self, outputs: list[AgentLoopOutput], rows: list[dict[str, Any]]) -> DataProto:
         """Pad trajectories into the batch layout described in the module docstring; the
         ``segments`` of a trajectory become rows after all the trajectories' own rows."""
@@ -151,14 +158,7 @@ class AgentLoopManager:
         B = len(outputs)
         plen = np.fromiter((len(o.prompt_ids) for o in outputs), np.int64, B)
         rlen = np.fromiter((len(o.response_ids) for o in outputs), np.int64, B)
-        for i, o in enumerate(outputs):
-            if len(o.response_mask) != rlen[i] or len(o.response_logprobs) != rlen[i]:
-                raise ValueError(
-                    f"trajectory {rows[i].get('request_id')}: "
-                    f"response_ids ({len(o.response_ids)}), "
-                    f"response_mask ({len(o.response_mask)}) and response_logprobs "
-                    f"({len(o.response_logprobs)}) must have the same length"
-                )
+        _check_lengths(outputs, rows)
         seg_n, seg_v = _version_segments(outputs, rows)
         P, R = int(plen.max()), max(1, int(rlen.max()))
         n_p, n_r = int(plen.sum()), int(rlen.sum())
@@ -232,6 +232,18 @@ def _expand_segments(
             rws.append(r)
             seg.append(s)
     return outs, rws, seg
+
+
+def _check_lengths(outputs: list[AgentLoopOutput], rows: list[dict[str, Any]]) -> None:
+    """Raise, naming the trajectory, when its per-token fields differ in length."""
+    for o, r in zip(outputs, rows):
+        n = len(o.response_ids)
+        if len(o.response_mask) != n or len(o.response_logprobs) != n:
+            raise ValueError(
+                f"trajectory {r.get('request_id')}: response_ids ({n}), response_mask "
+                f"({len(o.response_mask)}) and response_logprobs ({len(o.response_logprobs)}) "
+                "must have the same length"
+            )
 
 
 def _version_segments(

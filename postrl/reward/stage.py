@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -55,7 +56,10 @@ __all__ = [
     "RewardStage",
     "build_reward_stage",
     "RewardModelScorer",
+    "StreamedScores",
     "apply_reward_result",
+    "shape_scores",
+    "write_scores",
     "combine_scores",
     "decode_responses",
 ]
@@ -67,6 +71,26 @@ class RewardModelScorer(Protocol):
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``rm_scores`` (B,) raw scores and ``rm_truncated`` (B,) bool for the rows of ``data``."""
         ...
+
+
+@dataclass
+class StreamedScores:
+    """Trajectories scored without their batch (:meth:`RewardStage.score_streamed`).
+
+    Attributes:
+        scores: (B,) float32, each row's final score (shaping included; 0 where invalid).
+        valid: (B,) bool, False for a failed row.
+        metrics: the reward metrics :meth:`RewardStage.finish` reports for these rows.
+    """
+
+    scores: torch.Tensor
+    valid: torch.Tensor
+    metrics: dict[str, float]
+
+    def apply(self, batch: DataProto) -> DataProto:
+        """The rows' assembled batch (same rows, same order) with the scores written as
+        :meth:`RewardStage.finish` writes them."""
+        return write_scores(batch, self.scores, self.valid)
 
 
 def decode_responses(tokenizer: Any, batch: DataProto) -> list[str]:
@@ -174,7 +198,7 @@ class RewardStage:
             rm = raw * self.rm_weight
             metrics["timing_s/reward_model"] = time.perf_counter() - t0
         result = combine_scores(rule, rm, list(scored.non_tensor_batch["uid"]))
-        result, tm = self._add_tool_rewards(scored, result)
+        result, tm = self._add_tool_rewards(scored.non_tensor_batch.get("agent_extra"), result)
         if parents is not None:
             assert own is not None
             pos = {row: j for j, row in enumerate(own)}
@@ -188,12 +212,48 @@ class RewardStage:
         metrics.update(am)
         return batch, metrics
 
+    def score_streamed(
+        self, outputs: list[Any], rows: list[dict[str, Any]]
+    ) -> StreamedScores | None:
+        """Score finished trajectories without their padded batch, as :meth:`finish` would
+        score it (``check_failures=False``): when every row's rule score was streamed by
+        :meth:`on_trajectory` or is its loop's own, no reward model scores them and none has
+        ``segments``. The batch is then needed only for a group that is trained, not for one a
+        filter evicts (``StreamedScores.apply`` writes the scores into it when it is built).
+        None when the batch is needed to score them (call :meth:`finish` on it).
+
+        Args:
+            outputs: the trajectories' ``AgentLoopOutput``.
+            rows: their rows (``uid``, ``sample_index``, ``data_source``, …).
+        """
+        if self.reward_model is not None or any(o.segments for o in outputs):
+            return None
+        extras = [o.extra for o in outputs]
+        keys = [(r["uid"], int(r["sample_index"])) for r in rows]
+        if any(k not in self._pending and "reward" not in (e or {}) for k, e in zip(keys, extras)):
+            return None  # a row to decode and score now: finish scores it from the batch
+        nt = {
+            "uid": [r["uid"] for r in rows],
+            "sample_index": [r["sample_index"] for r in rows],
+            "agent_extra": extras,
+        }
+        result = self._rule_scores(nt, len(rows), None)
+        result, metrics = self._add_tool_rewards(extras, result)
+        resp_len = torch.tensor([len(o.response_ids) for o in outputs], dtype=torch.long)
+        scores, am = shape_scores(result, resp_len, self.overlong, self.max_response_length)
+        metrics.update(am)
+        return StreamedScores(scores, result.valid, metrics)
+
     def rule_scores(self, batch: DataProto) -> RewardResult:
         """Rule/custom scores of every row: a loop's own score where its trajectory carries one
         (``agent_extra[i]["reward"]``: environments, agents that report a reward; no function is
         called), streamed futures where present, the rest now."""
-        nt = batch.non_tensor_batch
-        n = len(batch)
+        return self._rule_scores(batch.non_tensor_batch, len(batch), batch)
+
+    def _rule_scores(self, nt: dict[str, Any], n: int, batch: DataProto | None) -> RewardResult:
+        """:meth:`rule_scores` from the rows' non-tensor columns ``nt``; ``batch`` (its tensors
+        decode the rows neither streamed nor scored by their loop) may be None when there are
+        none."""
         keys = list(zip(nt["uid"], (int(k) for k in nt.get("sample_index", [0] * n))))
         extras = nt.get("agent_extra", [None] * n)
         own = [i for i in range(n) if "reward" in (extras[i] or {})]
@@ -208,6 +268,7 @@ class RewardStage:
             futures = [self._pending.pop(keys[i]) for i in streamed]
             parts.append((streamed, self.loop.gather(futures, [nt["uid"][i] for i in streamed])))
         if missing:
+            assert batch is not None, "rows to decode need their batch"
             sub = batch if len(missing) == n else batch[missing]
             texts = decode_responses(self.tokenizer, sub)
             extras = nt.get("agent_extra")
@@ -248,9 +309,8 @@ class RewardStage:
         return scores, metrics
 
     def _add_tool_rewards(
-        self, batch: DataProto, result: RewardResult
+        self, extras: Any, result: RewardResult
     ) -> tuple[RewardResult, dict[str, float]]:
-        extras = batch.non_tensor_batch.get("agent_extra")
         if extras is None or not any("tool_reward" in (e or {}) for e in extras):
             return result, {}
         tool = torch.tensor(
@@ -343,18 +403,27 @@ def apply_reward_result(
     batch's own width cannot stand in for it: responses are padded to the longest one of the
     batch, so a batch of short answers would be punished for lengths far below the limit.
     """
-    b = dict(batch.batch)
-    R = b["responses"].shape[1]
-    resp_len = b["attention_mask"][:, -R:].sum(-1)  # (B,)
+    if max_response_length is None:
+        max_response_length = batch.meta_info.get("max_response_length")
+    resp_len = _response_lengths(batch)
+    scores, metrics = shape_scores(result, resp_len, overlong, max_response_length)
+    return write_scores(batch, scores, result.valid, resp_len), metrics
+
+
+def shape_scores(
+    result: RewardResult,
+    resp_len: torch.Tensor,
+    overlong: Any | None = None,
+    max_response_length: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The rows' final scores (B,) float32 — ``result.scores`` plus the overlong penalty of
+    their response lengths ``resp_len`` (B,) when ``overlong.enable`` — and the metrics
+    :func:`apply_reward_result` reports: the result's counts, the penalty's mean and the mean of
+    each numeric ``extra`` key."""
     scores = result.scores.clone()
     metrics = dict(result.metrics)
     if overlong is not None and getattr(overlong, "enable", False):
-        max_len = (
-            max_response_length
-            if max_response_length is not None
-            else batch.meta_info.get("max_response_length")
-        )
-        if max_len is None:
+        if max_response_length is None:
             raise ValueError(
                 "reward.overlong.enable=True needs the configured maximum response length: call "
                 "apply_reward_result(..., max_response_length=cfg.rollout.response_length) or "
@@ -362,23 +431,43 @@ def apply_reward_result(
                 "limit)"
             )
         penalty = overlong_reward_penalty(
-            resp_len, int(max_len), overlong.buffer_len, overlong.penalty_factor
+            resp_len, int(max_response_length), overlong.buffer_len, overlong.penalty_factor
         )
         scores = scores + penalty.to(scores.dtype)
         metrics["reward/overlong_penalty/mean"] = float(penalty.float().mean())
-    tls = torch.zeros_like(b["responses"], dtype=torch.float32)
-    last = (resp_len - 1).clamp(min=0)
-    tls[torch.arange(tls.shape[0]), last] = scores
-    valid = result.valid.clone()
-    b["token_level_scores"] = tls
-    b["sample_valid"] = valid
-    b["response_mask"] = b["response_mask"] * valid[:, None].to(b["response_mask"].dtype)
-    out = DataProto(b, dict(batch.non_tensor_batch), dict(batch.meta_info))
     for k, vals in result.extra.items():
         nums = [float(v) for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
         if nums:
             metrics[f"reward/extra/{k}/mean"] = sum(nums) / len(nums)
-    return out, metrics
+    return scores, metrics
+
+
+def write_scores(
+    batch: DataProto,
+    scores: torch.Tensor,
+    valid: torch.Tensor,
+    resp_len: torch.Tensor | None = None,
+) -> DataProto:
+    """A copy of ``batch`` with ``token_level_scores`` (each row's score (B,) on its last
+    response token), ``sample_valid`` (B,) and the failed rows' ``response_mask`` zeroed
+    (``resp_len``: the rows' response lengths, when already computed)."""
+    b = dict(batch.batch)
+    tls = torch.zeros_like(b["responses"], dtype=torch.float32)
+    if resp_len is None:
+        resp_len = _response_lengths(batch)
+    last = (resp_len - 1).clamp(min=0)
+    tls[torch.arange(tls.shape[0]), last] = scores
+    valid = valid.clone()
+    b["token_level_scores"] = tls
+    b["sample_valid"] = valid
+    b["response_mask"] = b["response_mask"] * valid[:, None].to(b["response_mask"].dtype)
+    return DataProto(b, dict(batch.non_tensor_batch), dict(batch.meta_info))
+
+
+def _response_lengths(batch: DataProto) -> torch.Tensor:
+    """Each row's response length (B,): its response part's attention-mask sum."""
+    R = batch.batch["responses"].shape[1]
+    return batch.batch["attention_mask"][:, -R:].sum(-1)
 
 
 def build_reward_stage(cfg: Any, tokenizer: Any, reward_model: Any = None) -> RewardStage:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +40,7 @@ __all__ = [
     "TrajectoryRunner",
     "LocalTrajectory",
     "LocalRunner",
+    "ScoredGroups",
     "output_to_json",
     "output_from_json",
 ]
@@ -96,14 +98,51 @@ class TrajectoryRunner(Protocol):
         ...
 
 
+class ScoredGroups:
+    """The scored batches of the groups one :meth:`LocalRunner.score_groups` call scored, one
+    per group, built on first use and then shared by the groups' trajectories: a group whose
+    scores came without its batch (:meth:`RewardStage.score_streamed`) and that a filter evicts
+    is never padded into one.
+
+    Args:
+        build: returns the per-group batches (in the order the groups were scored).
+    """
+
+    def __init__(self, build: Callable[[], list[DataProto]]) -> None:
+        self._build: Callable[[], list[DataProto]] | None = build
+        self._groups: list[DataProto] | None = None
+
+    @classmethod
+    def built(cls, groups: list[DataProto]) -> ScoredGroups:
+        """Batches already built."""
+        out = cls(lambda: groups)
+        out._groups, out._build = groups, None
+        return out
+
+    def group(self, j: int) -> DataProto:
+        """The ``j``-th group's scored batch (the same object on every call)."""
+        if self._groups is None:
+            assert self._build is not None
+            self._groups, self._build = self._build(), None
+        return self._groups[j]
+
+
 @dataclass
 class LocalTrajectory:
     """A trajectory held in this process: the agent loop's output and its row; after its group
-    is scored, the scored group batch it is row ``row['sample_index']`` of."""
+    is scored, the scored group batch it is row ``row['sample_index']`` of (:attr:`scored`)."""
 
     output: Any
     row: dict[str, Any]
-    scored: DataProto | None = None
+    scored_groups: ScoredGroups | None = None
+    """The scored batches of the call that scored its group (None: not scored)."""
+    scored_group: int = 0
+    """Its group's position among them."""
+
+    @property
+    def scored(self) -> DataProto | None:
+        """Its group's scored batch (built on first use), or None before its group is scored."""
+        return None if self.scored_groups is None else self.scored_groups.group(self.scored_group)
 
     @property
     def prompt_len(self) -> int:
@@ -182,23 +221,28 @@ class LocalRunner:
         when trajectories brought ``segments`` (their rows follow all trajectories' own rows,
         with their trajectory's ``uid``), the group's rows selected by ``uid``."""
         handles = [h for g in groups for h in g]
-        batch = self.agents.assemble([h.output for h in handles], [h.row for h in handles])
-        scored, metrics = self.reward.finish(batch, check_failures=False)
-        scores = scored.batch["token_level_scores"].sum(-1).tolist()  # own rows first
-        valid = [bool(v) for v in scored.batch["sample_valid"].tolist()]
-        segmented = len(scored) != len(handles)
-        uids = scored.non_tensor_batch["uid"] if segmented and len(groups) > 1 else None
+        outputs, rows = [h.output for h in handles], [h.row for h in handles]
+        streamed = self.reward.score_streamed(outputs, rows)
+        if streamed is not None:  # the batch is padded only if a group of it is taken
+            self.agents.check(outputs, rows)  # a malformed trajectory fails now, kept or not
+            scores = streamed.scores.tolist()
+            valid = streamed.valid.tolist()
+            metrics = streamed.metrics
+            sizes = [len(g) for g in groups]
+            source = ScoredGroups(
+                lambda: _split(streamed.apply(self.agents.assemble(outputs, rows)), sizes)
+            )
+        else:
+            batch = self.agents.assemble(outputs, rows)
+            scored, metrics = self.reward.finish(batch, check_failures=False)
+            scores = scored.batch["token_level_scores"].sum(-1).tolist()  # own rows first
+            valid = [bool(v) for v in scored.batch["sample_valid"].tolist()]
+            source = ScoredGroups.built(_split(scored, [len(g) for g in groups], groups))
         out, at = [], 0
-        for g in groups:
-            if len(groups) == 1:
-                rows = scored
-            elif uids is None:
-                rows = scored[at : at + len(g)]
-            else:  # the group's own rows, then its segment rows, in batch order
-                rows = scored[np.flatnonzero(uids == g[0].row["uid"])]
+        for j, g in enumerate(groups):
             out.append(
                 (
-                    [dataclasses.replace(h, scored=rows) for h in g],
+                    [dataclasses.replace(h, scored_groups=source, scored_group=j) for h in g],
                     scores[at : at + len(g)],
                     valid[at : at + len(g)],
                 )
@@ -235,6 +279,24 @@ class LocalRunner:
         from postrl.agent.base import AgentLoopOutput
 
         return LocalTrajectory(output_from_json(d, AgentLoopOutput), row)
+
+
+def _split(
+    scored: DataProto, sizes: list[int], groups: list[list[Any]] | None = None
+) -> list[DataProto]:
+    """A scored batch of several groups (``sizes``: their trajectories, in order) as one batch
+    per group: the batch itself for one group; else each group's rows — a view of its own rows,
+    or, when the batch holds ``segments`` rows (after all trajectories' own rows, with their
+    trajectory's ``uid``; ``groups`` gives each group's ``uid``), its rows selected by ``uid``."""
+    if len(sizes) == 1:
+        return [scored]
+    if len(scored) == sum(sizes):
+        bounds = np.cumsum([0, *sizes])
+        return [scored[int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
+    assert groups is not None, "a batch with segment rows splits by its groups' uids"
+    uids = scored.non_tensor_batch["uid"]
+    # the group's own rows, then its segment rows, in batch order
+    return [scored[np.flatnonzero(uids == g[0].row["uid"])] for g in groups]
 
 
 def output_to_json(out: Any) -> dict[str, Any]:

@@ -131,6 +131,46 @@ def test_oversampling_keeps_more_groups_in_flight_and_loses_no_prompt(
 
 
 @pytest.mark.timeout(180)
+def test_filtered_groups_are_never_padded_into_a_batch(tiny_model_dir, epoch_files, tmp_path):
+    """Scores streamed as trajectories finish decide the filter before any padding: only the
+    groups a step trains are assembled into a batch (``RewardStage.score_streamed``), and what
+    they train on is what scoring the assembled batch gives (the custom reward's own score)."""
+    run = tmp_path / "run"
+    args = [*_oversample_args(tiny_model_dir, epoch_files, tmp_path, run), "trainer.save_freq=0"]
+    trainer = RLTrainer(load_config(None, [*args, "trainer.total_steps=3"]))
+    runner = trainer.ctx.runner
+    assemble, scored, padded, trained = runner.agents.assemble, [], [], []
+    score_groups = runner.score_groups
+
+    def count_scored(groups):
+        scored.extend(g[0].row["uid"] for g in groups)
+        return score_groups(groups)
+
+    def count_padded(outputs, rows):
+        padded.extend(dict.fromkeys(r["uid"] for r in rows))  # each group's uid once
+        return assemble(outputs, rows)
+
+    def update(batch):
+        nt = batch.non_tensor_batch
+        scores = batch.batch["token_level_scores"].sum(-1).tolist()
+        trained.extend(zip(nt["uid"].tolist(), nt["index"].tolist(), scores))
+        return actor_update(batch)
+
+    runner.score_groups, runner.agents.assemble = count_scored, count_padded
+    actor_update, trainer.roles.update_actor = trainer.roles.update_actor, update
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    kept = {uid for uid, _, _ in trained}
+    assert len(kept) == 3 * 4 and len(scored) > len(kept)  # some groups were filtered out
+    padded = [u for u in padded if not u.startswith("-1-")]  # the final validation's groups
+    assert sorted(padded) == sorted(kept)  # each trained group padded once, no other
+    for _, index, score in trained:  # the odd rows' score: the custom function's, not 1.0
+        assert int(index) % 2 == 1 and 0.0 <= score < 1.0
+
+
+@pytest.mark.timeout(180)
 def test_greso_skips_prompts_dynamic_sampling_filtered_before_generating_them(
     tiny_model_dir, epoch_files, tmp_path
 ):
