@@ -111,9 +111,14 @@ def register_policy_loss(name: str, **meta: Any) -> Callable[[PolicyLossFn], Pol
     <hyperparameters>) -> (loss, metrics)``; a function with another shape is refused here.
 
     Meta: ``agg_mode=...`` when the loss always aggregates with one fixed mode (GSPO, GMPO),
-    ``needs=("rollout_log_prob",)`` when it needs the rollout engine's log-probs.
+    ``needs=("rollout_log_prob",)`` when it needs the rollout engine's log-probs,
+    ``zero_advantage_rows_free=True`` when a row whose advantages are all 0 adds exactly 0 to
+    the loss and its gradient and does not change any other row's term (every loss linear in
+    the row's own advantage; not one that selects tokens by batch statistics): the update may
+    then leave such rows out (``actor.skip_zero_advantage``).
     """
     meta.setdefault("needs", ())
+    meta.setdefault("zero_advantage_rows_free", False)
     add = POLICY_LOSSES.register(name, **meta)
 
     def deco(fn: PolicyLossFn) -> PolicyLossFn:
@@ -250,7 +255,7 @@ def _ppo_clip_matrix(
 
 
 # ---------------------------------------------------------------------------- losses
-@register_policy_loss("vanilla")
+@register_policy_loss("vanilla", zero_advantage_rows_free=True)
 def compute_policy_loss_vanilla(
     x: LossInputs,
     *,
@@ -277,7 +282,7 @@ def compute_policy_loss_vanilla(
     return loss, _metrics(clipfrac, lower, masked_mean(-lr, x.response_mask))
 
 
-@register_policy_loss("reinforce")
+@register_policy_loss("reinforce", zero_advantage_rows_free=True)
 def compute_policy_loss_reinforce(
     x: LossInputs, *, norm_length: float | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -292,7 +297,7 @@ def compute_policy_loss_reinforce(
     return loss, _metrics(zero, zero, masked_mean(-lr, x.response_mask))
 
 
-@register_policy_loss("gpg")
+@register_policy_loss("gpg", zero_advantage_rows_free=True)
 def compute_policy_loss_gpg(
     x: LossInputs, *, norm_length: float | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -303,7 +308,7 @@ def compute_policy_loss_gpg(
     return compute_policy_loss_reinforce(x, norm_length=norm_length)
 
 
-@register_policy_loss("gspo", agg_mode="seq-mean-token-mean")
+@register_policy_loss("gspo", agg_mode="seq-mean-token-mean", zero_advantage_rows_free=True)
 def compute_policy_loss_gspo(
     x: LossInputs,
     *,
@@ -334,7 +339,7 @@ def compute_policy_loss_gspo(
     return loss, _metrics(clipfrac, log_prob.new_zeros(()), masked_mean(-neg_kl, mask))
 
 
-@register_policy_loss("geo_mean", agg_mode="seq-mean-token-mean")
+@register_policy_loss("geo_mean", agg_mode="seq-mean-token-mean", zero_advantage_rows_free=True)
 def compute_policy_loss_geo_mean(
     x: LossInputs,
     *,
@@ -370,7 +375,7 @@ def compute_policy_loss_geo_mean(
     return loss, _metrics(clipfrac, lower, masked_mean(-lr, mask))
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", zero_advantage_rows_free=True)
 def compute_policy_loss_cispo(
     x: LossInputs,
     *,
@@ -397,7 +402,7 @@ def compute_policy_loss_cispo(
     return loss, _metrics(upper, lower, masked_mean(-lr, mask))
 
 
-@register_policy_loss("sapo")
+@register_policy_loss("sapo", zero_advantage_rows_free=True)
 def compute_policy_loss_sapo(
     x: LossInputs,
     *,
@@ -425,7 +430,7 @@ def compute_policy_loss_sapo(
     return loss, _metrics(zero, zero, masked_mean(-lr, x.response_mask))
 
 
-@register_policy_loss("bypass_mode", needs=("rollout_log_prob",))
+@register_policy_loss("bypass_mode", needs=("rollout_log_prob",), zero_advantage_rows_free=True)
 def compute_policy_loss_bypass_mode(
     x: LossInputs,
     *,

@@ -86,7 +86,11 @@ def proximal_is_weights(
     return w, lr
 
 
-@register_policy_loss("decoupled", needs=("rollout_log_prob", "proximal_log_prob"))
+@register_policy_loss(
+    "decoupled",
+    needs=("rollout_log_prob", "proximal_log_prob"),
+    zero_advantage_rows_free=True,
+)
 def compute_policy_loss_decoupled(
     x: LossInputs,
     *,

@@ -163,6 +163,16 @@ class ActorConfig:
     """Coefficient of the KL loss."""
     kl_loss_type: str = PolicyLossSpec.kl_loss_type
     """Registered KL estimator for the KL loss."""
+    skip_zero_advantage: bool = False
+    """Leave the rows whose advantages are all 0 out of the update's forward and backward. The
+    policy-gradient term is the same (such a row adds 0 to it; the token and sequence counts it
+    is normalised by still include every row), to float rounding. What changes: the entropy
+    bonus, the KL loss and a distillation term become means over the trained rows only, and so
+    do ``actor/entropy`` and the loss's own metrics; a fused update's old log-probs (and the
+    ``rollout_corr/*`` metrics measured on them) cover the trained rows only. With GRPO, a
+    group whose rewards are all equal and, under ``negative_weight: 0``, every wrong answer has
+    zero advantage. Needs a policy loss registered ``zero_advantage_rows_free`` (all built-in
+    ones but ``clip_cov``/``kl_cov``). Metric ``actor/zero_adv_skipped_frac``."""
     share_prompt_prefix: bool | None = None
     """Compute the n responses of a prompt against one shared prompt copy (None = auto)."""
     fuse_old_log_prob: bool | None = None

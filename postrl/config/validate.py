@@ -543,4 +543,12 @@ def _algorithm_checks(cfg: PostRLConfig) -> list[str]:
         e.extend(adv_estimator_hparam_errors(est, cfg.algorithm.adv_estimator_kwargs))
     if loss in POLICY_LOSSES:
         e.extend(policy_loss_hparam_errors(loss, cfg.actor.policy_loss_kwargs))
+        free = POLICY_LOSSES.meta(loss).get("zero_advantage_rows_free", False)
+        if cfg.actor.skip_zero_advantage and not free:
+            e.append(
+                f"actor.skip_zero_advantage=true with actor.policy_loss={loss!r}: this loss does "
+                "not declare that a zero-advantage row adds nothing to it "
+                "(zero_advantage_rows_free; e.g. it selects tokens by batch statistics): set "
+                "actor.skip_zero_advantage=false or use a loss that declares it"
+            )
     return e

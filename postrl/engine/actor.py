@@ -35,10 +35,11 @@ import torch.distributed as dist
 from postrl.algos.aggregation import agg_loss
 from postrl.algos.entropy import adapt_entropy_coeff
 from postrl.algos.kl import kl_penalty
-from postrl.algos.policy_losses import LossInputs, bind_policy_loss
+from postrl.algos.policy_losses import POLICY_LOSSES, LossInputs, bind_policy_loss
 from postrl.engine.microbatch import make_micro_batches, restore_order
 from postrl.engine.minibatch import split_mini_batches
 from postrl.engine.model import PolicyModel
+from postrl.engine.optim import allreduce_sum
 from postrl.engine.specs import BatchSpec, OptimSpec, PolicyLossSpec
 from postrl.engine.update import MicroLoss, UpdateLoop, rows_to_device
 from postrl.protocol import DataProto
@@ -74,7 +75,11 @@ class PolicyUpdate:
     """``actor/*`` metrics (verl names)."""
     old_log_probs: torch.Tensor | None = None
     """(B, R) old log-probs the update computed itself (fused on-policy update), row-aligned
-    with the input (zeros on rows with no valid token); None when the input carried them."""
+    with the input (zeros on rows with no valid token, and on rows ``trained`` leaves out);
+    None when the input carried them."""
+    trained: torch.Tensor | None = None
+    """(B,) bool: the rows the update ran (``skip_zero_advantage``: those with a non-zero
+    advantage); None when it ran every row."""
 
 
 class LogProbEngine:
@@ -102,8 +107,14 @@ class LogProbEngine:
         self.share_prefix = share_prefix
         self.device = torch.device(device)
 
-    def micro_batches(self, data: DataProto) -> list[list[int]]:
-        """Row indices per micro-batch (the same count on every FSDP2 rank)."""
+    def micro_batches(self, data: DataProto, rows: torch.Tensor | None = None) -> list[list[int]]:
+        """Row indices per micro-batch (the same count on every FSDP2 rank); with ``rows``
+        (indices into ``data``) of those rows only."""
+        if rows is not None:
+            sub = DataProto.from_dict(
+                {k: data.batch[k][rows] for k in ("attention_mask", "responses", "input_ids")}
+            )
+            return [[int(rows[i]) for i in m] for m in self.micro_batches(sub)]
         am = data.batch["attention_mask"]
         r = data.batch["responses"].shape[1]
         units = extra = None
@@ -258,6 +269,14 @@ class Actor:
                 clip_ratio_c=loss.clip_ratio_c,
             ),
         )
+        if loss.skip_zero_advantage and not POLICY_LOSSES.meta(loss.policy_loss).get(
+            "zero_advantage_rows_free", False
+        ):
+            raise ValueError(
+                f"actor.skip_zero_advantage=True with actor.policy_loss={loss.policy_loss!r}, "
+                "whose loss does not declare that a row with zero advantages adds nothing to "
+                "it (zero_advantage_rows_free): set actor.skip_zero_advantage=false"
+            )
         self.distill_fn = None
         if loss.distill_loss:
             from postrl.algos.distill import DISTILL_LOSSES
@@ -291,6 +310,10 @@ class Actor:
 
     def _loss_terms(self, mb, lp, ent, denoms: dict, student_topk=None) -> MicroLoss:
         c = self.loss
+        denoms = dict(denoms)
+        # the policy term over every row of the mini-batch (a skipped row's share is 0); the
+        # entropy, KL and distillation terms are means over the rows the update trains
+        rows = denoms.pop("trained", denoms)
         mask = mb["response_mask"].to(lp.dtype)
         pg, m = self.loss_fn(
             LossInputs(
@@ -305,7 +328,7 @@ class Actor:
             )
         )
         loss = pg
-        ent_loss = agg_loss(ent, mask, c.loss_agg_mode, **denoms)
+        ent_loss = agg_loss(ent, mask, c.loss_agg_mode, **rows)
         if self.entropy_coeff:
             loss = loss - self.entropy_coeff * ent_loss
         terms = {"pg_loss": pg.detach(), "entropy": ent_loss.detach()}
@@ -319,7 +342,7 @@ class Actor:
                 kl_penalty(lp, mb["ref_log_prob"], c.kl_loss_type),
                 mask,
                 c.loss_agg_mode,
-                **denoms,
+                **rows,
             )
             loss = loss + c.kl_loss_coef * kl
             terms["kl_loss"] = kl.detach()
@@ -327,7 +350,7 @@ class Actor:
             d = self.distill_fn(
                 student_topk, mb["teacher_topk_log_probs"], mask, beta=c.distill_beta
             )
-            dl = agg_loss(d, mask, c.loss_agg_mode, **denoms)
+            dl = agg_loss(d, mask, c.loss_agg_mode, **rows)
             loss = loss + c.distill_coef * dl
             terms["distill_loss"] = dl.detach()
         return MicroLoss(loss, sums=terms, means=m)
@@ -370,6 +393,21 @@ class Actor:
                 )
             return minis
 
+        skip = self.loss.skip_zero_advantage
+        trained = torch.zeros(len(data), dtype=torch.bool) if skip else None
+        if skip and "_row" not in data.batch:
+            data = data.union(DataProto.from_dict({"_row": torch.arange(len(data))}))
+            keys.append("_row")
+
+        def micro_batches(mini: DataProto) -> list[list[int]]:
+            if not skip:
+                return self.logprob.micro_batches(mini)
+            adv = mini.batch["advantages"] * mini.batch["response_mask"]
+            rows = torch.nonzero((adv != 0).any(-1)).flatten()  # (b',) rows with a gradient
+            assert trained is not None
+            trained[mini.batch["_row"][rows]] = True
+            return self.logprob.micro_batches(mini, rows)
+
         def micro_loss(mb: dict[str, torch.Tensor], denoms: dict) -> MicroLoss:
             at = None
             if self.distill_fn is not None:
@@ -394,11 +432,18 @@ class Actor:
             data,
             epochs=epochs,
             mini_batches=mini_batches,
-            micro_batches=self.logprob.micro_batches,
+            micro_batches=micro_batches,
             keys=keys,
             micro_loss=micro_loss,
             prefix="actor",
+            trained_denominators=skip,
         )
+        if trained is not None:  # each row counted once, whatever the epochs and dp ranks
+            valid = data.batch["response_mask"].sum(-1) > 0  # (padding rows are not rows)
+            n = allreduce_sum(
+                torch.stack([(valid & ~trained).sum(), valid.sum()]).float(), self.group
+            )
+            metrics["actor/zero_adv_skipped_frac"] = float(n[0] / n[1].clamp(min=1))
         self.update_count += 1
         c = self.loss
         if c.entropy_target > 0:  # metrics are all-reduced: every rank moves the same way
@@ -412,4 +457,4 @@ class Actor:
                     max_coeff=c.entropy_coeff_max,
                     min_coeff=c.entropy_coeff_min,
                 )
-        return PolicyUpdate(metrics, old)
+        return PolicyUpdate(metrics, old, trained)

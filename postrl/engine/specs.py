@@ -114,6 +114,9 @@ class PolicyLossSpec:
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator (:func:`postrl.algos.kl.kl_penalty`)."""
+    skip_zero_advantage: bool = False
+    """Run only the rows with a non-zero advantage through the update's forward and backward
+    (``actor.skip_zero_advantage``; the loss must declare ``zero_advantage_rows_free``)."""
     distill_loss: str = ""
     """A distillation loss of kind ``loss`` (:data:`postrl.algos.distill.DISTILL_LOSSES`, e.g.
     ``gkd``) added to the loss as ``distill_coef · agg(D_t)``, from the student's log-probs at

@@ -2,17 +2,20 @@
 
     for epoch in range(epochs):
         for mini-batch (``mini_batches(data, epoch)``: the same count on every dp rank):
-            N_tok, N_seq = Σ_ranks valid tokens / non-empty rows of the mini-batch   (all-reduce)
+            micro = micro_batches(mini)   # token budget, Karmarkar–Karp balanced; may leave out
+                                          # rows that cannot move the loss (zero advantage)
+            N_tok, N_seq = Σ_ranks valid tokens / non-empty rows of the mini-batch
+                           (one all-reduce, with the same two counts over micro's rows)
             if N_tok == 0: skip (nothing to learn on any rank, no optimizer step)
-            for micro-batch (``micro_batches(mini)``, token budget, Karmarkar–Karp balanced):
+            for micro-batch in micro:
                 out = micro_loss(mb, denominators)     # the varying part: policy or value loss
                 out.loss.backward()                    # an additive share of the mini-batch loss
             all-reduce(SUM) grads; clip; step unless the norm is non-finite (counted)
 
 Metrics: a micro-batch reports ``sums`` (values already normalised by the global denominators,
 so they add up to the mini-batch value) and ``means`` (per-micro-batch averages, weighted by the
-micro-batch's share of the mini-batch's tokens); both are summed over dp ranks, then averaged over
-mini-batches and epochs. ``grad_norm`` and ``lr`` are added per optimizer step.
+micro-batch's share of the mini-batch's trained tokens); both are summed over dp ranks, then
+averaged over mini-batches and epochs. ``grad_norm`` and ``lr`` are added per optimizer step.
 
 Engine-owned settings (:class:`~postrl.engine.specs.BatchSpec`,
 :class:`~postrl.engine.specs.OptimSpec`) are plain dataclasses in :mod:`postrl.engine.specs`: the
@@ -104,6 +107,7 @@ class UpdateLoop:
         keys: list[str],
         micro_loss: Callable[[dict[str, torch.Tensor], dict], MicroLoss],
         prefix: str,
+        trained_denominators: bool = False,
     ) -> dict[str, float]:
         """One update over ``data`` (this rank's shard); returns ``{prefix}/<name>`` metrics.
 
@@ -111,36 +115,63 @@ class UpdateLoop:
             data: needs ``response_mask`` and whatever ``micro_loss`` reads.
             epochs: passes over ``data``.
             mini_batches: ``(data, epoch) -> mini-batches`` (the same count on every rank).
-            micro_batches: ``mini -> row indices per micro-batch`` (the same count on every rank).
+            micro_batches: ``mini -> row indices per micro-batch`` (the same count on every
+                rank). They may leave rows out (rows that cannot move the loss, e.g. the actor's
+                zero-advantage rows): the denominators still count every row of the mini-batch.
             keys: tensors moved to the device for each micro-batch.
             micro_loss: ``(micro-batch tensors, denominators) -> MicroLoss``; the denominators
                 are ``global_num_tokens``, ``global_num_seqs`` and ``dp_size`` (keyword arguments
-                of :func:`postrl.algos.aggregation.agg_loss`).
+                of :func:`postrl.algos.aggregation.agg_loss`) over the whole mini-batch.
             prefix: metric namespace (``actor``, ``critic``).
+            trained_denominators: also pass ``denominators["trained"]``, the same three over
+                the rows the micro-batches hold (a term that should average over the trained
+                rows only). ``means`` are weighted by the trained tokens either way.
         """
         sums: dict[str, list[torch.Tensor]] = defaultdict(list)
         for epoch in range(epochs):
             for mini in mini_batches(data, epoch):
+                micro = micro_batches(mini)
                 rm = mini.batch["response_mask"].float()
-                counts = allreduce_sum(
-                    torch.stack([rm.sum(), (rm.sum(-1) > 0).float().sum()]), self.group
+                rows = [r for m in micro for r in m]
+                rt = rm if len(rows) == len(rm) else rm[torch.tensor(rows, dtype=torch.long)]
+                both = allreduce_sum(  # the mini-batch's and its trained rows' counts
+                    torch.stack(
+                        [
+                            rm.sum(),
+                            (rm.sum(-1) > 0).float().sum(),
+                            rt.sum(),
+                            (rt.sum(-1) > 0).float().sum(),
+                        ]
+                    ),
+                    self.group,
                 )
+                counts, trained = both[:2], both[2:]
                 if not bool(counts[0] > 0):  # no valid token on any rank: nothing to learn
                     continue
-                denoms = dict(
+                denoms: dict = dict(
                     global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=self.dp_size
                 )
+                if trained_denominators:
+                    denoms["trained"] = dict(
+                        global_num_tokens=trained[0],
+                        global_num_seqs=trained[1],
+                        dp_size=self.dp_size,
+                    )
                 step: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
-                for idx in micro_batches(mini):
+                for idx in micro:
                     mb = rows_to_device(mini, idx, keys, self.device)
                     out = micro_loss(mb, denoms)
                     out.loss.backward()
-                    # token share of the mini-batch
-                    w = mb["response_mask"].sum().float().cpu() / counts[0].clamp(min=1)
+                    # token share of the mini-batch's trained tokens
+                    w = mb["response_mask"].sum().float().cpu() / trained[0].clamp(min=1)
                     for k, v in out.sums.items():
                         step[k] = step[k] + v.cpu()
                     for k, v in out.means.items():
                         step[k] = step[k] + v.cpu() * w
+                if not micro:  # no row of this rank trains: a step on zero gradients, as when
+                    for p in self.params:  # its rows' loss was computed and was 0
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
                 allreduce_grads(self.params, self.group)
                 lr = self.optimizer.param_groups[0]["lr"]
                 norm, ok = guarded_step(self.params, self.optimizer, self.scheduler, self.grad_clip)

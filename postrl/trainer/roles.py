@@ -147,16 +147,24 @@ class Roles:
 
         A fused update (batch without ``old_log_probs``) returns the old log-probs it computed;
         they join the batch here, and the rollout-vs-training mismatch metrics are measured on
-        them (their one pass: with fusion no correction runs before the update).
+        them (their one pass: with fusion no correction runs before the update) — over the rows
+        it ran, when ``actor.skip_zero_advantage`` left rows out.
         """
         out = self.actor.update_actor(_padded(batch, self.dp_size))
         metrics = _metrics_of(out)
         if isinstance(out, DataProto) and "old_log_probs" in out.batch:
             old = out.batch["old_log_probs"][: len(batch)]
             batch = batch.union(DataProto.from_dict({"old_log_probs": old}))
-            batch, rc = stages.rollout_correction_stage(
-                batch, self.cfg.algorithm.rollout_correction
-            )
+            rc_cfg = self.cfg.algorithm.rollout_correction
+            if "update_trained" in out.batch:  # (actor.skip_zero_advantage) measured on the
+                ran = out.batch["update_trained"][: len(batch)]  # rows the update ran
+                b = dict(batch.batch)
+                b["response_mask"] = b["response_mask"] * ran[:, None].to(b["response_mask"].dtype)
+                _, rc = stages.rollout_correction_stage(
+                    DataProto(b, batch.non_tensor_batch, batch.meta_info), rc_cfg
+                )
+            else:
+                batch, rc = stages.rollout_correction_stage(batch, rc_cfg)
             metrics.update(rc)
         return batch, metrics
 

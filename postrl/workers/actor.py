@@ -131,15 +131,18 @@ class ActorWorker(LendsCores, Worker):
         out.metrics.update(lent)
         if rc is not None and out.old_log_probs is not None:  # fused: measured on its own pass
             data.batch["old_log_probs"] = out.old_log_probs[: len(data)]
+            if out.trained is not None:  # only the rows it ran have them
+                data.batch["response_mask"] = data.batch["response_mask"] * out.trained[:, None]
             _corrected(data, rc, local)
         if data.meta_info.get("by_ref"):
             local["timing_s/update_policy"] = time.perf_counter() - t0
             return DataProto(meta_info={"metrics": out.metrics, "local": local})
         if out.old_log_probs is None:
             return metrics_proto(out.metrics)
-        return DataProto.from_dict(
-            {"old_log_probs": out.old_log_probs}, meta_info={"metrics": out.metrics}
-        )
+        got = {"old_log_probs": out.old_log_probs}
+        if out.trained is not None:
+            got["update_trained"] = out.trained
+        return DataProto.from_dict(got, meta_info={"metrics": out.metrics})
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
     def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
