@@ -163,7 +163,7 @@ class ActorConfig:
     """Coefficient of the KL loss."""
     kl_loss_type: str = PolicyLossSpec.kl_loss_type
     """Registered KL estimator for the KL loss."""
-    skip_zero_advantage: bool = False
+    skip_zero_advantage: bool = PolicyLossSpec.skip_zero_advantage
     """Leave the rows whose advantages are all 0 out of the update's forward and backward. The
     policy-gradient term is the same (such a row adds 0 to it; the token and sequence counts it
     is normalised by still include every row), to float rounding. What changes: the entropy

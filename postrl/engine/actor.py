@@ -110,6 +110,8 @@ class LogProbEngine:
     def micro_batches(self, data: DataProto, rows: torch.Tensor | None = None) -> list[list[int]]:
         """Row indices per micro-batch (the same count on every FSDP2 rank); with ``rows``
         (indices into ``data``) of those rows only."""
+        if rows is not None and len(rows) == 0:  # nothing to run here (other ranks may)
+            return self.policy.align_micro_batches([], torch.zeros(0, dtype=torch.long))
         if rows is not None:
             sub = DataProto.from_dict(
                 {k: data.batch[k][rows] for k in ("attention_mask", "responses", "input_ids")}
@@ -399,13 +401,16 @@ class Actor:
             data = data.union(DataProto.from_dict({"_row": torch.arange(len(data))}))
             keys.append("_row")
 
-        def micro_batches(mini: DataProto) -> list[list[int]]:
-            if not skip:
-                return self.logprob.micro_batches(mini)
+        def trained_rows(mini: DataProto) -> torch.Tensor:
             adv = mini.batch["advantages"] * mini.batch["response_mask"]
             rows = torch.nonzero((adv != 0).any(-1)).flatten()  # (b',) rows with a gradient
             assert trained is not None
             trained[mini.batch["_row"][rows]] = True
+            return rows
+
+        def micro_batches(mini: DataProto, rows: torch.Tensor | None = None) -> list[list[int]]:
+            if rows is not None and len(rows) == len(mini):
+                rows = None  # every row: the micro-batches without a selection
             return self.logprob.micro_batches(mini, rows)
 
         def micro_loss(mb: dict[str, torch.Tensor], denoms: dict) -> MicroLoss:
@@ -436,9 +441,11 @@ class Actor:
             keys=keys,
             micro_loss=micro_loss,
             prefix="actor",
-            trained_denominators=skip,
+            trained_rows=trained_rows if skip else None,
         )
         if trained is not None:  # each row counted once, whatever the epochs and dp ranks
+            if old is not None:  # (a rank with nothing to train ran one row masked)
+                old[~trained] = 0.0
             valid = data.batch["response_mask"].sum(-1) > 0  # (padding rows are not rows)
             n = allreduce_sum(
                 torch.stack([(valid & ~trained).sum(), valid.sum()]).float(), self.group

@@ -2,12 +2,12 @@
 
     for epoch in range(epochs):
         for mini-batch (``mini_batches(data, epoch)``: the same count on every dp rank):
-            micro = micro_batches(mini)   # token budget, Karmarkar–Karp balanced; may leave out
-                                          # rows that cannot move the loss (zero advantage)
             N_tok, N_seq = Σ_ranks valid tokens / non-empty rows of the mini-batch
-                           (one all-reduce, with the same two counts over micro's rows)
+                           (one all-reduce, with the same two counts over the rows to train:
+                           all, or ``trained_rows(mini)``, e.g. without zero-advantage rows)
             if N_tok == 0: skip (nothing to learn on any rank, no optimizer step)
-            for micro-batch in micro:
+            for micro-batch (``micro_batches(mini[, rows])``, token budget, Karmarkar–Karp
+                             balanced):
                 out = micro_loss(mb, denominators)     # the varying part: policy or value loss
                 out.loss.backward()                    # an additive share of the mini-batch loss
             all-reduce(SUM) grads; clip; step unless the norm is non-finite (counted)
@@ -65,6 +65,14 @@ def rows_to_device(
     return {k: data.batch[k][ix].to(device) for k in keys if k in data.batch}
 
 
+def _masked_first_row(mini: DataProto) -> DataProto:
+    """``mini`` with its first row's ``response_mask`` all zero (a row that trains nothing)."""
+    b = dict(mini.batch)
+    b["response_mask"] = b["response_mask"].clone()
+    b["response_mask"][0] = 0
+    return DataProto(b, mini.non_tensor_batch, mini.meta_info)
+
+
 class UpdateLoop:
     """Optimizer, schedule and the epochs × mini-batches × micro-batches loop of one engine.
 
@@ -107,7 +115,7 @@ class UpdateLoop:
         keys: list[str],
         micro_loss: Callable[[dict[str, torch.Tensor], dict], MicroLoss],
         prefix: str,
-        trained_denominators: bool = False,
+        trained_rows: Callable[[DataProto], torch.Tensor] | None = None,
     ) -> dict[str, float]:
         """One update over ``data`` (this rank's shard); returns ``{prefix}/<name>`` metrics.
 
@@ -116,24 +124,24 @@ class UpdateLoop:
             epochs: passes over ``data``.
             mini_batches: ``(data, epoch) -> mini-batches`` (the same count on every rank).
             micro_batches: ``mini -> row indices per micro-batch`` (the same count on every
-                rank). They may leave rows out (rows that cannot move the loss, e.g. the actor's
-                zero-advantage rows): the denominators still count every row of the mini-batch.
+                rank); with ``trained_rows``, ``(mini, rows) ->`` those of ``rows`` only.
             keys: tensors moved to the device for each micro-batch.
             micro_loss: ``(micro-batch tensors, denominators) -> MicroLoss``; the denominators
                 are ``global_num_tokens``, ``global_num_seqs`` and ``dp_size`` (keyword arguments
                 of :func:`postrl.algos.aggregation.agg_loss`) over the whole mini-batch.
             prefix: metric namespace (``actor``, ``critic``).
-            trained_denominators: also pass ``denominators["trained"]``, the same three over
-                the rows the micro-batches hold (a term that should average over the trained
-                rows only). ``means`` are weighted by the trained tokens either way.
+            trained_rows: ``mini -> row indices`` to run (rows that cannot move the loss, e.g.
+                the actor's zero-advantage rows, left out): the denominators still count every
+                row, and ``denominators["trained"]`` holds the same three over these rows (for
+                a term that averages over the trained rows only). ``means`` are weighted by the
+                trained tokens.
         """
         sums: dict[str, list[torch.Tensor]] = defaultdict(list)
         for epoch in range(epochs):
             for mini in mini_batches(data, epoch):
-                micro = micro_batches(mini)
                 rm = mini.batch["response_mask"].float()
-                rows = [r for m in micro for r in m]
-                rt = rm if len(rows) == len(rm) else rm[torch.tensor(rows, dtype=torch.long)]
+                rows = trained_rows(mini) if trained_rows is not None else None
+                rt = rm if rows is None else rm[rows]
                 both = allreduce_sum(  # the mini-batch's and its trained rows' counts
                     torch.stack(
                         [
@@ -148,10 +156,17 @@ class UpdateLoop:
                 counts, trained = both[:2], both[2:]
                 if not bool(counts[0] > 0):  # no valid token on any rank: nothing to learn
                     continue
+                if rows is not None and len(rows) == 0 and len(mini) > 0:
+                    # nothing to train on this rank: one row, its mask zeroed (it adds exactly
+                    # 0), keeps its passes and its metrics' all-reduces in step with the ranks'
+                    mini, rows = _masked_first_row(mini), torch.zeros(1, dtype=torch.long)
+                # (after the counts: aligning FSDP2 ranks may run dummy passes now, whose
+                # collectives must meet the other ranks' passes, not another all-reduce)
+                micro = micro_batches(mini) if rows is None else micro_batches(mini, rows)
                 denoms: dict = dict(
                     global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=self.dp_size
                 )
-                if trained_denominators:
+                if trained_rows is not None:
                     denoms["trained"] = dict(
                         global_num_tokens=trained[0],
                         global_num_seqs=trained[1],

@@ -138,6 +138,19 @@ def _algo_errors(overrides: list[str]) -> str:
     return str(e.value)
 
 
+def test_skip_zero_advantage_needs_a_loss_that_declares_it():
+    """``actor.skip_zero_advantage`` with a loss that selects tokens by batch statistics is
+    refused at startup, naming the field and the fix; a declaring loss passes."""
+    msg = _algo_errors(
+        ["actor.skip_zero_advantage=true", "actor.policy_loss=clip_cov", "model.dtype=x"]
+    )
+    assert "actor.skip_zero_advantage=true with actor.policy_loss='clip_cov'" in msg
+    assert "set actor.skip_zero_advantage=false" in msg
+    assert "skip_zero_advantage" not in _algo_errors(
+        ["actor.skip_zero_advantage=true", "model.dtype=x"]
+    )
+
+
 def test_misspelt_hyperparameters_rejected_at_startup():
     """Estimator and loss hyperparameters are bound against typed signatures, not ignored."""
     msg = _algo_errors(

@@ -131,6 +131,74 @@ def test_fused_old_log_prob_equals_separate_pass(tiny_model_dir, make_batch):
     assert m_fused["actor/ppo_kl"] == 0.0 and m_fused["actor/pg_clipfrac"] == 0.0  # ratio exactly 1
 
 
+def _skipping(model_dir, skip: bool, sgd: bool = True, **kw) -> Actor:
+    """``_actor`` without an entropy bonus, leaving zero-advantage rows out or not."""
+    actor = _actor(model_dir, sgd=sgd, **kw)
+    actor.loss = PolicyLossSpec(entropy_coeff=0.0, skip_zero_advantage=skip)
+    actor.entropy_coeff = 0.0
+    return actor
+
+
+def _zero_some(batch, rows: list[int]):
+    """``batch`` with the advantages of ``rows`` set to 0 (a filtered group, PSR's negatives)."""
+    b = batch[list(range(len(batch)))]
+    b.batch = dict(b.batch)
+    b.batch["advantages"] = b.batch["advantages"].clone()
+    b.batch["advantages"][rows] = 0.0
+    return b
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_skipping_zero_advantage_rows_is_the_same_update(tiny_model_dir, make_batch, fused):
+    """``skip_zero_advantage``: the rows with zero advantages leave the forward and backward,
+    the update (weights, policy loss, gradient norm) is the one over every row — over two
+    mini-batches, one of which trains a single row — and the skipped share is reported. Fused,
+    the old log-probs of the rows it ran are the full update's, the others 0."""
+    n_prompts = 2 if fused else 4  # fused: one mini-batch (ppo_mini_batch_size 2 prompts)
+    batch = make_batch(num_prompts=n_prompts, n=4, seed=7)
+    zero = [0, 1, 2, 5, 6] if fused else [0, 1, 2, 5, 6, 8, 9, 10, 12, 13, 14, 15]
+    outs = []
+    for skip in (False, True):
+        actor = _skipping(tiny_model_dir, skip)
+        b = _zero_some(batch if fused else _prep(actor, batch), zero)
+        outs.append((actor.update_policy(b), _weights(actor)))
+    (full, w_full), (part, w_part) = outs
+    for k in w_full:
+        torch.testing.assert_close(w_part[k], w_full[k], atol=1e-7, rtol=1e-5)
+    for k in ("actor/pg_loss", "actor/grad_norm"):
+        assert part.metrics[k] == pytest.approx(full.metrics[k], rel=1e-4, abs=1e-7), k
+    assert full.metrics["actor/grad_norm"] > 0
+    assert "actor/zero_adv_skipped_frac" not in full.metrics and full.trained is None
+    assert part.metrics["actor/zero_adv_skipped_frac"] == pytest.approx(len(zero) / len(batch))
+    assert part.trained.tolist() == [i not in zero for i in range(len(batch))]
+    if fused:
+        ran = part.trained
+        torch.testing.assert_close(
+            part.old_log_probs[ran], full.old_log_probs[ran], atol=1e-6, rtol=0
+        )
+        assert not part.old_log_probs[~ran].any()
+
+
+def test_a_mini_batch_with_no_row_to_train_still_steps(tiny_model_dir, make_batch):
+    """All of a mini-batch's advantages 0: nothing runs, yet AdamW steps on zero gradients as
+    the full update does (its momentum still moves the weights) — bit for bit."""
+    first = make_batch(num_prompts=2, n=4, seed=8)
+    outs = []
+    for skip in (False, True):
+        actor = _skipping(tiny_model_dir, skip, sgd=False)
+        actor.update_policy(_prep(actor, first))
+        before = _weights(actor)
+        b = _prep(actor, first)
+        b.batch["advantages"] = torch.zeros_like(b.batch["advantages"])
+        m = actor.update_policy(b).metrics
+        outs.append((_weights(actor), m, before))
+    (w_full, m_full, before), (w_part, m_part, _) = outs
+    assert m_part["actor/zero_adv_skipped_frac"] == 1.0 and m_full["actor/grad_norm"] == 0.0
+    assert any(not torch.equal(w_full[k], before[k]) for k in w_full)  # momentum moved them
+    for k in w_full:
+        assert torch.equal(w_part[k], w_full[k]), k
+
+
 @pytest.mark.parametrize(
     ("kw", "rows", "match"),
     [

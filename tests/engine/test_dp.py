@@ -40,10 +40,12 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+@pytest.fixture(scope="module", params=["ddp", "fsdp2", "fsdp2_skip"])
 def groups(request, ray_cluster, tiny_model_dir):
     """(local dp=1 actor group, ray dp=2 actor group with ``actor.strategy=<param>``) from one
-    config."""
+    config; ``fsdp2_skip``: with ``actor.skip_zero_advantage`` (the masked and zero-advantage
+    rows leave the passes; a rank left with none runs one row masked, to stay in step)."""
+    strategy, _, skip = request.param.partition("_")
     cfg = load_config(
         None,
         [
@@ -56,7 +58,8 @@ def groups(request, ray_cluster, tiny_model_dir):
             "actor.optim.grad_clip=1e6",
             "actor.entropy_coeff=0.01",
             "actor.ppo_max_token_len_per_gpu=32",
-            f"actor.strategy={request.param}",
+            f"actor.strategy={strategy}",
+            f"actor.skip_zero_advantage={'true' if skip else 'false'}",
             "trainer.num_threads=1",
         ],
     )
@@ -95,8 +98,14 @@ def _weights_ray(wg) -> dict[str, torch.Tensor]:
     return out
 
 
-def _prepared(local, make_batch, rows: int, masked_rows: slice | None) -> DataProto:
+def _prepared(
+    local, make_batch, rows: int, masked_rows: slice | None, zero_adv: slice | None = None
+) -> DataProto:
     batch = make_batch(num_prompts=4, n=4, seed=11)[list(range(rows))]
+    if zero_adv is not None:
+        adv = batch.batch["advantages"].clone()
+        adv[zero_adv] = 0.0
+        batch.batch["advantages"] = adv
     batch = batch.union(local.compute_log_prob(batch))
     batch.batch["old_log_probs"] = (
         batch.batch["old_log_probs"] + 0.05 * batch.batch["response_mask"]
@@ -118,13 +127,17 @@ CASES = [
         16, slice(8, 16), id="rank1-has-no-valid-row"
     ),  # rank 1 runs placeholders, no deadlock
     pytest.param(16, slice(2, 5), id="some-empty-rows"),
+    pytest.param(16, (slice(2, 5), slice(6, 16)), id="zero-advantage-rows"),  # rank 1: none
 ]
 
 
 @pytest.mark.parametrize(("rows", "masked"), CASES)
 def test_dp2_update_equals_dp1(groups, make_batch, rows, masked):
     local, ray_wg, _ = groups
-    batch = _prepared(local, make_batch, rows, masked)
+    zero_adv = None
+    if isinstance(masked, tuple):  # (masked rows, rows whose advantages are 0)
+        masked, zero_adv = masked
+    batch = _prepared(local, make_batch, rows, masked, zero_adv)
     before = _weights_local(local)
     torch.testing.assert_close(_weights_ray(ray_wg), before, atol=1e-6, rtol=1e-5)  # same start
 
