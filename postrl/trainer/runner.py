@@ -115,9 +115,7 @@ class ScoredGroups:
     @classmethod
     def built(cls, groups: list[DataProto]) -> ScoredGroups:
         """Batches already built."""
-        out = cls(lambda: groups)
-        out._groups, out._build = groups, None
-        return out
+        return cls(lambda: groups)
 
     def group(self, j: int) -> DataProto:
         """The ``j``-th group's scored batch (the same object on every call)."""
