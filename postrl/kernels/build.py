@@ -3,8 +3,12 @@
 One build path for every C kernel library (the native engine's decode kernels,
 ``rollout/native/kernels.c``, and the training kernels, ``kernels/train.c``):
 
-* **Compiler and flags.** ``$CC``, else ``cc``/``gcc``/``clang``. ``-O3 -fno-math-errno -shared
-  -fPIC`` plus the first variant of :data:`VARIANTS` that compiles: ``-march=native -fopenmp``
+* **Compiler and flags.** ``$CC``, else ``cc``/``gcc``/``clang``. ``-O3 -fno-math-errno
+  -fno-trapping-math -shared -fPIC`` (``-fno-trapping-math`` as in torch's own build: without
+  it gcc if-converts the compare-and-select loops around the polynomial
+  ``exp`` only with AVX-512's mask registers, so an AVX2 build ran SwiGLU and the sampling
+  softmax one float at a time; the AVX-512 build's results are the same bit for bit)
+  plus the first variant of :data:`VARIANTS` that compiles: ``-march=native -fopenmp``
   (``-fopenmp`` links libgomp by its soname, which resolves to the copy torch already loaded, so
   the kernels' threads are torch's OpenMP pool), then single-threaded ``-fopenmp-simd`` builds
   (``-mcpu=native`` for arm64 compilers, then plain). ``-I`` this folder, so a source may include
@@ -59,7 +63,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-_FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 VARIANTS: tuple[tuple[str, ...], ...] = (
     ("-march=native", "-fopenmp"),
     ("-march=native", "-fopenmp-simd"),

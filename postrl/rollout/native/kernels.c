@@ -233,10 +233,20 @@ static void pv_g(const float *p, int64_t ld, int64_t G, const float *V, int64_t 
     }
 }
 
-/* ---- 16-wide variants (head_dim % 16 == 0): AVX-512 zmm on x86, pairs of ymm on AVX2, 4 NEON
- * registers on arm64. The score of a K row is a dot product over head_dim; rather than reducing
+/* ---- 16-wide variants (head_dim % 16 == 0), used only where a v16 is one register (AVX-512
+ * zmm, 32 of them). The score of a K row is a dot product over head_dim; rather than reducing
  * each one horizontally (~10 shuffle/add ops per score), 16 accumulators (8 rows x 2 heads) are
- * reduced together by a transpose-and-add tree: 15 pair steps for 16 scores. */
+ * reduced together by a transpose-and-add tree: 15 pair steps for 16 scores. On AVX2 a v16 is
+ * two of the 16 ymm registers, so the 16 accumulators alone overflow the register file and the
+ * loops spill: decode attention measured 4x slower than with the v8 variants there (an
+ * x86-64-v3 build on an AVX-512 Xeon). On arm64 a v16 is four of 32 NEON registers, the same
+ * overflow (not measured there): every ISA without AVX-512 takes the v8 variants. */
+#if defined(__AVX512F__)
+#define ATTN_G16 1
+#else
+#define ATTN_G16 0
+#endif
+#if ATTN_G16
 typedef float v16 __attribute__((vector_size(64)));
 
 static inline v16 ld16(const float *p) {
@@ -362,6 +372,8 @@ static void pv_g16(const float *p, int64_t ld, int64_t G, const float *V, int64_
     }
 }
 
+#endif /* ATTN_G16 */
+
 /* Rows b0..b1-1: each query head attends its prompt (prefix row pid[b], positions < plen[b])
  * and its own completion (slot b, offsets 0..pos[b]-plen[b]) under one softmax. */
 static void attn_rows(attn_job *j) {
@@ -396,10 +408,13 @@ static void attn_rows(attn_job *j) {
                     }
                 }
             }
+#if ATTN_G16
             if (D % 16 == 0) {
                 scores_g16(q, G, j->pk + pre, n1, D, j->scale, sc, n);
                 scores_g16(q, G, j->kc + own, n2, D, j->scale, sc + n1, n);
-            } else {
+            } else
+#endif
+            {
                 scores_g(q, G, j->pk + pre, n1, D, j->scale, sc, n);
                 scores_g(q, G, j->kc + own, n2, D, j->scale, sc + n1, n);
             }
@@ -411,10 +426,13 @@ static void attn_rows(attn_job *j) {
             }
             float *o = j->out + b * H * D + kh * G * D;
             for (int64_t c = 0; c < G * D; c++) o[c] = 0.0f;
+#if ATTN_G16
             if (D % 16 == 0) {
                 pv_g16(sc, n, G, j->pv + pre, n1, D, o);
                 pv_g16(sc + n1, n, G, j->vc + own, n2, D, o);
-            } else {
+            } else
+#endif
+            {
                 pv_g(sc, n, G, j->pv + pre, n1, D, o);
                 pv_g(sc + n1, n, G, j->vc + own, n2, D, o);
             }
