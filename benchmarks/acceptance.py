@@ -53,6 +53,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
+from kernel_isa import mkl_dispatch  # noqa: E402  (which GEMM path torch's MKL takes here)
 from learning import accuracy_at  # noqa: E402  (benchmarks/learning.py: the first point at a mark)
 
 STAGES = ("trl", "async-tail", "async-w1", "planner", "quickstart", "recipe", "async-learning")
@@ -451,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{cpu_model()} ({kind}), {os.cpu_count()} cores, {a.threads} threads; stages "
         f"{', '.join(only)}; run now: {', '.join(ran) or 'none'} "
         f"({(time.perf_counter() - t_all) / 60:.0f} min); the others read from {work}.",
+        "",
+        f"CPU vendor and torch's GEMM path: {mkl_dispatch()}.",
     ]
     text = render(rows, header)
     (work / "report.md").write_text(text)

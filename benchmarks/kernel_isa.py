@@ -100,6 +100,31 @@ def _run(march: str | None, threads: int) -> dict:
     return got
 
 
+def mkl_dispatch() -> str:
+    """Which code path torch's MKL takes on this CPU, from MKL's own verbose line (a child process
+    with ``MKL_VERBOSE=1`` runs one small matmul), with the CPU's vendor. MKL picks its GEMM
+    kernels by vendor as well as ISA: on a CPU that is not "GenuineIntel" it reports "Intel(R)
+    Architecture processors" and takes a generic (SSE) path, or a Zen kernel where it recognises
+    AMD Zen (on this Xeon, made to look non-Intel, the recipe's step ran 1.99x slower on the
+    generic path; docs/benchmarks.md). "unknown" when torch's BLAS is not MKL."""
+    code = "import torch; torch.ones(64, 64) @ torch.ones(64, 64)"
+    env = {**os.environ, "MKL_VERBOSE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    ).stdout
+    vendor = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("vendor_id")
+        ),
+        "?",
+    )
+    line = next((ln for ln in out.splitlines() if ln.startswith("MKL_VERBOSE oneMKL")), "")
+    path = line.split(" architecture ", 1)[1].split(", Lnx")[0] if " architecture " in line else ""
+    return f"{vendor}; MKL: {path or 'unknown (not MKL, or no verbose line)'}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3, help="rounds of (native, AVX2), alternating")
@@ -114,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             got = _run(None if build == "native" else build, args.threads)
             for k, v in got["times"].items():
                 best[build][k] = min(v, best[build].get(k, float("inf")))
+    print(f"CPU vendor {mkl_dispatch()}")
     print(f"{'kernel':46s} {'native':>10s} {'AVX2':>10s} {'AVX2/native':>12s}")
     for k, t in best["native"].items():
         a = best["x86-64-v3"][k]

@@ -138,6 +138,8 @@ def test_the_report_from_existing_outputs_without_running_a_stage(acc, tmp_path,
     assert "| item | what | measured | goal | verdict |" in out
     assert (tmp_path / "report.md").read_text() in out
     assert "run now: none (0 min); the others read from" in out
+    # the machine's GEMM path is on record (MKL picks kernels by CPU vendor as well as ISA)
+    assert "CPU vendor and torch's GEMM path: " in out
 
 
 def test_a_stage_that_needs_a_missing_output_or_tool_says_which(acc, tmp_path):
