@@ -13,7 +13,7 @@ AVX2 here; torch's and MKL's kernels run as the host's.
 
 A ratio near 1 means the AVX2 build's loops vectorise as the native ones do; before the kernels
 built with ``-fno-trapping-math`` and kept decode attention's 16-wide variants to AVX-512, the
-ratios were 4-5x (attention) and 7-10x (SwiGLU) on an AVX-512 Xeon (docs/benchmarks.md).
+ratios were 4.8-6.2x (attention) and 7.5-10.7x (SwiGLU) on an AVX-512 Xeon (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def test_an_avx2_build_vectorises_the_exp_loops(tmp_path):
     """The loops around the polynomial ``exp`` (SwiGLU forward and backward, the engine's
     SwiGLU and sampling softmax) carry a compare-and-select; without ``-fno-trapping-math`` gcc
     if-converts them only with AVX-512's mask registers, so an AVX2 build ran them one float at
-    a time (silu_mul 7-8x slower). Each must use packed 256-bit arithmetic there."""
+    a time (silu_mul 7-11x slower). Each must use packed 256-bit arithmetic there."""
     avx2 = _probe(tmp_path, "x86-64-v3")
     if avx2["path"] is None or avx2["decode"] is None:
         pytest.skip(f"kernels unavailable: {avx2['err']}")
