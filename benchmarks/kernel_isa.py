@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of (native, AVX2), alternating")
     ap.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads")
     args = ap.parse_args(argv)
-    if "avx2" not in Path("/proc/cpuinfo").read_text():
+    from postrl.kernels.build import cpu_flags
+
+    if "avx2" not in cpu_flags().split():
         print("this CPU has no AVX2: nothing to compare")
         return 1
     best: dict[str, dict[str, float]] = {"native": {}, "x86-64-v3": {}}

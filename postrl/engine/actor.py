@@ -109,7 +109,9 @@ class LogProbEngine:
 
     def micro_batches(self, data: DataProto, rows: torch.Tensor | None = None) -> list[list[int]]:
         """Row indices per micro-batch (the same count on every FSDP2 rank); with ``rows``
-        (indices into ``data``) of those rows only."""
+        (indices into ``data``, ascending) of those rows only."""
+        if rows is not None and len(rows) == len(data):
+            rows = None  # every row: the micro-batches without a selection
         if rows is not None and len(rows) == 0:  # nothing to run here (other ranks may)
             return self.policy.align_micro_batches([], torch.zeros(0, dtype=torch.long))
         if rows is not None:
@@ -408,11 +410,6 @@ class Actor:
             trained[mini.batch["_row"][rows]] = True
             return rows
 
-        def micro_batches(mini: DataProto, rows: torch.Tensor | None = None) -> list[list[int]]:
-            if rows is not None and len(rows) == len(mini):
-                rows = None  # every row: the micro-batches without a selection
-            return self.logprob.micro_batches(mini, rows)
-
         def micro_loss(mb: dict[str, torch.Tensor], denoms: dict) -> MicroLoss:
             at = None
             if self.distill_fn is not None:
@@ -437,7 +434,7 @@ class Actor:
             data,
             epochs=epochs,
             mini_batches=mini_batches,
-            micro_batches=micro_batches,
+            micro_batches=self.logprob.micro_batches,
             keys=keys,
             micro_loss=micro_loss,
             prefix="actor",
