@@ -100,6 +100,11 @@ def classify(value: Any) -> SampleScore:
         value = value["score"]
     if value is None:
         return failed("none", "reward function returned None", extra)
+    if type(value) is float or type(value) is int:  # the common case, without the ABC check
+        score = float(value)
+        if not math.isfinite(score):
+            return failed("nan", f"score is {score}", extra)
+        return SampleScore(score, None, None, extra)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if not isinstance(value, numbers.Real):

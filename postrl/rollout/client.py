@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import os
@@ -126,9 +125,13 @@ class RolloutReplica:
         """
         if self.standby:
             return TokenOutput([], [], "abort", None, [])
-        if not await self._changed.wait_for(
-            lambda: not self._paused or request_id.startswith(PROBE_PREFIX),
-            self.pause_timeout_s,
+        if (  # the wait (a coroutine, a deadline) only while paused: the per-request hot path
+            self._paused
+            and not request_id.startswith(PROBE_PREFIX)
+            and not await self._changed.wait_for(
+                lambda: not self._paused or request_id.startswith(PROBE_PREFIX),
+                self.pause_timeout_s,
+            )
         ):
             raise RolloutTimeoutError(
                 f"replica {self.replica_id} stayed paused > {self.pause_timeout_s}s; "
@@ -137,7 +140,10 @@ class RolloutReplica:
         self._inflight.add(request_id)
         version = self.policy_version  # without swaps an update only happens while paused,
         try:  # after ``pause`` aborted this call
-            async with self.cores.working() if self.cores else contextlib.nullcontext():
+            if self.cores:
+                async with self.cores.working():
+                    out = await self.backend.generate(prompt_ids, sampling, request_id)
+            else:
                 out = await self.backend.generate(prompt_ids, sampling, request_id)
         finally:
             self._inflight.discard(request_id)
@@ -506,10 +512,14 @@ class RolloutClient:
                     await _await_restart(lb, e)
                     continue
                 replica = lb.replicas[idx]
-                sp = sampling.evolve(
-                    max_new_tokens=sampling.max_new_tokens - len(tokens),
-                    seed=_segment_seed(sampling.seed, seg),
-                    continued=sampling.continued + len(tokens),
+                sp = (  # the first segment runs the caller's sampling as it is
+                    sampling
+                    if seg == 0 and not tokens
+                    else sampling.evolve(
+                        max_new_tokens=sampling.max_new_tokens - len(tokens),
+                        seed=_segment_seed(sampling.seed, seg),
+                        continued=sampling.continued + len(tokens),
+                    )
                 )
                 seg_id = request_id if seg == 0 else f"{request_id}#resume{seg}"
                 self._current[request_id] = (replica, seg_id, key)

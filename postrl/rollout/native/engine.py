@@ -166,6 +166,7 @@ class NativeBackend:
         self.busy_s = 0.0
         """Seconds spent in engine steps so far (idle fraction = 1 − Δbusy_s / Δwall)."""
         self._rng = random.Random(seed)
+        self._stop_ids: dict[tuple[tuple[int, ...], bool], list[int]] = {}
         self._lock = threading.RLock()  # guards engine state (step / update / sleep)
         self._qlock = threading.Lock()  # guards _waiting and _aborts
         self._waiting: deque[_Request] = deque()
@@ -241,7 +242,7 @@ class NativeBackend:
         self, prompt_ids: list[int], sampling: SamplingParams, request_id: str
     ) -> TokenOutput:
         """Queue one request and await its completion (see ``RolloutBackend.generate``)."""
-        prompt = [int(t) for t in prompt_ids]
+        prompt = list(map(int, prompt_ids))
         if not prompt:
             raise RolloutError(
                 f"request {request_id!r}: prompt_ids is empty; pass at least one token"
@@ -256,12 +257,17 @@ class NativeBackend:
             raise RolloutError(
                 f"request {request_id!r}: token id out of range [0, {self.cfg.vocab_size})"
             )
-        stop_ids = list(
-            dict.fromkeys(
-                list(sampling.stop_token_ids)
-                + ([] if sampling.ignore_eos else list(self.cfg.eos_token_ids))
+        stop_key = (sampling.stop_token_ids, sampling.ignore_eos)
+        stop_ids = self._stop_ids.get(stop_key)
+        if stop_ids is None:  # one list per distinct setting (the requests of a run share one)
+            stop_ids = list(
+                dict.fromkeys(
+                    list(sampling.stop_token_ids)
+                    + ([] if sampling.ignore_eos else list(self.cfg.eos_token_ids))
+                )
             )
-        )
+            if len(self._stop_ids) < 64:
+                self._stop_ids[stop_key] = stop_ids
         if len(stop_ids) > _MAX_STOP:
             raise RolloutError(
                 f"request {request_id!r}: at most {_MAX_STOP} stop token ids (got {len(stop_ids)})"
@@ -635,10 +641,8 @@ class NativeBackend:
         self.s_topk[B : B + n] = torch.tensor([s.top_k for s in sp], device=dev)
         self.s_temp[B : B + n] = torch.tensor([s.temperature for s in sp], device=dev)
         self.s_topp[B : B + n] = torch.tensor([s.top_p for s in sp], device=dev)
-        stop = torch.full((n, _MAX_STOP), -1, dtype=torch.int64)
-        for i, r in enumerate(new):
-            stop[i, : len(r.stop_ids)] = torch.tensor(r.stop_ids, dtype=torch.int64)
-        self.s_stop[B : B + n] = stop.to(dev)
+        stop = [r.stop_ids + [-1] * (_MAX_STOP - len(r.stop_ids)) for r in new]
+        self.s_stop[B : B + n] = torch.tensor(stop, dtype=torch.int64, device=dev)
         self._slots.extend(new)
         self._membership_changed()
         if nf < n:

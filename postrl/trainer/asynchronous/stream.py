@@ -131,6 +131,7 @@ class GroupStream:
         self._wake: asyncio.Future[None] | None = None
         self._counts = dict.fromkeys(("groups", "filtered", "failed", "stale", "surplus"), 0)
         self._sampling = ctx.sampling_params()
+        self._by_priority: dict[int, Any] = {}  # the sampling of each dispatch step, made once
         self.reward_metrics: dict[str, float] = {}
         """The reward metrics of the groups scored for the last take (empty when the taken
         batch is returned unscored)."""
@@ -206,7 +207,7 @@ class GroupStream:
         self.buffer.start((uid, k))
         try:
             # older dispatch steps first: an interrupted trajectory resumes before fresh ones
-            sampling = self._sampling.evolve(priority=self.buffer.group(uid).dispatch_step)
+            sampling = self._sampling_at(self.buffer.group(uid).dispatch_step)
             handle = await self.runner.run(row, sampling)
         finally:
             self._tasks.pop((uid, k), None)
@@ -226,6 +227,16 @@ class GroupStream:
             return
         await self.runner.settle(self.buffer.scoring_payloads(uid))
         self._queue_score(uid)
+
+    def _sampling_at(self, priority: int) -> Any:
+        """The rollout's sampling with ``priority`` (a dispatch step): one per step, not one
+        per trajectory (the few steps in flight at once are kept)."""
+        sp = self._by_priority.get(priority)
+        if sp is None:
+            if len(self._by_priority) >= 8:
+                self._by_priority.clear()
+            sp = self._by_priority[priority] = self._sampling.evolve(priority=priority)
+        return sp
 
     def _queue_score(self, uid: str) -> None:
         """Score ``uid`` together with the other groups that complete in this loop turn: one

@@ -47,7 +47,10 @@ class TrajectoryStatus(str, Enum):
     @property
     def terminal(self) -> bool:
         """Finished or failed: nothing more will happen to it."""
-        return self in (TrajectoryStatus.FINISHED, TrajectoryStatus.FAILED)
+        return self is _FINISHED or self is _FAILED  # identity: the hot path of every check
+
+
+_FINISHED, _FAILED = TrajectoryStatus.FINISHED, TrajectoryStatus.FAILED
 
 
 def version_range(segments: Iterable[tuple[int, int]]) -> tuple[int | None, int | None]:
