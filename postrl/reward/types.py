@@ -30,6 +30,8 @@ __all__ = [
 #: died mid-call (segfault, os._exit, OOM kill); ``bad_type`` a value that is not a real number
 #: or a dict with a real "score".
 FAILURE_REASONS: tuple[str, ...] = ("exception", "timeout", "nan", "none", "bad_type", "crash")
+_FAILED_KEYS_OF = {r: f"reward/failed/{r}" for r in FAILURE_REASONS}
+_FAILED_KEYS = tuple(_FAILED_KEYS_OF.values())
 
 
 class RewardError(RuntimeError):
@@ -171,14 +173,23 @@ class RewardResult:
         zeroed (a placeholder, never a reward).
         """
         n = len(reasons)
-        valid = torch.tensor([r is None for r in reasons], dtype=torch.bool)
-        metrics = {f"reward/failed/{r}": float(reasons.count(r)) for r in FAILURE_REASONS}
-        n_failed = n - int(valid.sum())
+        ok = [r is None for r in reasons]
+        valid = torch.tensor(ok, dtype=torch.bool)
+        n_failed = n - sum(ok)
+        metrics = dict.fromkeys(_FAILED_KEYS, 0.0)
+        if n_failed:  # counted in Python: a group of 8 is scored per call on the hot path
+            for r in reasons:
+                if r is not None and r in _FAILED_KEYS_OF:
+                    metrics[_FAILED_KEYS_OF[r]] += 1.0
         metrics["reward/failed/total"] = float(n_failed)
         metrics["reward/scored"] = float(n - n_failed)
         metrics["reward/generated"] = float(n)
         return cls(
-            scores=torch.where(valid, scores.to(torch.float32), 0.0),
+            scores=(
+                torch.where(valid, scores.to(torch.float32), 0.0)
+                if n_failed
+                else scores.to(torch.float32, copy=True)
+            ),
             valid=valid,
             failure_reason=list(reasons),
             failure_detail=list(details),
