@@ -695,9 +695,10 @@ class ReplayBuffer:
         g.tags[tag.sample_index] = tag
         if not tag.status.terminal:
             return
-        snap = g.snapshot()
-        if not snap.complete:
+        tags = g.tags  # complete (GroupTags.complete) checked before a snapshot is built
+        if len(tags) != g.size or not all(t.status.terminal for t in tags):
             return
+        snap = g.snapshot()
         if snap.num_failed / snap.size > self.max_failure_ratio:
             self._evict(g, "failed")
         elif self.filter_groups and _uninformative(snap.scores):
