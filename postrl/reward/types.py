@@ -30,8 +30,7 @@ __all__ = [
 #: died mid-call (segfault, os._exit, OOM kill); ``bad_type`` a value that is not a real number
 #: or a dict with a real "score".
 FAILURE_REASONS: tuple[str, ...] = ("exception", "timeout", "nan", "none", "bad_type", "crash")
-_FAILED_KEYS_OF = {r: f"reward/failed/{r}" for r in FAILURE_REASONS}
-_FAILED_KEYS = tuple(_FAILED_KEYS_OF.values())
+_FAILED_KEYS = {r: f"reward/failed/{r}" for r in FAILURE_REASONS}
 
 
 class RewardError(RuntimeError):
@@ -102,17 +101,13 @@ def classify(value: Any) -> SampleScore:
         value = value["score"]
     if value is None:
         return failed("none", "reward function returned None", extra)
-    if type(value) is float or type(value) is int:  # the common case, without the ABC check
-        score = float(value)
-        if not math.isfinite(score):
-            return failed("nan", f"score is {score}", extra)
-        return SampleScore(score, None, None, extra)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if not isinstance(value, numbers.Real):
-        return failed(
-            "bad_type", f"score has type {type(value).__name__}, expected a real number", extra
-        )
+    if type(value) is not float and type(value) is not int:  # (the common case skips the ABC)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, numbers.Real):
+            return failed(
+                "bad_type", f"score has type {type(value).__name__}, expected a real number", extra
+            )
     score = float(value)
     if not math.isfinite(score):
         return failed("nan", f"score is {score}", extra)
@@ -176,11 +171,11 @@ class RewardResult:
         ok = [r is None for r in reasons]
         valid = torch.tensor(ok, dtype=torch.bool)
         n_failed = n - sum(ok)
-        metrics = dict.fromkeys(_FAILED_KEYS, 0.0)
+        metrics = dict.fromkeys(_FAILED_KEYS.values(), 0.0)
         if n_failed:  # counted in Python: a group of 8 is scored per call on the hot path
             for r in reasons:
-                if r is not None and r in _FAILED_KEYS_OF:
-                    metrics[_FAILED_KEYS_OF[r]] += 1.0
+                if r in _FAILED_KEYS:
+                    metrics[_FAILED_KEYS[r]] += 1.0
         metrics["reward/failed/total"] = float(n_failed)
         metrics["reward/scored"] = float(n - n_failed)
         metrics["reward/generated"] = float(n)

@@ -355,11 +355,7 @@ class LoadBalancer:
                 f"{i}: {r.dead_reason or 'standby'}" for i, r in enumerate(self.replicas)
             )
             raise ReplicaDeadError(-1, f"no rollout replica is left ({reasons})")
-        idx = (
-            live[0]
-            if len(live) == 1
-            else min(live, key=lambda i: (self._assigned[i] + self.replicas[i].load, i))
-        )
+        idx = min(live, key=lambda i: (self._assigned[i] + self.replicas[i].load, i))
         if trajectory_id is not None:
             self._sticky[trajectory_id] = idx
             if len(self._sticky) > self.max_sticky:

@@ -69,6 +69,7 @@ from postrl.trainer.asynchronous.replay.tags import (
     TrajectoryKey,
     TrajectoryStatus,
     TrajectoryTag,
+    all_terminal,
     sort_oldest_first,
     version_range,
 )
@@ -695,8 +696,7 @@ class ReplayBuffer:
         g.tags[tag.sample_index] = tag
         if not tag.status.terminal:
             return
-        tags = g.tags  # complete (GroupTags.complete) checked before a snapshot is built
-        if len(tags) != g.size or not all(t.status.terminal for t in tags):
+        if not all_terminal(g.tags, g.size):  # checked before a snapshot is built
             return
         snap = g.snapshot()
         if snap.num_failed / snap.size > self.max_failure_ratio:

@@ -27,6 +27,7 @@ __all__ = [
     "GroupTags",
     "Eviction",
     "version_range",
+    "all_terminal",
 ]
 
 TrajectoryKey = tuple[str, int]
@@ -51,6 +52,11 @@ class TrajectoryStatus(str, Enum):
 
 
 _FINISHED, _FAILED = TrajectoryStatus.FINISHED, TrajectoryStatus.FAILED
+
+
+def all_terminal(tags: Sequence[TrajectoryTag], size: int) -> bool:
+    """``size`` tags, each finished or failed: the group is complete."""
+    return len(tags) == size and all(t.status.terminal for t in tags)
 
 
 def version_range(segments: Iterable[tuple[int, int]]) -> tuple[int | None, int | None]:
@@ -160,7 +166,7 @@ class GroupTags:
     @property
     def complete(self) -> bool:
         """All ``size`` trajectories are finished or failed."""
-        return len(self.tags) == self.size and all(t.status.terminal for t in self.tags)
+        return all_terminal(self.tags, self.size)
 
     @property
     def min_version(self) -> int | None:
