@@ -24,7 +24,10 @@ The arms (``--arms``; each is ``examples/grpo_addition_3digit.yaml`` plus overri
 * ``psr0``: dynamic sampling with positive-sample reinforcement only (``negative_weight: 0``),
   lr 1e-4; ``psr0-lr3e-4-nofilter``: PSR at lr 3e-4 without dynamic sampling;
 * ``dapo-n16``: ``dapo`` with 16 responses per prompt (larger groups);
-* ``recipe``: the shipped recipe as it is (dynamic sampling + PSR at lr 3e-4);
+* ``recipe``: the shipped recipe as it is (dynamic sampling + PSR at lr 3e-4, an adaptive
+  entropy bonus, replay of band prompts, 32 prompts × 8 per update); ``recipe-b16``: the same
+  with 16 prompts per update (the recipe until 2026-12-07; every other ``recipe-*`` arm
+  keeps the 16 it was measured with);
   ``recipe-cosine``: its step size decayed by a cosine to 10 % over 950 optimizer steps;
   ``recipe-greso``: with selective rollout (``data.sampler=greso``: prompts uninformative on
   their last visits mostly skipped before generation);
@@ -65,8 +68,11 @@ MODEL = ROOT.parent / "shared" / "w1" / "tiny-qwen2-sft"
 RECIPE = ROOT / "examples" / "grpo_addition_3digit.yaml"
 
 SEQ = ["data.sampler=sequential", "data.sampler_kwargs={}"]  # the permutation, no replays
+# 16 prompts per update: the recipe until 2026-12-07 (every arm measured before then has it)
+B16 = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=16"]
 # the W1 shape on top of the recipe file: every lever of the recipe switched off
 W1 = [
+    *B16,
     "rollout.n=8",
     "actor.optim.lr=1e-4",
     "actor.ppo_epochs=1",
@@ -89,6 +95,7 @@ PSR0 = "algorithm.adv_estimator_kwargs={negative_weight: 0}"  # positive-sample 
 # 1e-3 it diverged).
 TEACHER = "@TEACHER@"  # replaced by --teacher
 OPD = [
+    *B16,
     "algorithm.filter_groups.enable=false",  # every group carries the teacher's signal
     "algorithm.adv_estimator_kwargs={}",
     "actor.entropy_coeff=0",
@@ -125,11 +132,14 @@ ARMS: dict[str, list[str]] = {
     "psr0": [*W1, DAPO, PSR0],
     "psr0-lr3e-4-nofilter": [*W1, "actor.optim.lr=3e-4", PSR0],
     "recipe": [],
+    # the recipe before 2026-12-07: 16 prompts per update instead of 32
+    "recipe-b16": [*B16],
     # the recipe before it replayed band prompts (2026-12-06): each prompt once per epoch
-    "recipe-seq": [*SEQ],
+    "recipe-seq": [*B16, *SEQ],
     # the recipe with the step size decayed by a cosine to 10 % over ~10 minutes of steps here
     # (~950 optimizer steps on 2 EPYC threads; the schedule counts steps, not seconds)
     "recipe-cosine": [
+        *B16,
         *SEQ,
         "actor.entropy_coeff=0",  # (measured before the recipe had its entropy bonus)
         "actor.entropy_target=0",
@@ -138,22 +148,27 @@ ARMS: dict[str, list[str]] = {
         "trainer.total_steps=950",
     ],
     # the recipe's bonus fixed at 0.01 (no controller): the recipe until 2026-12-06
-    "recipe-fixedent": [*SEQ, "actor.entropy_target=0"],
+    "recipe-fixedent": [*B16, *SEQ, "actor.entropy_target=0"],
     # the fixed bonus lowered or off: the recipe before 2026-12-03's last runs
-    "recipe-ent3e-3": [*SEQ, "actor.entropy_target=0", "actor.entropy_coeff=0.003"],
-    "recipe-ent0": [*SEQ, "actor.entropy_target=0", "actor.entropy_coeff=0"],
+    "recipe-ent3e-3": [*B16, *SEQ, "actor.entropy_target=0", "actor.entropy_coeff=0.003"],
+    "recipe-ent0": [*B16, *SEQ, "actor.entropy_target=0", "actor.entropy_coeff=0"],
     # adaptive entropy control (Skywork-OR1) from the paper's floor of 0: the early bonus fades
     # while the entropy is above the target (the recipe's controller keeps 0.01 as its floor)
-    "recipe-enttarget0": [*SEQ, "actor.entropy_coeff_min=0"],
+    "recipe-enttarget0": [*B16, *SEQ, "actor.entropy_coeff_min=0"],
     # selective rollout (GRESO) on the recipe: prompts whose last visits were all right or all
     # wrong are mostly skipped before they are generated (the recipe keeps ~23 % of its groups)
-    "recipe-greso": ["data.sampler=greso", "data.sampler_kwargs={}"],
+    "recipe-greso": [*B16, "data.sampler=greso", "data.sampler_kwargs={}"],
     # the same, all-wrong prompts explored more: up to half the generated groups may be
     # all-wrong before that kind's exploration goes down (the default 0.125 starves them)
-    "recipe-greso-hard50": ["data.sampler=greso", "data.sampler_kwargs={target_hard: 0.5}"],
+    "recipe-greso-hard50": [
+        *B16,
+        "data.sampler=greso",
+        "data.sampler_kwargs={target_hard: 0.5}",
+    ],
     # replay of band prompts on the recipe: replayed groups are likely kept, so fewer groups
     # are generated per step (the recipe keeps ~23 % of what it generates)
     "recipe-difficulty": [
+        *B16,
         "data.sampler=difficulty",
         "data.sampler_kwargs={replay_fraction: 0.5, max_replays: 2}",
     ],
