@@ -100,6 +100,11 @@ class _Group:
     index: int = -1
     epoch: int = 0
 
+    @property
+    def complete(self) -> bool:
+        """As :attr:`GroupTags.complete`, without building a snapshot."""
+        return all_terminal(self.tags, self.size)
+
     def snapshot(self) -> GroupTags:
         return GroupTags(
             self.uid,
@@ -696,7 +701,7 @@ class ReplayBuffer:
         g.tags[tag.sample_index] = tag
         if not tag.status.terminal:
             return
-        if not all_terminal(g.tags, g.size):  # checked before a snapshot is built
+        if not g.complete:
             return
         snap = g.snapshot()
         if snap.num_failed / snap.size > self.max_failure_ratio:
